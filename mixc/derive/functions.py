@@ -1,0 +1,92 @@
+"""Sympy functions for the spec language's built-ins that sympy lacks, with their derivatives,
+and the log rewriting that turns a decay into its log-space form."""
+from __future__ import annotations
+
+import sympy as sp
+
+
+class sigmoid(sp.Function):
+    def fdiff(self, argindex=1):
+        return sigmoid(self.args[0]) * (1 - sigmoid(self.args[0]))
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_zero:
+            return sp.Rational(1, 2)
+
+    def _eval_rewrite_as_exp(self, x, **kw):
+        return 1 / (1 + sp.exp(-x))
+
+    def _eval_is_positive(self):
+        return True if self.args[0].is_real else None
+
+
+class logsigmoid(sp.Function):
+    def fdiff(self, argindex=1):
+        return sigmoid(-self.args[0])
+
+    def _eval_rewrite_as_exp(self, x, **kw):
+        return -sp.log(1 + sp.exp(-x))
+
+
+class softplus(sp.Function):
+    def fdiff(self, argindex=1):
+        return sigmoid(self.args[0])
+
+    def _eval_rewrite_as_exp(self, x, **kw):
+        return sp.log(1 + sp.exp(x))
+
+    def _eval_is_positive(self):
+        return True if self.args[0].is_real else None
+
+
+class relu(sp.Function):
+    def fdiff(self, argindex=1):
+        return step(self.args[0])
+
+
+class step(sp.Function):
+    """1 where x > 0, else 0: the derivative of relu (0 at 0, as torch)."""
+
+    def fdiff(self, argindex=1):
+        return sp.S.Zero
+
+
+class elu(sp.Function):
+    def fdiff(self, argindex=1):
+        x = self.args[0]
+        return step(x) + (1 - step(x)) * sp.exp(x)
+
+
+class silu(sp.Function):
+    def fdiff(self, argindex=1):
+        x = self.args[0]
+        return sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+
+
+SYMPY_FUNCTIONS = {
+    "exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs,
+    "sigmoid": sigmoid, "logsigmoid": logsigmoid, "softplus": softplus, "elu": elu,
+    "relu": relu, "silu": silu,
+}
+
+
+def log_of(expr: sp.Expr) -> sp.Expr:
+    """log(expr) rewritten so that no exp is taken first: log(exp(x)) -> x,
+    log(sigmoid(g) ** p) -> p * logsigmoid(g), log(a * b) -> log(a) + log(b)."""
+    if expr.is_Mul:
+        return sp.Add(*[log_of(f) for f in expr.args])
+    if expr.is_Pow:
+        base, e = expr.args
+        if base is sp.E:
+            return e
+        return e * log_of(base)
+    if isinstance(expr, sp.exp):
+        return expr.args[0]
+    if isinstance(expr, sigmoid):
+        return logsigmoid(expr.args[0])
+    if expr == 1:
+        return sp.S.Zero
+    if expr.is_Number and expr.is_positive:
+        return sp.log(expr)
+    return sp.log(expr)

@@ -1,0 +1,296 @@
+"""MixerIR -> Plan: the transition class of every state, its log-space decay, the split of
+the output into readouts and token terms, and the derivatives the backward pass needs."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import sympy as sp
+
+from ..dsl import ir
+from ..dsl.errors import SpecError
+from . import affine
+from .functions import log_of
+from .symbolic import NodeDef, SymbolTable, ToSympy, node_partial
+
+# Transition classes (DESIGN.md section 1).
+PREFIX_SUM = "prefix sum"
+SCALAR = "scalar decay"
+KEY_DIAG = "key-diagonal decay"
+VALUE_DIAG = "value-diagonal decay"
+ELEMENTWISE = "elementwise decay"
+RANK1 = "rank-1 correction"
+GENERAL = "general linear"
+
+# Parallel algorithm of each class (the recurrent and step forms exist for every class).
+CHUNK_CLASSES = (PREFIX_SUM, SCALAR, KEY_DIAG, VALUE_DIAG, RANK1)
+
+
+@dataclass(frozen=True)
+class Partial:
+    """d(of)/d(wrt), elementwise by dim name."""
+
+    of: str
+    wrt: str
+    expr: sp.Expr
+
+
+@dataclass(frozen=True)
+class LetPlan:
+    name: str
+    shape: ir.Shape
+    expr: sp.Expr                      # elementwise lets inlined; reductions are node symbols
+    partials: tuple[Partial, ...]      # with respect to each input, param and node it reads
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node: NodeDef
+    partials: tuple[Partial, ...]      # the node with respect to each operand's leaves
+
+
+@dataclass(frozen=True)
+class Rank1:
+    """A term left * (right @ S) over `over` (the delta rule: left = -beta k, right = k)."""
+
+    left: sp.Expr
+    right: sp.Expr
+    over: ir.Shape
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    name: str
+    shape: ir.Shape
+    transition: str                    # one of the classes above
+    gated: bool                        # a rank-1 class with a decay besides the identity
+    decay: sp.Expr                     # A_t's diagonal part a_t (1 for a prefix sum)
+    decay_dims: ir.Shape
+    log_decay: sp.Expr                 # log a_t, rewritten so that no exp is taken first
+    log_decay_partials: tuple[Partial, ...]
+    rank1: tuple[Rank1, ...]
+    input_term: sp.Expr                # B_t: the part of the update free of the state
+    key: sp.Expr | None                # B_t = key (x) value when it factors so
+    value: sp.Expr | None
+    key_dims: ir.Shape                 # dims the output contracts (K of S[K, V])
+    value_dims: ir.Shape
+    time_invariant: bool
+    forms: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReadoutPlan:
+    name: str                          # its symbol in the combine expression
+    state: str
+    prev: bool                         # reads S_{t-1} (prev(S)) instead of S_t
+    terms: tuple[tuple[sp.Expr, sp.Expr | None, ir.Shape], ...]   # (scale, proj, over)
+    shape: ir.Shape
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    name: str
+    shape: ir.Shape
+    readouts: tuple[ReadoutPlan, ...]
+    combine: sp.Expr                   # over readout symbols and per-token values
+    kind: str                          # how readouts combine: linear, normalized, nonlinear
+    partials: tuple[Partial, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    ir: ir.MixerIR
+    flags: tuple[tuple[str, bool], ...]
+    lets: tuple[LetPlan, ...]
+    nodes: tuple[NodePlan, ...]
+    states: tuple[StatePlan, ...]
+    output: OutputPlan
+    forms: tuple[str, ...]             # recurrent, step, and chunk / scan / conv where they exist
+    notes: tuple[str, ...]
+    table: SymbolTable
+
+    @property
+    def name(self) -> str:
+        return self.ir.name
+
+    @property
+    def transition(self) -> str:
+        """The class of the spec: its states' classes, hardest first."""
+        order = [GENERAL, RANK1, ELEMENTWISE, KEY_DIAG, VALUE_DIAG, SCALAR, PREFIX_SUM]
+        return min((s.transition for s in self.states), key=order.index)
+
+    def state(self, name: str) -> StatePlan:
+        return next(s for s in self.states if s.name == name)
+
+
+def _partials(of: str, expr: sp.Expr, table: SymbolTable, kinds=("input", "param", "node")) -> tuple[Partial, ...]:
+    out = []
+    for s in sorted(expr.free_symbols, key=str):
+        if table.kinds.get(s) in kinds:
+            out.append(Partial(of, str(s), sp.simplify(sp.diff(expr, s))))
+    return tuple(out)
+
+
+def _time_invariant(exprs, table: SymbolTable) -> bool:
+    return not any(table.leaves(e, ("input",)) for e in exprs)
+
+
+def _factor(e: ir.Expr) -> list[ir.Expr]:
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        return _factor(e.left) + _factor(e.right)
+    if isinstance(e, ir.Neg):
+        return [affine.num(-1)] + _factor(e.x)
+    if isinstance(e, ir.BinOp) and e.op == "/" and not e.right.shape:
+        return _factor(e.left) + [affine.recip(e.right)]
+    return [e]
+
+
+def _key_value(const: ir.Expr, key_dims, value_dims):
+    """Split B_t into key (over key dims) times value (the rest, scalars included)."""
+    key, value = [], []
+    for f in _factor(const):
+        if f.shape and set(f.shape) <= set(key_dims):
+            key.append(f)
+        elif set(f.shape) <= set(value_dims):
+            value.append(f)
+        else:
+            return None, None
+    def prod(fs):
+        return functools.reduce(affine.mul, fs) if fs else affine.num(1)
+    return prod(key), prod(value)
+
+
+def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
+    """The Plan of a checked spec, specialized for the given flag values (defaults otherwise)."""
+    flags = dict(flags or {})
+    for name in flags:
+        if name not in {o.name for o in mixer.flags}:
+            known = ", ".join(o.name for o in mixer.flags) or "none"
+            raise SpecError(f"'{name}' is not a flag of mixer '{mixer.name}' (flags: {known})")
+    values = {o.name: (flags[o.name] if o.name in flags else o.default) for o in mixer.flags}
+    spec = affine.specialize(mixer, values)
+    table = SymbolTable(spec)
+    conv = ToSympy(table, inline_lets=True)
+    notes: list[str] = []
+
+    lets = []
+    for let in spec.lets:
+        e = conv(let.expr)
+        lets.append(LetPlan(let.name, let.expr.shape, e, _partials(let.name, e, table)))
+
+    # Output readouts first: they say which dims of each state are keys.
+    combine_ir, readouts = affine.split_output(spec, spec.output.expr)
+    key_dims: dict[str, set[str]] = {s.name: set() for s in spec.states}
+    read: set[str] = set()
+    r_plans = []
+    for r in readouts:
+        read.add(r.state)
+        terms = []
+        for t in r.terms:
+            key_dims[r.state] |= set(t.over)
+            terms.append((conv(t.scale) if t.scale is not None else sp.S.One,
+                          conv(t.proj) if t.proj is not None else None, t.over))
+        r_plans.append(ReadoutPlan(r.name, r.state, r.prev, tuple(terms), r.shape))
+    for s in spec.states:
+        if s.name not in read:
+            notes.append(f"state {s.name} is never read by the output")
+
+    states = [_state_plan(spec, u, key_dims[u.state], conv, table) for u in spec.updates]
+
+    combine = conv(combine_ir)
+    readout_syms = {sp.Symbol(r.name, real=True) for r in r_plans}
+    kind = _combine_kind(combine, readout_syms)
+    out = OutputPlan(spec.output.name, spec.output.expr.shape, tuple(r_plans), combine, kind,
+                     _partials(spec.output.name, combine, table, ("input", "param", "node", "readout")))
+
+    nodes = []
+    for sym, nd in table.nodes.items():
+        parts = []
+        for i, operand in enumerate(nd.operands):
+            parts.append(Partial(str(sym), f"operand {i}", sp.simplify(node_partial(nd, i))))
+        nodes.append(NodePlan(nd, tuple(parts)))
+
+    forms = ["recurrent", "step"]
+    if all(s.transition in CHUNK_CLASSES for s in states):
+        forms.insert(0, "chunk")
+    elif all(s.transition in CHUNK_CLASSES + (ELEMENTWISE,) for s in states):
+        forms.insert(0, "scan")
+    else:
+        hard = [s for s in states if s.transition == GENERAL]
+        for s in hard:
+            notes.append(f"state {s.name} has a general linear transition ({len(s.rank1)} projection "
+                         "terms): no parallel form is known; the recurrent and step forms remain")
+    if all(s.time_invariant for s in states):
+        forms.append("conv")
+    return Plan(spec, tuple(sorted(values.items())), tuple(lets), tuple(nodes), tuple(states), out,
+                tuple(forms), tuple(notes), table)
+
+
+def _combine_kind(combine: sp.Expr, readout_syms) -> str:
+    if all(sp.diff(combine, r, 2) == 0 for r in readout_syms):
+        cross = any(sp.diff(combine, a, b) != 0 for a in readout_syms for b in readout_syms if a != b)
+        if not cross:
+            return "linear"
+    num, den = sp.fraction(sp.together(combine))
+    if all(sp.diff(num, r, 2) == 0 for r in readout_syms) and den.free_symbols & readout_syms:
+        return "normalized"
+    return "nonlinear"
+
+
+def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSympy,
+                table: SymbolTable) -> StatePlan:
+    decl = spec.state(upd.state)
+    form = affine.update_form(spec, upd)
+    if not form.terms:
+        raise SpecError(f"the update of {upd.state} does not read {upd.state}: a state carries over from "
+                        f"one token to the next (write e.g. `update {upd.state} = {upd.state} + ...`)",
+                        spec.source, upd.expr.span)
+    diag = [t for t in form.terms if t.proj is None]
+    proj = [t for t in form.terms if t.proj is not None]
+    decay = sp.Add(*[conv(t.scale) if t.scale is not None else sp.S.One for t in diag]) if diag else sp.S.Zero
+    decay = sp.simplify(decay) if decay.free_symbols else decay
+    decay_dims = tuple(d for d in decl.shape if any(d in (t.scale.shape if t.scale is not None else ())
+                                                    for t in diag))
+    kdims = tuple(d for d in decl.shape if d in key_dims)
+    vdims = tuple(d for d in decl.shape if d not in key_dims)
+
+    rank1 = tuple(Rank1(conv(t.scale) if t.scale is not None else sp.S.One, conv(t.proj), t.over) for t in proj)
+    if decay == 0 and not proj:
+        raise SpecError(f"the update of {upd.state} multiplies the state by 0", spec.source, upd.expr.span)
+
+    if proj:
+        t = proj[0]
+        ok_rank1 = (len(proj) == 1 and set(t.over) == set(kdims) and set(t.proj.shape) <= set(t.over)
+                    and (t.scale is None or set(t.scale.shape) <= set(t.over))
+                    and set(decay_dims) <= set(kdims))
+        transition = RANK1 if ok_rank1 else GENERAL
+    elif decay == 1:
+        transition = PREFIX_SUM
+    elif not decay_dims:
+        transition = SCALAR
+    elif set(decay_dims) <= set(kdims):
+        transition = KEY_DIAG
+    elif set(decay_dims) <= set(vdims) and set(decay_dims) != set(decl.shape):
+        transition = VALUE_DIAG
+    else:
+        transition = ELEMENTWISE
+    gated = transition == RANK1 and decay != 1
+
+    log_decay = log_of(decay) if decay != 0 else sp.S.NegativeInfinity
+    log_partials = _partials(f"log decay of {upd.state}", log_decay, table) if decay != 0 else ()
+
+    const = form.const if form.const is not None else affine.num(0)
+    input_term = conv(const)
+    key, value = _key_value(const, kdims, vdims)
+    coefs = [decay] + [r.left for r in rank1] + [r.right for r in rank1]
+    ti = _time_invariant(coefs, table)
+    forms = ("recurrent", "step")
+    if transition in CHUNK_CLASSES:
+        forms = ("chunk",) + forms
+    elif transition == ELEMENTWISE:
+        forms = ("scan",) + forms
+    if ti:
+        forms = forms + ("conv",)
+    return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,
+                     rank1, input_term, conv(key) if key is not None else None,
+                     conv(value) if value is not None else None, kdims, vdims, ti, forms)

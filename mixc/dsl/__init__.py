@@ -1,0 +1,47 @@
+"""The spec language: text -> MixerIR."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .check import check
+from .errors import SpecError, Source, Span
+from .ir import MixerIR
+from .parser import parse_tree
+
+SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
+
+
+def parse(text: str, filename: str = "<spec>") -> MixerIR:
+    """Parse and check a spec; raises SpecError with file:line:column on any problem."""
+    return check(parse_tree(text, filename))
+
+
+def library_names() -> list[str]:
+    return sorted(p.stem for p in SPEC_DIR.glob("*.mix"))
+
+
+def read_spec(name_or_path: str | Path) -> Source:
+    """A library spec by name ('gla') or a .mix file by path."""
+    text_name = str(name_or_path)
+    path = Path(text_name)
+    if path.suffix == ".mix" or path.exists() or "/" in text_name:
+        if not path.is_file():
+            raise SpecError(f"no spec file at '{text_name}'")
+        try:
+            return Source(path.read_text(encoding="utf-8"), str(path))
+        except UnicodeDecodeError as e:
+            raise SpecError(f"spec file '{text_name}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lib = SPEC_DIR / f"{text_name}.mix"
+    if not lib.is_file():
+        from .errors import did_you_mean
+        raise SpecError(f"no library spec named '{text_name}'{did_you_mean(text_name, library_names())}; "
+                        f"library specs: {', '.join(library_names())}")
+    return Source(lib.read_text(encoding="utf-8"), f"<library>/{lib.name}")
+
+
+def load_ir(name_or_path: str | Path) -> MixerIR:
+    src = read_spec(name_or_path)
+    return parse(src.text, src.filename)
+
+
+__all__ = ["SpecError", "Source", "Span", "MixerIR", "parse", "read_spec", "load_ir", "library_names", "SPEC_DIR"]

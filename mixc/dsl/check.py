@@ -1,0 +1,400 @@
+"""Syntax tree -> MixerIR: resolve names, infer shapes by dimension name, check every rule.
+
+Rules in the user's words; each error points at the offending text.
+"""
+from __future__ import annotations
+
+import keyword
+
+from . import ir
+from .errors import SpecError, Span, did_you_mean
+from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, NameNode,
+                     Node, NumNode, SpecTree, Statement, UnaryNode)
+
+ELEMENTWISE_FNS = {"exp": 1, "log": 1, "sigmoid": 1, "logsigmoid": 1, "softplus": 1, "tanh": 1,
+                   "elu": 1, "relu": 1, "silu": 1, "sqrt": 1, "abs": 1}
+REDUCE_FNS = ("sum", "norm")          # always reduce: fn(x, D, ...)
+MINMAX_FNS = ("max", "min")           # fn(a, b) elementwise, or fn(x, D, ...) a reduction
+SPECIAL_FNS = ("prev", "rename")
+BUILTIN_FNS = tuple(ELEMENTWISE_FNS) + REDUCE_FNS + MINMAX_FNS + SPECIAL_FNS
+BUILTIN_NAMES = ("head",)             # the head index, a scalar
+
+# Names a spec may not take: they would shadow what generated code relies on.
+RESERVED = frozenset(
+    set(KEYWORDS) | set(keyword.kwlist) | set(BUILTIN_FNS) | set(BUILTIN_NAMES)
+    | {"tl", "triton", "torch", "math", "np", "numpy", "sympy", "mixc", "self", "cls",
+       "exec", "eval", "compile", "open", "print", "input_", "getattr", "setattr", "globals",
+       "locals", "vars", "type", "object", "super", "initial_state",
+       "output_final_state", "cu_seqlens", "mode", "state", "ctx"}
+)
+
+MAX_DIMS = 8
+MAX_RANK = 4
+MAX_DECLS = 64
+
+
+def _union(shapes, order) -> ir.Shape:
+    names = set().union(*map(set, shapes)) if shapes else set()
+    return tuple(d for d in order if d in names)
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(shape) + "]"
+
+
+class Checker:
+    def __init__(self, tree: SpecTree):
+        self.tree = tree
+        self.source = tree.source
+        self.dims: dict[str, ir.Dim] = {}
+        self.inputs: dict[str, ir.TensorDecl] = {}
+        self.params: dict[str, ir.TensorDecl] = {}
+        self.options: dict[str, ir.Option] = {}
+        self.lets: dict[str, ir.Let] = {}
+        self.states: dict[str, ir.TensorDecl] = {}
+        self.updates: dict[str, ir.Update] = {}
+        self.output: ir.Output | None = None
+        self.declared_at: dict[str, Span] = {}
+
+    def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
+        return SpecError(msg, self.source, span, notes)
+
+    # ---- declarations ---------------------------------------------------------------
+
+    def declare(self, named, what: str) -> None:
+        name, span = named.name, named.span
+        if name in RESERVED:
+            if name in KEYWORDS:
+                raise self.error(f"'{name}' is a keyword of the spec language and cannot be a {what} name", span)
+            if name in BUILTIN_FNS or name in BUILTIN_NAMES:
+                raise self.error(f"'{name}' is a built-in of the spec language and cannot be a {what} name", span)
+            raise self.error(f"'{name}' is a reserved name and cannot be a {what} name", span)
+        if name.startswith("_"):
+            raise self.error(f"names may not start with '_' (reserved for generated code): '{name}'", span)
+        if name in self.declared_at:
+            prev = self.declared_at[name]
+            raise self.error(f"'{name}' is already declared on line {prev.line}", span)
+        if len(self.declared_at) >= MAX_DECLS:
+            raise self.error(f"too many declarations (the limit is {MAX_DECLS})", span)
+        self.declared_at[name] = span
+
+    def shape_of(self, decl) -> ir.Shape:
+        seen = []
+        for d in decl.dims:
+            if d.name not in self.dims:
+                raise self.error(f"unknown dim '{d.name}'{did_you_mean(d.name, self.dims)}", d.span,
+                                 (f"declare it with: dims {', '.join([*self.dims, d.name])}",))
+            if d.name in seen:
+                raise self.error(f"dim '{d.name}' appears twice in the shape of '{decl.name.name}'", d.span)
+            seen.append(d.name)
+        if len(seen) > MAX_RANK:
+            raise self.error(f"'{decl.name.name}' has {len(seen)} dims; the limit is {MAX_RANK}", decl.span)
+        return tuple(seen)     # declared order: it is the layout the user passes and gets
+
+    def run(self) -> ir.MixerIR:
+        tree = self.tree
+        mixer = tree.name
+        if mixer.name in KEYWORDS or keyword.iskeyword(mixer.name) or mixer.name.startswith("_"):
+            raise self.error(f"'{mixer.name}' cannot be a mixer name", mixer.span)
+        for st in tree.statements:
+            getattr(self, f"stmt_{st.kind}")(st)
+        if not self.states:
+            raise self.error(f"mixer '{mixer.name}' declares no state; add e.g. `state S[K, V]` "
+                             "and its `update`", mixer.span)
+        for name, decl in self.states.items():
+            if name not in self.updates:
+                raise self.error(f"state '{name}' has no update; add `update {name} = ...`", decl.span)
+        if self.output is None:
+            raise self.error(f"mixer '{mixer.name}' has no output; add `output o = ...`", mixer.span)
+        self.check_dims_bound()
+        return ir.MixerIR(
+            name=mixer.name, dims=tuple(self.dims.values()), inputs=tuple(self.inputs.values()),
+            params=tuple(self.params.values()), options=tuple(self.options.values()),
+            lets=tuple(self.lets.values()), states=tuple(self.states.values()),
+            updates=tuple(self.updates[s] for s in self.states), output=self.output,
+            source=self.source)
+
+    def check_dims_bound(self) -> None:
+        """Every dim's size must come from some input or param (or be an alias of one)."""
+        bound = {d for t in [*self.inputs.values(), *self.params.values()] for d in t.shape}
+        for d in self.dims.values():
+            root = d.name
+            while self.dims[root].alias_of:
+                root = self.dims[root].alias_of
+            if root not in bound and not any(self.dims[b].alias_of and self._root(b) == root for b in bound):
+                raise self.error(f"the size of dim '{d.name}' is not given by any input or param; "
+                                 "use it in an input or param shape", d.span)
+
+    def _root(self, name: str) -> str:
+        while self.dims[name].alias_of:
+            name = self.dims[name].alias_of
+        return name
+
+    def stmt_dims(self, st: Statement) -> None:
+        for item in st.items:
+            if item.name.name in ("B", "T", "H"):
+                raise self.error(f"'{item.name.name}' names an axis of every call (B batch, T time, H heads) "
+                                 "and cannot be a dim name", item.name.span)
+            self.declare(item.name, "dim")
+            alias = None
+            if item.alias is not None:
+                if item.alias.name not in self.dims:
+                    raise self.error(f"unknown dim '{item.alias.name}'{did_you_mean(item.alias.name, self.dims)}"
+                                     " (an alias must name a dim declared before it)", item.alias.span)
+                alias = item.alias.name
+            self.dims[item.name.name] = ir.Dim(item.name.name, alias, item.name.span)
+            if len(self.dims) > MAX_DIMS:
+                raise self.error(f"too many dims (the limit is {MAX_DIMS})", item.name.span)
+
+    def _tensors(self, st: Statement, table: dict, what: str) -> None:
+        for item in st.items:
+            self.declare(item.name, what)
+            table[item.name.name] = ir.TensorDecl(item.name.name, self.shape_of(item), item.name.span)
+
+    def stmt_input(self, st):
+        self._tensors(st, self.inputs, "input")
+
+    def stmt_param(self, st):
+        self._tensors(st, self.params, "param")
+
+    def stmt_state(self, st):
+        self._tensors(st, self.states, "state")
+
+    def stmt_option(self, st: Statement) -> None:
+        for b in st.items:
+            if isinstance(b.expr, BoolNode):
+                opt = ir.Option(b.name.name, "bool", b.expr.value, b.name.span)
+            else:
+                e = self.expr(b.expr, "option", defining=b.name.name)
+                if e.shape:
+                    raise self.error(f"option '{b.name.name}' must be a scalar, but its default has shape "
+                                     f"{_fmt(e.shape)}", b.expr.span)
+                opt = ir.Option(b.name.name, "float", e, b.name.span)
+            self.declare(b.name, "option")
+            self.options[b.name.name] = opt
+
+    def stmt_let(self, st: Statement) -> None:
+        for b in st.items:
+            e = self.expr(b.expr, "let", defining=b.name.name)     # before declaring: a let cannot read itself
+            self.declare(b.name, "let")
+            self.lets[b.name.name] = ir.Let(b.name.name, e, b.name.span)
+
+    def stmt_update(self, st: Statement) -> None:
+        (b,) = st.items
+        name = b.name.name
+        if name not in self.states:
+            raise self.error(f"'{name}' is not a state{did_you_mean(name, self.states)}; declare it with "
+                             f"`state {name}[...]` before its update", b.name.span)
+        if name in self.updates:
+            raise self.error(f"state '{name}' is updated twice (first on line {self.updates[name].span.line})",
+                             b.name.span)
+        e = self.expr(b.expr, "update", state=name)
+        want = self.states[name].shape
+        if set(e.shape) != set(want):
+            raise self.error(f"update of {name} has shape {_fmt(e.shape)} but {name} is {_fmt(want)}", b.expr.span)
+        self.updates[name] = ir.Update(name, e, b.name.span)
+
+    def stmt_output(self, st: Statement) -> None:
+        (b,) = st.items
+        if self.output is not None:
+            raise self.error(f"a mixer has one output; '{self.output.name}' was declared on line "
+                             f"{self.output.span.line}", b.name.span)
+        self.declare(b.name, "output")
+        e = self.expr(b.expr, "output")
+        if not ir.refs(e, "state"):
+            raise self.error(f"output '{b.name.name}' does not read any state", b.expr.span)
+        self.output = ir.Output(b.name.name, e, b.name.span)
+
+    # ---- expressions ----------------------------------------------------------------
+
+    def expr(self, node: Node, ctx: str, state: str | None = None, defining: str | None = None) -> ir.Expr:
+        """Type one expression. ctx: option | let | update | output (what may be read)."""
+        return _ExprChecker(self, ctx, state, defining).check(node)
+
+
+class _ExprChecker:
+    def __init__(self, checker: Checker, ctx: str, state: str | None, defining: str | None):
+        self.c = checker
+        self.defining = defining
+        self.ctx = ctx
+        self.state = state
+        self.order = list(checker.dims)
+
+    def err(self, msg, span, notes=()):
+        return self.c.error(msg, span, notes)
+
+    def check(self, node: Node) -> ir.Expr:
+        m = getattr(self, "node_" + type(node).__name__)
+        return m(node)
+
+    # leaves
+    def node_NumNode(self, n: NumNode) -> ir.Expr:
+        if n.value != n.value or n.value in (float("inf"),):
+            raise self.err(f"number '{n.text}' is out of range", n.span)
+        return ir.Num((), n.span, n.value)
+
+    def node_BoolNode(self, n: BoolNode) -> ir.Expr:
+        raise self.err("true and false may only be the default of an option (`option flag = false`); "
+                       "use `if flag then a else b` to choose between expressions", n.span)
+
+    def node_NameNode(self, n: NameNode) -> ir.Expr:
+        c, name = self.c, n.name
+        if name in c.dims:
+            return ir.Ref((), n.span, name, "dim")
+        if name == "head":
+            if self.ctx == "option":
+                raise self.err("an option's default cannot depend on the head index", n.span)
+            return ir.Ref((), n.span, name, "head")
+        if name in c.options:
+            opt = c.options[name]
+            if opt.kind == "bool":
+                raise self.err(f"'{name}' is a flag (true/false); use it as `if {name} then a else b`", n.span)
+            return ir.Ref((), n.span, name, "option")
+        if self.ctx == "option":
+            if name in c.inputs or name in c.params or name in c.lets or name in c.states:
+                raise self.err(f"an option's default may use only numbers, dims and earlier options, "
+                               f"not '{name}'", n.span)
+        for table, kind in ((c.inputs, "input"), (c.params, "param")):
+            if name in table:
+                return ir.Ref(table[name].shape, n.span, name, kind)
+        if name in c.lets:
+            return ir.Ref(c.lets[name].expr.shape, n.span, name, "let")
+        if name in c.states:
+            if self.ctx == "let":
+                raise self.err(f"a let cannot read state '{name}': lets are computed per token from inputs, "
+                               "params and options; read states in an update or the output", n.span)
+            if self.ctx == "update" and name != self.state:
+                raise self.err(f"the update of {self.state} reads state '{name}'; an update may only read "
+                               "its own state", n.span)
+            return ir.Ref(c.states[name].shape, n.span, name, "state")
+        if name in BUILTIN_FNS:
+            raise self.err(f"'{name}' is a function; call it as {name}(...)", n.span)
+        known = [*c.dims, *c.inputs, *c.params, *c.options, *c.lets, *c.states, "head"]
+        if name == self.defining:
+            raise self.err(f"{self.ctx} '{name}' refers to itself", n.span)
+        later = self._declared_later(name)
+        if later:
+            raise self.err(f"'{name}' is used before it is declared (on line {later})", n.span)
+        raise self.err(f"unknown name '{name}'{did_you_mean(name, known)}", n.span)
+
+    def _declared_later(self, name: str) -> int | None:
+        for st in self.c.tree.statements:
+            for item in st.items:
+                nm = getattr(item, "name", None)
+                if nm is not None and getattr(nm, "name", None) == name and st.kind not in ("update",):
+                    if name not in self.c.declared_at:
+                        return nm.span.line
+        return None
+
+    # operators
+    def node_UnaryNode(self, n: UnaryNode) -> ir.Expr:
+        x = self.check(n.x)
+        return ir.Neg(x.shape, n.span, x)
+
+    def node_BinNode(self, n: BinNode) -> ir.Expr:
+        a, b = self.check(n.left), self.check(n.right)
+        if n.op == "@":
+            shared = tuple(d for d in self.order if d in a.shape and d in b.shape)
+            if not shared:
+                raise self.err(f"'@' contracts shared dims, but the left side has shape {_fmt(a.shape)} and "
+                               f"the right side {_fmt(b.shape)}; use '*' for an outer product", n.span)
+            out = tuple(d for d in _union([a.shape, b.shape], self.order) if d not in shared)
+            return ir.Contract(out, n.span, a, b, shared)
+        if n.op == "**" and b.shape:
+            raise self.err(f"the exponent of '**' must be a scalar, but it has shape {_fmt(b.shape)}", n.right.span)
+        return ir.BinOp(_union([a.shape, b.shape], self.order), n.span, n.op, a, b)
+
+    def node_CondNode(self, n: CondNode) -> ir.Expr:
+        opt = self.c.options.get(n.flag)
+        if opt is None or opt.kind != "bool":
+            what = "a number option" if opt is not None else "not an option"
+            flags = [o for o in self.c.options.values() if o.kind == "bool"]
+            hint = did_you_mean(n.flag, [o.name for o in flags])
+            raise self.err(f"'{n.flag}' after 'if' must be a flag declared as `option {n.flag} = false`, "
+                           f"but it is {what}{hint}", n.flag_span)
+        a, b = self.check(n.then), self.check(n.otherwise)
+        if set(a.shape) != set(b.shape):
+            raise self.err(f"the branches of this if have shapes {_fmt(a.shape)} and {_fmt(b.shape)}; "
+                           "they must be equal", n.span)
+        return ir.Cond(_union([a.shape, b.shape], self.order), n.span, n.flag, a, b)
+
+    def node_DimMapNode(self, n: DimMapNode) -> ir.Expr:
+        raise self.err("'A -> B' may only appear as an argument of rename(x, A -> B)", n.span)
+
+    def node_CallNode(self, n: CallNode) -> ir.Expr:
+        fn = n.fn
+        if fn == "prev":
+            return self.call_prev(n)
+        if fn == "rename":
+            return self.call_rename(n)
+        if fn in ELEMENTWISE_FNS:
+            if len(n.args) != 1:
+                raise self.err(f"{fn}() takes 1 argument, got {len(n.args)}", n.span)
+            x = self.check(n.args[0])
+            return ir.Call(x.shape, n.span, fn, (x,))
+        if fn in REDUCE_FNS or fn in MINMAX_FNS:
+            if len(n.args) < 2:
+                raise self.err(f"{fn}() takes a value and the dims to reduce over, e.g. {fn}(x, K)"
+                               + ("; or two values: max(a, b)" if fn in MINMAX_FNS else ""), n.span)
+            dims_args = n.args[1:]
+            is_reduction = all(isinstance(a, NameNode) and a.name in self.c.dims for a in dims_args)
+            if fn in MINMAX_FNS and not is_reduction:
+                if len(n.args) != 2:
+                    raise self.err(f"{fn}() takes two values, {fn}(a, b), or a value and dims, {fn}(x, K)", n.span)
+                a, b = self.check(n.args[0]), self.check(n.args[1])
+                return ir.Call(_union([a.shape, b.shape], self.order), n.span, fn, (a, b))
+            x = self.check(n.args[0])
+            over = []
+            for a in dims_args:
+                if not (isinstance(a, NameNode) and a.name in self.c.dims):
+                    name = a.name if isinstance(a, NameNode) else None
+                    hint = did_you_mean(name, self.c.dims) if name else ""
+                    raise self.err(f"{fn}() reduces over dims: expected a dim name here{hint}", a.span)
+                if a.name not in x.shape:
+                    raise self.err(f"{fn}() over {a.name}, but its argument has shape {_fmt(x.shape)}", a.span)
+                if a.name in over:
+                    raise self.err(f"{fn}() names dim {a.name} twice", a.span)
+                over.append(a.name)
+            over_t = tuple(d for d in self.order if d in over)
+            return ir.Reduce(tuple(d for d in x.shape if d not in over), n.span, fn, x, over_t)
+        known = BUILTIN_FNS
+        raise self.err(f"unknown function '{fn}'{did_you_mean(fn, known)}", n.fn_span,
+                       ("functions: " + ", ".join(sorted(known)),))
+
+    def call_prev(self, n: CallNode) -> ir.Expr:
+        if len(n.args) != 1 or not isinstance(n.args[0], NameNode):
+            raise self.err("prev() takes the name of a state, e.g. prev(S)", n.span)
+        name = n.args[0].name
+        if name not in self.c.states:
+            raise self.err(f"prev() takes a state, but '{name}' is not one{did_you_mean(name, self.c.states)}",
+                           n.args[0].span)
+        if self.ctx not in ("update", "output"):
+            raise self.err(f"prev({name}) may only appear in an update or the output", n.span)
+        if self.ctx == "update" and name != self.state:
+            raise self.err(f"the update of {self.state} reads state '{name}'; an update may only read "
+                           "its own state", n.args[0].span)
+        return ir.Prev(self.c.states[name].shape, n.span, name)
+
+    def call_rename(self, n: CallNode) -> ir.Expr:
+        if len(n.args) < 2 or not all(isinstance(a, DimMapNode) for a in n.args[1:]):
+            raise self.err("rename() takes a value and dim maps, e.g. rename(q, K -> J)", n.span)
+        x = self.check(n.args[0])
+        mapping, out = [], list(x.shape)
+        for m in n.args[1:]:
+            for nm, sp in ((m.src, m.src_span), (m.dst, m.dst_span)):
+                if nm not in self.c.dims:
+                    raise self.err(f"unknown dim '{nm}'{did_you_mean(nm, self.c.dims)}", sp)
+            if m.src not in x.shape:
+                raise self.err(f"rename() of dim {m.src}, but the value has shape {_fmt(x.shape)}", m.src_span)
+            if m.dst in out and m.dst != m.src:
+                raise self.err(f"rename() to dim {m.dst}, which the value already has", m.dst_span)
+            if self.c._root(m.src) != self.c._root(m.dst):
+                raise self.err(f"rename() from {m.src} to {m.dst}: the dims must have the same size; declare "
+                               f"`dims {m.dst} = {m.src}`", m.dst_span)
+            out[out.index(m.src)] = m.dst
+            mapping.append((m.src, m.dst))
+        return ir.Rename(_union([tuple(out)], self.order), n.span, x, tuple(mapping))
+
+
+def check(tree: SpecTree) -> ir.MixerIR:
+    return Checker(tree).run()

@@ -1,0 +1,92 @@
+"""SpecError: every problem with a spec, reported at its place in the user's text."""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Source:
+    """The text of a spec and the name it is reported under (a path or '<library>/gla.mix')."""
+
+    text: str
+    filename: str = "<spec>"
+
+    def line(self, number: int) -> str:
+        lines = self.text.splitlines()
+        return lines[number - 1] if 1 <= number <= len(lines) else ""
+
+
+@dataclass(frozen=True)
+class Span:
+    """1-based line and column of the first character; end is exclusive."""
+
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+    @staticmethod
+    def point(line: int, column: int) -> "Span":
+        return Span(line, column, line, column + 1)
+
+
+class SpecError(Exception):
+    """A spec is wrong. str() is the full report: message, file:line:column, the line, a caret."""
+
+    def __init__(self, message: str, source: Source | None = None, span: Span | None = None,
+                 notes: tuple[str, ...] = ()):
+        self.message = message
+        self.source = source
+        self.span = span
+        self.notes = tuple(notes)
+        super().__init__(self.render())
+
+    @property
+    def filename(self) -> str | None:
+        return self.source.filename if self.source else None
+
+    @property
+    def line(self) -> int | None:
+        return self.span.line if self.span else None
+
+    @property
+    def column(self) -> int | None:
+        return self.span.column if self.span else None
+
+    def render(self) -> str:
+        if self.source is None or self.span is None:
+            head = f"error: {self.message}"
+            where = f"  --> {self.source.filename}" if self.source else ""
+            return "\n".join(x for x in (head, where, *self._note_lines()) if x)
+        span = self.span
+        text = self.source.line(span.line)
+        # Tabs would misplace the caret: show them as one space each.
+        shown = text.replace("\t", " ")
+        width = 1
+        if span.end_line == span.line and span.end_column > span.column:
+            width = span.end_column - span.column
+        width = max(1, min(width, max(1, len(shown) - span.column + 1)))
+        gutter = str(span.line)
+        pad = " " * len(gutter)
+        out = [
+            f"{self.source.filename}:{span.line}:{span.column}: error: {self.message}",
+            f"{pad} |",
+            f"{gutter} | {shown}",
+            f"{pad} | {' ' * (span.column - 1)}^{'~' * (width - 1)}",
+        ]
+        return "\n".join(out + self._note_lines())
+
+    def _note_lines(self) -> list[str]:
+        return [f"note: {n}" for n in self.notes]
+
+
+def did_you_mean(name: str, candidates) -> str:
+    """' (did you mean 'k'?)' when a candidate is close, else ''."""
+    pool = sorted(set(candidates))
+    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.5)
+    if not close:
+        lowered = {c.lower(): c for c in pool}
+        if name.lower() in lowered:
+            close = [lowered[name.lower()]]
+    return f" (did you mean '{close[0]}'?)" if close else ""

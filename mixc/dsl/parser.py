@@ -1,0 +1,297 @@
+"""Text -> syntax tree (untyped). Lark does the parsing; its errors become SpecErrors in
+the user's words (never a terminal name such as RSQB or $END)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import lark
+from lark import Lark, Token, Tree
+
+from .errors import Source, Span, SpecError
+
+MAX_SPEC_CHARS = 100_000
+MAX_DEPTH = 64          # nesting of expressions; deeper specs are refused, not recursed into
+MAX_NAME = 64
+
+KEYWORDS = ("mixer", "dims", "input", "param", "option", "let", "state", "update",
+            "output", "if", "then", "else", "true", "false")
+
+
+# ---- untyped syntax tree -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Node:
+    span: Span
+
+
+@dataclass(frozen=True)
+class NumNode(Node):
+    value: float
+    text: str
+
+
+@dataclass(frozen=True)
+class BoolNode(Node):
+    value: bool
+
+
+@dataclass(frozen=True)
+class NameNode(Node):
+    name: str
+
+
+@dataclass(frozen=True)
+class UnaryNode(Node):
+    op: str
+    x: Node
+
+
+@dataclass(frozen=True)
+class BinNode(Node):
+    op: str            # + - * / ** @
+    left: Node
+    right: Node
+
+
+@dataclass(frozen=True)
+class CallNode(Node):
+    fn: str
+    fn_span: Span
+    args: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class DimMapNode(Node):
+    src: str
+    dst: str
+    src_span: Span
+    dst_span: Span
+
+
+@dataclass(frozen=True)
+class CondNode(Node):
+    flag: str
+    flag_span: Span
+    then: Node
+    otherwise: Node
+
+
+@dataclass(frozen=True)
+class Named:
+    """A declared name with where it was declared."""
+
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class DimDecl:
+    name: Named
+    alias: Named | None
+
+
+@dataclass(frozen=True)
+class TensorDeclNode:
+    name: Named
+    dims: tuple[Named, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Binding:
+    name: Named
+    expr: Node
+    span: Span
+
+
+@dataclass(frozen=True)
+class Statement:
+    kind: str          # dims input param option let state update output
+    items: tuple       # DimDecl / TensorDeclNode / Binding
+    span: Span
+
+
+@dataclass(frozen=True)
+class SpecTree:
+    name: Named
+    statements: tuple[Statement, ...]
+    source: Source
+
+
+# ---- lark ---------------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    grammar = (Path(__file__).parent / "mix.lark").read_text()
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+def _tok_span(tok: Token) -> Span:
+    end_line = tok.end_line if tok.end_line is not None else tok.line
+    end_col = tok.end_column if tok.end_column is not None else tok.column + len(tok)
+    return Span(tok.line, tok.column, end_line, end_col)
+
+
+def _tree_span(tree: Tree) -> Span:
+    m = tree.meta
+    if getattr(m, "empty", True):
+        return Span(1, 1, 1, 2)
+    return Span(m.line, m.column, m.end_line, m.end_column)
+
+
+def _describe_terminal(name: str) -> str:
+    if name == "$END":
+        return "end of file"
+    if name == "NAME":
+        return "a name"
+    if name == "NUMBER":
+        return "a number"
+    for term in _lark().terminals:
+        if term.name == name and term.pattern.type == "str":
+            return f"'{term.pattern.value}'"
+    return name.lower()
+
+
+def _expected(names) -> str:
+    words = sorted({_describe_terminal(n) for n in names if not n.startswith("__")})
+    if not words:
+        return ""
+    if len(words) > 8:
+        words = words[:8] + ["..."]
+    return "expected " + (words[0] if len(words) == 1 else "one of " + ", ".join(words))
+
+
+def _syntax_error(err: lark.exceptions.LarkError, source: Source) -> SpecError:
+    if isinstance(err, lark.exceptions.UnexpectedCharacters):
+        ch = source.text[err.pos_in_stream] if err.pos_in_stream < len(source.text) else "?"
+        what = repr(ch) if ch.isprintable() else f"character U+{ord(ch):04X}"
+        return SpecError(f"unexpected {what} (names are ASCII letters, digits and _)",
+                         source, Span.point(err.line, err.column))
+    if isinstance(err, lark.exceptions.UnexpectedToken):
+        tok = err.token
+        exp = _expected(err.expected)
+        if tok.type == "$END":
+            lines = source.text.rstrip().splitlines() or [""]
+            span = Span.point(len(lines), len(lines[-1]) + 1)
+            return SpecError("unexpected end of file" + (f"; {exp}" if exp else ""), source, span)
+        if tok.value in KEYWORDS and "NAME" in err.expected:
+            msg = f"'{tok.value}' is a keyword of the spec language and cannot be used as a name"
+        else:
+            msg = f"unexpected '{tok.value}'" + (f"; {exp}" if exp else "")
+        return SpecError(msg, source, _tok_span(tok))
+    if isinstance(err, lark.exceptions.UnexpectedEOF):
+        lines = source.text.rstrip().splitlines() or [""]
+        exp = _expected(err.expected)
+        return SpecError("unexpected end of file" + (f"; {exp}" if exp else ""), source,
+                         Span.point(len(lines), len(lines[-1]) + 1))
+    return SpecError(f"cannot parse the spec: {type(err).__name__}", source, Span.point(1, 1))
+
+
+def _check_depth(tree: Tree, source: Source) -> None:
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH + 8:      # statements and the start rule add a few levels
+            raise SpecError(f"expression is nested too deeply or is too long (more than {MAX_DEPTH} levels of operators)",
+                            source, _tree_span(node))
+        for child in node.children:
+            if isinstance(child, Tree):
+                stack.append((child, depth + 1))
+
+
+def parse_tree(text: str, filename: str = "<spec>") -> SpecTree:
+    source = Source(text, filename)
+    if len(text) > MAX_SPEC_CHARS:
+        raise SpecError(f"spec is too long ({len(text)} characters; the limit is {MAX_SPEC_CHARS})",
+                        source, None)
+    try:
+        tree = _lark().parse(text)
+    except lark.exceptions.LarkError as err:
+        raise _syntax_error(err, source) from None
+    _check_depth(tree, source)
+    return _Builder(source).spec(tree)
+
+
+# ---- lark tree -> syntax tree (iterative where depth matters) --------------------------
+
+_BINOPS = {"add": "+", "sub": "-", "mul": "*", "div": "/", "matmul": "@", "pow": "**"}
+
+
+class _Builder:
+    def __init__(self, source: Source):
+        self.source = source
+
+    def named(self, tok: Token) -> Named:
+        if len(tok) > MAX_NAME:
+            raise SpecError(f"name is too long ({len(tok)} characters; the limit is {MAX_NAME})",
+                            self.source, _tok_span(tok))
+        return Named(str(tok), _tok_span(tok))
+
+    def spec(self, tree: Tree) -> SpecTree:
+        header, *stmts = tree.children
+        name = self.named(header.children[0])
+        return SpecTree(name, tuple(self.statement(s) for s in stmts), self.source)
+
+    def statement(self, t: Tree) -> Statement:
+        kind = t.data.removesuffix("_stmt")
+        span = _tree_span(t)
+        if kind == "dims":
+            items = tuple(DimDecl(self.named(d.children[0]),
+                                  self.named(d.children[1]) if len(d.children) > 1 else None)
+                          for d in t.children)
+        elif kind in ("input", "param", "state"):
+            items = tuple(self.tensor_decl(d) for d in t.children)
+        elif kind in ("option", "let"):
+            items = tuple(Binding(self.named(b.children[0]), self.expr(b.children[1]), _tree_span(b))
+                          for b in t.children)
+        else:  # update, output
+            name_tok, expr = t.children
+            items = (Binding(self.named(name_tok), self.expr(expr), span),)
+        return Statement(kind, items, span)
+
+    def tensor_decl(self, t: Tree) -> TensorDeclNode:
+        name_tok, dim_list = t.children
+        return TensorDeclNode(self.named(name_tok), tuple(self.named(d) for d in dim_list.children),
+                              _tree_span(t))
+
+    def expr(self, t) -> Node:
+        # Post-order without recursion: depth was bounded already, but a long flat chain
+        # (a + b + c + ...) still nests left-deep.
+        done: dict[int, Node] = {}
+        stack = [(t, False)]
+        while stack:
+            node, visited = stack.pop()
+            if not visited:
+                stack.append((node, True))
+                stack.extend((c, False) for c in node.children if isinstance(c, Tree))
+                continue
+            done[id(node)] = self.build(node, done)
+        return done[id(t)]
+
+    def build(self, t: Tree, done) -> Node:
+        span = _tree_span(t)
+        kids = t.children
+        if t.data == "number":
+            text = str(kids[0])
+            return NumNode(span, float(text), text)
+        if t.data == "name":
+            return NameNode(span, self.named(kids[0]).name)
+        if t.data in ("true", "false"):
+            return BoolNode(span, t.data == "true")
+        if t.data == "neg":
+            return UnaryNode(span, "-", done[id(kids[0])])
+        if t.data in _BINOPS:
+            return BinNode(span, _BINOPS[t.data], done[id(kids[0])], done[id(kids[1])])
+        if t.data == "call":
+            fn = self.named(kids[0])
+            args = tuple(done[id(a)] for a in kids[1:] if a is not None)
+            return CallNode(span, fn.name, fn.span, args)
+        if t.data == "dim_map":
+            src, dst = self.named(kids[0]), self.named(kids[1])
+            return DimMapNode(span, src.name, dst.name, src.span, dst.span)
+        if t.data == "cond":
+            flag = self.named(kids[0])
+            return CondNode(span, flag.name, flag.span, done[id(kids[1])], done[id(kids[2])])
+        raise SpecError(f"unsupported construct '{t.data}'", self.source, span)

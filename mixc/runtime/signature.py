@@ -1,0 +1,173 @@
+"""Call arguments -> bound sizes and checked tensors, with errors that name the argument.
+
+Shared by every backend: the reference now, the kernels later. Layout (fla's):
+inputs [B, T, H, *dims] (a scalar per head is [B, T, H]), params [H, *dims], states
+[B, H, *state dims] (N sequences instead of B with cu_seqlens)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..dsl import ir
+
+
+class ArgumentError(ValueError):
+    """A call's argument is missing, extra, or of the wrong shape or dtype."""
+
+
+def _fmt(names, sizes=None) -> str:
+    if sizes is None:
+        return "[" + ", ".join(names) + "]"
+    return "[" + ", ".join(f"{n}={s}" if not n.isdigit() else str(s) for n, s in zip(names, sizes)) + "]"
+
+
+@dataclass(frozen=True)
+class Bound:
+    B: int
+    T: int
+    H: int
+    sizes: dict[str, int]
+    inputs: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    options: dict[str, float]
+    flags: dict[str, bool]
+    initial_state: dict[str, torch.Tensor] | None
+    cu_seqlens: torch.Tensor | None
+
+    @property
+    def n_seqs(self) -> int:
+        return self.B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensor(name: str, x, expected_names, sizes, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentError(f"{name}: expected a tensor of shape {_fmt(expected_names)}, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ArgumentError(f"{name}: expected a floating-point tensor (float16, bfloat16, float32 or "
+                            f"float64), got dtype {x.dtype}")
+    if x.dim() != len(expected_names):
+        raise ArgumentError(f"{name}: {what} of shape {_fmt(expected_names)} (rank {len(expected_names)}), "
+                            f"got shape {list(x.shape)} (rank {x.dim()})")
+    for axis, (dim, size) in enumerate(zip(expected_names, x.shape)):
+        if dim in sizes and sizes[dim][0] != size:
+            have, src = sizes[dim]
+            raise ArgumentError(f"{name}: dim {dim} (axis {axis}) is {size}, but {src} gives {dim} = {have}; "
+                                f"expected shape {_fmt(expected_names)}")
+        sizes.setdefault(dim, (size, name))
+
+
+def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
+    """Check a call's keyword arguments against the spec and bind every size.
+
+    step=True: per-token inputs have no T axis ([B, H, *dims])."""
+    kwargs = dict(kwargs)
+    initial_state = kwargs.pop("initial_state", None)
+    cu_seqlens = kwargs.pop("cu_seqlens", None)
+    sizes: dict[str, tuple[int, str]] = {}
+    inputs, params, options, flags = {}, {}, {}, {}
+    lead = ("B", "H") if step else ("B", "T", "H")
+    for decl in mixer.inputs:
+        if decl.name not in kwargs:
+            raise ArgumentError(f"missing input '{decl.name}' of shape {_fmt(lead + decl.shape)}")
+        x = kwargs.pop(decl.name)
+        _check_tensor(decl.name, x, lead + decl.shape, sizes, "expected an input")
+        inputs[decl.name] = x
+    for decl in mixer.params:
+        if decl.name not in kwargs:
+            raise ArgumentError(f"missing param '{decl.name}' of shape {_fmt(('H',) + decl.shape)}")
+        x = kwargs.pop(decl.name)
+        _check_tensor(decl.name, x, ("H",) + decl.shape, sizes, "expected a per-head param")
+        params[decl.name] = x
+    for opt in mixer.options:
+        if opt.name in kwargs:
+            v = kwargs.pop(opt.name)
+            if v is None:
+                continue
+            if opt.kind == "bool":
+                if not isinstance(v, bool):
+                    raise ArgumentError(f"{opt.name}: expected True or False, got {v!r}")
+                flags[opt.name] = v
+            else:
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    v = float(v)
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ArgumentError(f"{opt.name}: expected a number, got {v!r}")
+                options[opt.name] = float(v)
+    if kwargs:
+        extra = sorted(kwargs)
+        known = [d.name for d in (*mixer.inputs, *mixer.params)] + [o.name for o in mixer.options]
+        raise ArgumentError(f"unexpected argument{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))} "
+                            f"for mixer '{mixer.name}'; it takes {', '.join(known)}, initial_state, "
+                            "output_final_state, cu_seqlens")
+    for d in mixer.dims:
+        root = mixer.root_dim(d.name)
+        if d.name not in sizes and root in sizes:
+            sizes[d.name] = (sizes[root][0], f"dim {root}")
+    for d in mixer.dims:
+        if d.alias_of and sizes[d.name][0] != sizes[mixer.root_dim(d.name)][0]:
+            raise ArgumentError(f"dim {d.name} = {d.alias_of}, but {sizes[d.name][1]} gives {d.name} = "
+                                f"{sizes[d.name][0]} and {d.alias_of} = {sizes[mixer.root_dim(d.name)][0]}")
+    B = sizes["B"][0]
+    T = 1 if step else sizes["T"][0]
+    H = sizes["H"][0]
+    devices = {x.device for x in (*inputs.values(), *params.values())}
+    if len(devices) > 1:
+        raise ArgumentError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if cu_seqlens is not None:
+        if step:
+            raise ArgumentError("cu_seqlens: not accepted by step(); pass one token per sequence")
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T)
+    n = B if cu_seqlens is None else len(cu_seqlens) - 1
+    state = _check_state(mixer, initial_state, n, H, {k: v[0] for k, v in sizes.items()})
+    return Bound(B, T, H, {k: v[0] for k, v in sizes.items() if k not in ("B", "T", "H")},
+                 inputs, params, options, flags, state, cu_seqlens)
+
+
+def _check_cu_seqlens(cu, B: int, T: int) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
+        got = f"dtype {cu.dtype}, shape {list(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise ArgumentError(f"cu_seqlens: expected a 1-D int32 or int64 tensor of sequence offsets, got {got}")
+    if B != 1:
+        raise ArgumentError(f"cu_seqlens: packed sequences need B = 1 (the batch is the packing), got B = {B}")
+    values = cu.tolist()
+    if len(values) < 2 or values[0] != 0 or values[-1] != T:
+        raise ArgumentError(f"cu_seqlens: must start at 0 and end at T = {T}, got {values[:4]}"
+                            f"{'...' if len(values) > 4 else ''}{values[-1:] if len(values) > 4 else ''}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ArgumentError("cu_seqlens: offsets must be non-decreasing")
+    return cu
+
+
+def _check_state(mixer: ir.MixerIR, initial_state, n: int, H: int, sizes) -> dict[str, torch.Tensor] | None:
+    if initial_state is None:
+        return None
+    if isinstance(initial_state, torch.Tensor):
+        if len(mixer.states) != 1:
+            names = ", ".join(s.name for s in mixer.states)
+            raise ArgumentError(f"initial_state: mixer '{mixer.name}' has several states ({names}); pass a dict")
+        initial_state = {mixer.states[0].name: initial_state}
+    if not isinstance(initial_state, dict):
+        raise ArgumentError(f"initial_state: expected a dict keyed by state name, got {type(initial_state).__name__}")
+    out = {}
+    names = [s.name for s in mixer.states]
+    for key in initial_state:
+        if key not in names:
+            raise ArgumentError(f"initial_state: unknown state '{key}'; mixer '{mixer.name}' has {', '.join(names)}")
+    for decl in mixer.states:
+        if decl.name not in initial_state:
+            raise ArgumentError(f"initial_state: missing state '{decl.name}' "
+                                f"(expected [N, H, {', '.join(decl.shape)}])")
+        x = initial_state[decl.name]
+        want = (n, H) + tuple(sizes[d] for d in decl.shape)
+        label = ("N" if n else "B", "H") + decl.shape
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ArgumentError(f"initial_state['{decl.name}']: expected shape {_fmt(label, want)}, got {got}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise ArgumentError(f"initial_state['{decl.name}']: expected a floating-point tensor, got {x.dtype}")
+        out[decl.name] = x
+    return out
