@@ -127,7 +127,7 @@ def _partials(of: str, expr: sp.Expr, table: SymbolTable, kinds=("input", "param
     out = []
     for s in sorted(expr.free_symbols, key=str):
         if table.kinds.get(s) in kinds:
-            out.append(Partial(of, str(s), sp.simplify(sp.diff(expr, s))))
+            out.append(Partial(of, str(s), sp.diff(expr, s)))
     return tuple(out)
 
 

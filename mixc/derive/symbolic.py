@@ -87,9 +87,13 @@ class SymbolTable:
 
 
 def _number(value: float) -> sp.Expr:
+    """Exact where it reads well (2, 1/2, 1/16), a float otherwise (1e-6 stays 1.0e-6)."""
     if float(value).is_integer() and abs(value) < 2**53:
         return sp.Integer(int(value))
-    return sp.Rational(repr(float(value)))
+    r = sp.Rational(repr(float(value)))
+    if r.q <= 1024:
+        return r
+    return sp.Float(value)
 
 
 class ToSympy:

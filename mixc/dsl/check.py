@@ -42,6 +42,11 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(shape) + "]"
 
 
+def _a(what: str) -> str:
+    """'an input', 'a dim': the article for a kind of declaration."""
+    return ("an " if what[0] in "aeiou" else "a ") + what
+
+
 class Checker:
     def __init__(self, tree: SpecTree):
         self.tree = tree
@@ -54,7 +59,7 @@ class Checker:
         self.states: dict[str, ir.TensorDecl] = {}
         self.updates: dict[str, ir.Update] = {}
         self.output: ir.Output | None = None
-        self.declared_at: dict[str, Span] = {}
+        self.declared_at: dict[str, tuple[Span, str]] = {}     # name -> (where, what kind)
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
@@ -65,18 +70,20 @@ class Checker:
         name, span = named.name, named.span
         if name in RESERVED:
             if name in KEYWORDS:
-                raise self.error(f"'{name}' is a keyword of the spec language and cannot be a {what} name", span)
+                raise self.error(f"'{name}' is a keyword of the spec language and cannot be the name of "
+                                 f"{_a(what)}", span)
             if name in BUILTIN_FNS or name in BUILTIN_NAMES:
-                raise self.error(f"'{name}' is a built-in of the spec language and cannot be a {what} name", span)
-            raise self.error(f"'{name}' is a reserved name and cannot be a {what} name", span)
+                raise self.error(f"'{name}' is a built-in of the spec language and cannot be the name of "
+                                 f"{_a(what)}", span)
+            raise self.error(f"'{name}' is a reserved name and cannot be the name of {_a(what)}", span)
         if name.startswith("_"):
             raise self.error(f"names may not start with '_' (reserved for generated code): '{name}'", span)
         if name in self.declared_at:
-            prev = self.declared_at[name]
-            raise self.error(f"'{name}' is already declared on line {prev.line}", span)
+            prev, prev_what = self.declared_at[name]
+            raise self.error(f"'{name}' is already declared (as {_a(prev_what)} on line {prev.line})", span)
         if len(self.declared_at) >= MAX_DECLS:
             raise self.error(f"too many declarations (the limit is {MAX_DECLS})", span)
-        self.declared_at[name] = span
+        self.declared_at[name] = (span, what)
 
     def shape_of(self, decl) -> ir.Shape:
         seen = []
@@ -200,7 +207,7 @@ class Checker:
             raise self.error(f"a mixer has one output; '{self.output.name}' was declared on line "
                              f"{self.output.span.line}", b.name.span)
         self.declare(b.name, "output")
-        e = self.expr(b.expr, "output")
+        e = self.expr(b.expr, "output", defining=b.name.name)
         if not ir.refs(e, "state"):
             raise self.error(f"output '{b.name.name}' does not read any state", b.expr.span)
         self.output = ir.Output(b.name.name, e, b.name.span)
@@ -272,19 +279,22 @@ class _ExprChecker:
         known = [*c.dims, *c.inputs, *c.params, *c.options, *c.lets, *c.states, "head"]
         if name == self.defining:
             raise self.err(f"{self.ctx} '{name}' refers to itself", n.span)
-        later = self._declared_later(name)
-        if later:
-            raise self.err(f"'{name}' is used before it is declared (on line {later})", n.span)
+        line, kind = self._declaration(name)
+        if kind == "output":
+            # The output is what the mixer returns; nothing inside the spec can read it.
+            raise self.err(f"'{name}' is the output of the mixer; nothing in the spec can read it", n.span)
+        if line is not None and name not in c.declared_at:
+            raise self.err(f"'{name}' is used before it is declared (on line {line})", n.span)
         raise self.err(f"unknown name '{name}'{did_you_mean(name, known)}", n.span)
 
-    def _declared_later(self, name: str) -> int | None:
+    def _declaration(self, name: str) -> tuple[int | None, str | None]:
+        """Where and as what `name` is declared anywhere in the spec (updates declare nothing)."""
         for st in self.c.tree.statements:
             for item in st.items:
                 nm = getattr(item, "name", None)
-                if nm is not None and getattr(nm, "name", None) == name and st.kind not in ("update",):
-                    if name not in self.c.declared_at:
-                        return nm.span.line
-        return None
+                if st.kind != "update" and getattr(nm, "name", None) == name:
+                    return nm.span.line, st.kind
+        return None, None
 
     # operators
     def node_UnaryNode(self, n: UnaryNode) -> ir.Expr:

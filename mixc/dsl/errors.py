@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import unicodedata
 from dataclasses import dataclass
 
 
@@ -13,8 +14,16 @@ class Source:
     filename: str = "<spec>"
 
     def line(self, number: int) -> str:
-        lines = self.text.splitlines()
-        return lines[number - 1] if 1 <= number <= len(lines) else ""
+        # Split on '\n' only: the parser counts lines that way, and str.splitlines() would
+        # also break at form feeds and U+2028, putting the caret under the wrong line.
+        lines = self.text.split("\n")
+        return lines[number - 1].rstrip("\r") if 1 <= number <= len(lines) else ""
+
+    def end(self) -> "Span":
+        """Just after the last character that is not whitespace (where 'end of file' points)."""
+        text = self.text.rstrip(" \t\f\r\n")
+        start = text.rfind("\n") + 1
+        return Span.point(text.count("\n") + 1, len(text) - start + 1)
 
 
 @dataclass(frozen=True)
@@ -61,24 +70,38 @@ class SpecError(Exception):
             return "\n".join(x for x in (head, where, *self._note_lines()) if x)
         span = self.span
         text = self.source.line(span.line)
-        # Tabs would misplace the caret: show them as one space each.
-        shown = text.replace("\t", " ")
         width = 1
         if span.end_line == span.line and span.end_column > span.column:
             width = span.end_column - span.column
-        width = max(1, min(width, max(1, len(shown) - span.column + 1)))
+        width = max(1, min(width, max(1, len(text) - span.column + 1)))
+        shown, cells = _displayed(text)
         gutter = str(span.line)
         pad = " " * len(gutter)
         out = [
             f"{self.source.filename}:{span.line}:{span.column}: error: {self.message}",
             f"{pad} |",
             f"{gutter} | {shown}",
-            f"{pad} | {' ' * (span.column - 1)}^{'~' * (width - 1)}",
+            f"{pad} | {' ' * sum(cells[:span.column - 1])}^{'~' * (sum(cells[span.column - 1:][:width]) - 1)}",
         ]
         return "\n".join(out + self._note_lines())
 
     def _note_lines(self) -> list[str]:
         return [f"note: {n}" for n in self.notes]
+
+
+def _displayed(text: str) -> tuple[str, list[int]]:
+    """The line as shown under the message, and the terminal cells of each character, so
+    that the caret lands under the right character: a tab or an invisible or control
+    character is shown as one cell (' ' or '?'), a wide (CJK) character takes two."""
+    shown, cells = [], []
+    for ch in text:
+        if ch == "\t":
+            ch = " "
+        elif not ch.isprintable():
+            ch = "?"
+        shown.append(ch)
+        cells.append(2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1)
+    return "".join(shown), cells
 
 
 def did_you_mean(name: str, candidates) -> str:

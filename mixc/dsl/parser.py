@@ -2,6 +2,7 @@
 the user's words (never a terminal name such as RSQB or $END)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -122,10 +123,28 @@ class SpecTree:
 
 # ---- lark ---------------------------------------------------------------------------
 
+class _KeywordAsName(Exception):
+    """A keyword where only a name fits (the lexer then reads it as a name)."""
+
+    def __init__(self, token: Token):
+        super().__init__(str(token))
+        self.token = token
+
+
+def _refuse_keyword(tok: Token) -> Token:
+    # The contextual lexer reads a keyword as a NAME where the keyword cannot come next
+    # (`1 + if f ...`, `input state[K]`, a statement after a dangling `+`). Every such case
+    # is a mistake; catching it here points at the keyword itself, not at the token after.
+    if tok.value in KEYWORDS:
+        raise _KeywordAsName(tok)
+    return tok
+
+
 @lru_cache(maxsize=1)
 def _lark() -> Lark:
     grammar = (Path(__file__).parent / "mix.lark").read_text()
-    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False,
+                lexer_callbacks={"NAME": _refuse_keyword})
 
 
 def _tok_span(tok: Token) -> Span:
@@ -141,6 +160,11 @@ def _tree_span(tree: Tree) -> Span:
     return Span(m.line, m.column, m.end_line, m.end_column)
 
 
+STATEMENT_KEYWORDS = ("dims", "input", "param", "option", "let", "state", "update", "output")
+_OPERATORS = ("+", "-", "*", "/", "@", "**")
+_EXPR_START = {"a name", "a number", "'('", "'-'"}
+
+
 def _describe_terminal(name: str) -> str:
     if name == "$END":
         return "end of file"
@@ -151,54 +175,97 @@ def _describe_terminal(name: str) -> str:
     for term in _lark().terminals:
         if term.name == name and term.pattern.type == "str":
             return f"'{term.pattern.value}'"
-    return name.lower()
+    return "a token"            # a regex terminal without a user word; never lark's own name
+
+
+def _join(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
 def _expected(names) -> str:
-    words = sorted({_describe_terminal(n) for n in names if not n.startswith("__")})
-    if not words:
-        return ""
-    if len(words) > 8:
-        words = words[:8] + ["..."]
-    return "expected " + (words[0] if len(words) == 1 else "one of " + ", ".join(words))
+    """'expected ...' in user words; groups of terminals are named as a whole."""
+    words = {_describe_terminal(n) for n in names}
+    out = []
+    if _EXPR_START <= words:
+        words -= _EXPR_START | {"'true'", "'false'", "'if'"}
+        out.append("an expression")
+    ops = {f"'{o}'" for o in _OPERATORS}
+    if len(words & ops) >= 3:
+        words -= ops
+        out.append("an operator (" + " ".join(_OPERATORS) + ")")
+    stmts = {f"'{k}'" for k in STATEMENT_KEYWORDS}
+    if stmts <= words:
+        # After a complete statement the file may also end; saying so adds nothing.
+        words -= stmts | {"end of file"}
+        out.append("a new statement (" + ", ".join(STATEMENT_KEYWORDS) + ")")
+    out = sorted(words) + out
+    return "expected " + _join(out) if out else ""
+
+
+def _unexpected_character(err: lark.exceptions.UnexpectedCharacters, source: Source) -> SpecError:
+    text, pos = source.text, err.pos_in_stream
+    ch = text[pos] if pos < len(text) else "?"
+    span = Span.point(err.line, err.column)
+    if ch == ">" and pos > 0 and text[pos - 1] == "-":
+        return SpecError("'->' may only appear in rename(x, A -> B)", source,
+                         Span(err.line, err.column - 1, err.line, err.column + 1))
+    what = f"'{ch}'" if ch.isprintable() and ch != "'" else (f'"{ch}"' if ch == "'" else f"U+{ord(ch):04X}")
+    msg = f"unexpected character {what}"
+    if ch.isalnum():            # a letter or digit outside ASCII, in what was meant as a name
+        msg += " (names are ASCII letters, digits and _)"
+    return SpecError(msg, source, span)
+
+
+def _unexpected_token(err: lark.exceptions.UnexpectedToken, source: Source) -> SpecError:
+    tok = err.token
+    # The parser's own `expected` is a superset (LALR merges states); ask it which tokens
+    # it would really accept here.
+    try:
+        accepted = err.interactive_parser.accepts()
+    except Exception:           # the precise set is a nicety: fall back to the coarse one
+        accepted = err.expected
+    exp = _expected(accepted)
+    if tok.type == "$END":
+        return SpecError("unexpected end of file" + (f"; {exp}" if exp else ""), source, source.end())
+    return SpecError(f"unexpected '{tok.value}'" + (f"; {exp}" if exp else ""), source, _tok_span(tok))
+
+
+def _keyword_as_name(tok: Token, source: Source) -> SpecError:
+    # `1 + if f then a else b` reads as the keyword in a name's place; say what was meant.
+    if tok.value == "if" and re.match(r"\s+[A-Za-z_]\w*\s+then\b", source.text[tok.end_pos:]):
+        msg = "an if-expression inside another expression needs parentheses: (if FLAG then a else b)"
+    else:
+        msg = f"'{tok.value}' is a keyword of the spec language and cannot be used as a name"
+    return SpecError(msg, source, _tok_span(tok))
 
 
 def _syntax_error(err: lark.exceptions.LarkError, source: Source) -> SpecError:
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
-        ch = source.text[err.pos_in_stream] if err.pos_in_stream < len(source.text) else "?"
-        what = repr(ch) if ch.isprintable() else f"character U+{ord(ch):04X}"
-        return SpecError(f"unexpected {what} (names are ASCII letters, digits and _)",
-                         source, Span.point(err.line, err.column))
+        return _unexpected_character(err, source)
     if isinstance(err, lark.exceptions.UnexpectedToken):
-        tok = err.token
-        exp = _expected(err.expected)
-        if tok.type == "$END":
-            lines = source.text.rstrip().splitlines() or [""]
-            span = Span.point(len(lines), len(lines[-1]) + 1)
-            return SpecError("unexpected end of file" + (f"; {exp}" if exp else ""), source, span)
-        if tok.value in KEYWORDS and "NAME" in err.expected:
-            msg = f"'{tok.value}' is a keyword of the spec language and cannot be used as a name"
-        else:
-            msg = f"unexpected '{tok.value}'" + (f"; {exp}" if exp else "")
-        return SpecError(msg, source, _tok_span(tok))
+        return _unexpected_token(err, source)
     if isinstance(err, lark.exceptions.UnexpectedEOF):
-        lines = source.text.rstrip().splitlines() or [""]
         exp = _expected(err.expected)
-        return SpecError("unexpected end of file" + (f"; {exp}" if exp else ""), source,
-                         Span.point(len(lines), len(lines[-1]) + 1))
-    return SpecError(f"cannot parse the spec: {type(err).__name__}", source, Span.point(1, 1))
+        return SpecError("unexpected end of file" + (f"; {exp}" if exp else ""), source, source.end())
+    return SpecError("cannot parse the spec", source, Span.point(1, 1))
+
+
+# Rules that nest an expression one level deeper (leaves and parentheses do not count).
+_NESTING_RULES = frozenset({"add", "sub", "mul", "div", "matmul", "pow", "neg", "call", "cond"})
 
 
 def _check_depth(tree: Tree, source: Source) -> None:
+    """Refuse expressions nested deeper than MAX_DEPTH, before anything recurses into them."""
     stack = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
-        if depth > MAX_DEPTH + 8:      # statements and the start rule add a few levels
-            raise SpecError(f"expression is nested too deeply or is too long (more than {MAX_DEPTH} levels of operators)",
-                            source, _tree_span(node))
-        for child in node.children:
-            if isinstance(child, Tree):
-                stack.append((child, depth + 1))
+        if node.data in _NESTING_RULES:
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise SpecError(f"expression is nested too deeply (more than {MAX_DEPTH} levels of operators "
+                                "and calls; a chain a + b + c + ... adds a level per operator); "
+                                "split it with `let`", source, _tree_span(node))
+        stack.extend((child, depth) for child in node.children if isinstance(child, Tree))
 
 
 def parse_tree(text: str, filename: str = "<spec>") -> SpecTree:
@@ -208,6 +275,8 @@ def parse_tree(text: str, filename: str = "<spec>") -> SpecTree:
                         source, None)
     try:
         tree = _lark().parse(text)
+    except _KeywordAsName as err:
+        raise _keyword_as_name(err.token, source) from None
     except lark.exceptions.LarkError as err:
         raise _syntax_error(err, source) from None
     _check_depth(tree, source)

@@ -1,0 +1,144 @@
+"""mixc command line: list | check | explain | run. Spec errors print and exit 1."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .dsl import SpecError, library_names, read_spec, parse
+from .dsl.unparse import spec_text
+
+
+def _flags(pairs: list[str]) -> dict[str, bool]:
+    out = {}
+    for p in pairs or []:
+        name, _, value = p.partition("=")
+        if value.lower() not in ("true", "false", "1", "0", ""):
+            raise SpecError(f"--set {p}: a flag takes true or false")
+        out[name] = value.lower() in ("true", "1", "")
+    return out
+
+
+def _sizes(pairs: list[str]) -> dict[str, int]:
+    out = {}
+    for p in pairs or []:
+        name, _, value = p.partition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise SpecError(f"--dim {p}: expected NAME=SIZE with a positive size")
+        out[name] = int(value)
+    return out
+
+
+def _load(target: str):
+    src = read_spec(target)
+    return parse(src.text, src.filename)
+
+
+def cmd_list(args) -> int:
+    from .derive.plan import derive
+    rows = []
+    for name in library_names():
+        plan = derive(_load(name))
+        rows.append((name, plan.transition, ", ".join(plan.forms),
+                     ", ".join(f"{s.name}[{', '.join(s.shape)}]" for s in plan.ir.states)))
+    w = [max(len(r[i]) for r in rows + [("spec", "class", "forms", "states")]) for i in range(4)]
+    print(f"{'spec':{w[0]}}  {'class':{w[1]}}  {'forms':{w[2]}}  states")
+    for r in rows:
+        print(f"{r[0]:{w[0]}}  {r[1]:{w[1]}}  {r[2]:{w[2]}}  {r[3]}")
+    return 0
+
+
+def _dump(mixer, plan, what: str | None) -> bool:
+    if what == "ir":
+        print(spec_text(mixer))
+        return True
+    if what == "plan":
+        from .derive.explain import plan_json
+        print(plan_json(plan))
+        return True
+    return False
+
+
+def cmd_check(args) -> int:
+    from .derive.plan import derive
+    mixer = _load(args.spec)
+    plan = derive(mixer, _flags(args.set))
+    if _dump(mixer, plan, args.dump):
+        return 0
+    print(f"ok: {mixer.name} ({mixer.source.filename}): {plan.transition}; forms: {', '.join(plan.forms)}")
+    for note in plan.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from .derive.explain import explain
+    from .derive.plan import derive
+    mixer = _load(args.spec)
+    plan = derive(mixer, _flags(args.set))
+    if not _dump(mixer, plan, args.dump):
+        print(explain(plan))
+    return 0
+
+
+def cmd_run(args) -> int:
+    """Run the op on random inputs and report the output (the reference backend today)."""
+    import torch
+
+    from .runtime.op import MixerOp
+    op = MixerOp(_load(args.spec))
+    from .runtime.inputs import random_args
+    kw, sizes = random_args(op.ir, B=args.B, T=args.T, H=args.H, seed=args.seed,
+                            sizes={d.name: 16 for d in op.ir.dims if not d.alias_of} | _sizes(args.dim))
+    kw.update(_flags(args.set))
+    t0 = time.perf_counter()
+    o, state = op.reference(**kw, output_final_state=True)
+    dt = time.perf_counter() - t0
+    print(f"{op.name}: reference (float64 loop over t), B={args.B} T={args.T} H={args.H} "
+          + " ".join(f"{k}={v}" for k, v in sizes.items()))
+    print(f"  output {op.ir.output.name}: shape {list(o.shape)}, mean {o.mean():.6g}, std {o.std():.6g}, "
+          f"finite {bool(torch.isfinite(o).all())}")
+    for k, v in state.items():
+        print(f"  final state {k}: shape {list(v.shape)}, norm {v.norm():.6g}")
+    print(f"  {dt * 1e3:.1f} ms")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mixc", description="Compile sequence-mixer specs to kernels and ops.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="library specs and their class")
+    for name, fn, hlp in (("check", cmd_check, "parse, check and derive a spec"),
+                          ("explain", cmd_explain, "class, shapes, recurrent and chunked forms, backward")):
+        c = sub.add_parser(name, help=hlp)
+        c.add_argument("spec", help="a library spec name (see `mixc list`) or a .mix file")
+        c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option")
+        c.add_argument("--dump", choices=("ir", "plan"), help="print a pipeline stage instead")
+        c.set_defaults(fn=fn)
+    r = sub.add_parser("run", help="run a spec on random inputs")
+    r.add_argument("spec")
+    r.add_argument("--B", type=int, default=2)
+    r.add_argument("--T", type=int, default=64)
+    r.add_argument("--H", type=int, default=4)
+    r.add_argument("--dim", action="append", metavar="NAME=SIZE", help="a dim size (default 16)")
+    r.add_argument("--set", action="append", metavar="FLAG=true|false")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(fn=cmd_run)
+    sub.choices["list"].set_defaults(fn=cmd_list)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except SpecError as err:
+        print(str(err), file=sys.stderr)
+        return 1
+    except ValueError as err:        # bad arguments to an op (ArgumentError)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

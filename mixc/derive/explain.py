@@ -1,0 +1,249 @@
+"""Plan -> readable text: the class, the shapes, the recurrent and parallel forms and the
+backward equations, with the spec's own expressions substituted."""
+from __future__ import annotations
+
+import json
+
+import sympy as sp
+
+from ..dsl.unparse import expr_text
+from . import plan as P
+
+
+_FOLD: list[tuple[sp.Expr, sp.Symbol]] = []
+
+
+def s(e) -> str:
+    """An expression as text, with each let's inlined expression shown by the let's name."""
+    if e is None:
+        return "1"
+    if isinstance(e, sp.Basic):
+        for inlined, name in _FOLD:
+            e = e.subs(inlined, name)
+    return sp.sstr(e, full_prec=False)
+
+
+def _set_fold(plan: P.Plan) -> None:
+    """Lets to fold back, the biggest first (a let may contain a smaller one)."""
+    pairs = [(x.expr, sp.Symbol(x.name)) for x in plan.lets if not x.expr.is_Symbol]
+    _FOLD[:] = sorted(pairs, key=lambda p: -sp.count_ops(p[0]))
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(shape) + "]"
+
+
+def _lead(kind: str) -> str:
+    return {"input": "B, T, H", "param": "H"}[kind]
+
+
+def _readout_text(r: P.ReadoutPlan) -> str:
+    S = f"{r.state}_{{t-1}}" if r.prev else f"{r.state}_t"
+    parts = []
+    for scale, proj, over in r.terms:
+        core = S if proj is None else (f"({s(proj)}) @ {S}" if set(over) else f"({s(proj)}) * {S}")
+        if proj is not None and over and scale == 1:
+            parts.append(core)
+        elif scale == 1:
+            parts.append(core)
+        else:
+            parts.append(f"({s(scale)}) * ({core})")
+    return " + ".join(parts)
+
+
+def _update_text(st: P.StatePlan) -> str:
+    S = st.name
+    terms = []
+    if st.decay != 0:
+        terms.append(f"{S}_{{t-1}}" if st.decay == 1 else f"({s(st.decay)}) * {S}_{{t-1}}")
+    for r in st.rank1:
+        terms.append(f"({s(r.left)}) * (({s(r.right)}) @ {S}_{{t-1}})")
+    if st.input_term != 0:
+        terms.append(f"({s(st.input_term)})")
+    return f"{S}_t = " + " + ".join(terms)
+
+
+def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
+    """The chunked equations of one state, C tokens per chunk, S0 its state at the chunk start."""
+    S = st.name
+    key = s(st.key) if st.key is not None else None
+    value = s(st.value) if st.value is not None else None
+    Q = " , ".join(queries) if queries else "(none)"
+    rows = [f"rows are the tokens of one chunk; Q = readout queries {Q}; K = rows of {key}; V = rows of {value}"]
+    if key is None:
+        rows.append(f"the input term {s(st.input_term)} is not an outer product key (x) value: "
+                    "the chunked form takes it as a full-rank term per token")
+    if st.transition == P.PREFIX_SUM:
+        rows += [f"O   = Q {S}0 + [(Q K^T) masked i >= j] V",
+                 f"{S}_C = {S}0 + K^T V"]
+    elif st.transition in (P.SCALAR, P.KEY_DIAG):
+        over = "" if st.transition == P.SCALAR else f" (a vector over {', '.join(st.decay_dims)})"
+        intra = ("[ (Q K^T)_ij exp(b_i - b_j), i >= j ] V" if st.transition == P.SCALAR
+                 else "[ sum_d q_id k_jd exp(b_id - b_jd), i >= j ] V")
+        rows += [f"b_t = cumulative sum of log a = {s(st.log_decay)} inside the chunk{over}",
+                 f"O   = (Q * exp(b)) {S}0 + {intra}",
+                 f"{S}_C = exp(b_C) * {S}0 + (K * exp(b_C - b))^T V",
+                 "only exponents b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
+        if st.transition == P.KEY_DIAG:
+            rows.append("the intra-chunk term runs on sub-chunks of 16 relative to a sub-chunk reference, "
+                        "diagonal sub-blocks elementwise in fp32")
+    elif st.transition == P.VALUE_DIAG:
+        rows += [f"b_t = cumulative sum of log a = {s(st.log_decay)} over {', '.join(st.decay_dims)} inside the chunk",
+                 f"O   = (Q {S}0) * exp(b) + [ (Q K^T) masked i >= j, times exp(b_i - b_j) per value channel ] V",
+                 f"{S}_C = {S}0 * exp(b_C) + K^T (V * exp(b_C - b))"]
+    elif st.transition == P.RANK1:
+        r = st.rank1[0]
+        rows += [f"transition: A_t(S) = a_t * S + l_t (r_t^T S) with a = {s(st.decay)}, l = {s(r.left)}, "
+                 f"r = {s(r.right)}",
+                 "L, R = rows of l and r in the chunk",
+                 "T   = (I - tril(R L^T, -1))^-1            unit lower triangular: a forward substitution",
+                 f"X   = T (R {S}0 + tril(R K^T, -1) V)       the rows r_t^T S_{{t-1}}  (W = T R, U = T tril(R K^T, -1) V)",
+                 f"{S}_C = {S}0 + L^T X + K^T V",
+                 f"O   = Q {S}0 + [(Q L^T) masked i >= j] X + [(Q K^T) masked i >= j] V"]
+        if st.gated:
+            rows.append(f"with the decay a_t: b = cumulative sum of {s(st.log_decay)}; every masked product takes "
+                        f"exp(b_i - b_j), every {S}0 term exp(b_i), {S}_C's terms exp(b_C - b_j)")
+    elif st.transition == P.ELEMENTWISE:
+        rows = [f"no matmul form: {S}_t = a_t * {S}_{{t-1}} + B_t is a first-order recurrence per element of "
+                f"{_shape(st.shape)} with a = {s(st.decay)}",
+                "parallel form: an associative scan over pairs (a, B), (a1, B1) o (a2, B2) = (a1 a2, a2 B1 + B2), "
+                f"in log space: log a = {s(st.log_decay)}"]
+    else:
+        rows = ["no parallel form: the transition is a general linear map (more than one projection term)"]
+    if st.time_invariant:
+        rows.append(f"time-invariant transition: also a convolution, o = h * x with h_tau = readout of a^tau "
+                    f"applied to the input term (FFT)")
+    return rows
+
+
+def explain(plan: P.Plan) -> str:
+    _set_fold(plan)
+    try:
+        return _explain(plan)
+    finally:
+        _FOLD.clear()
+
+
+def _explain(plan: P.Plan) -> str:
+    m = plan.ir
+    out = [f"mixer {m.name}    ({m.source.filename}, spec hash {m.spec_hash})",
+           f"class: {plan.transition}",
+           f"forms: {', '.join(plan.forms)}"]
+    if plan.flags:
+        out.append("flags: " + ", ".join(f"{k}={str(v).lower()}" for k, v in plan.flags))
+    out.append("")
+    out.append("shapes (per call; dims bind from the tensors)")
+    out.append("  dims     " + ", ".join(d.name + (f" = {d.alias_of}" if d.alias_of else "") for d in m.dims))
+    for d in m.inputs:
+        out.append(f"  input    {d.name}[{_lead('input')}{''.join(', ' + x for x in d.shape)}]")
+    for d in m.params:
+        out.append(f"  param    {d.name}[{_lead('param')}{''.join(', ' + x for x in d.shape)}]")
+    for o in m.options:
+        default = str(o.default).lower() if o.kind == "bool" else expr_text(o.default)
+        out.append(f"  option   {o.name} = {default}")
+    for st in m.states:
+        out.append(f"  state    {st.name}[B, H{''.join(', ' + x for x in st.shape)}]")
+    out.append(f"  output   {m.output.name}[B, T, H{''.join(', ' + x for x in m.output.expr.shape)}]")
+    if plan.lets:
+        out.append("")
+        out.append("lets (inlined; reductions and contractions are their own nodes)")
+        for let in plan.lets:
+            out.append(f"  {let.name}{_shape(let.shape)} = {sp.sstr(let.expr, full_prec=False)}")
+    out.append("")
+    out.append("recurrent form (per token t, per head)")
+    for st in plan.states:
+        out.append(f"  {_update_text(st)}")
+    for r in plan.output.readouts:
+        out.append(f"  {r.name} = {_readout_text(r)}")
+    out.append(f"  {plan.output.name}_t = {s(plan.output.combine)}    ({plan.output.kind} in the readouts)")
+    for st in plan.states:
+        out.append("")
+        dims = f" over {', '.join(st.decay_dims)}" if st.decay_dims else ""
+        gated = " (gated)" if st.gated else ""
+        out.append(f"state {st.name}{_shape(st.shape)}: {st.transition}{gated}{dims}")
+        out.append(f"  decay       a_t = {s(st.decay)}")
+        out.append(f"  log decay   log a_t = {s(st.log_decay)}")
+        if st.key is not None:
+            out.append(f"  input       B_t = key (x) value,  key = {s(st.key)}{_shape(st.key_dims)},  "
+                       f"value = {s(st.value)}{_shape(st.value_dims)}")
+        else:
+            out.append(f"  input       B_t = {s(st.input_term)}")
+        out.append(f"  time-invariant: {'yes' if st.time_invariant else 'no'}; forms: {', '.join(st.forms)}")
+        if "chunk" in st.forms or "scan" in st.forms:
+            out.append("  parallel form (chunk of C tokens, S0 the state at the chunk start)")
+            queries = [s(proj) for r in plan.output.readouts if r.state == st.name for _, proj, _ in r.terms
+                       if proj is not None]
+            out += ["    " + line for line in _chunk_lines(st, queries)]
+    out.append("")
+    out += ["backward"] + ["  " + line for line in _backward_lines(plan)]
+    if plan.notes:
+        out.append("")
+        out += [f"note: {n}" for n in plan.notes]
+    return "\n".join(out)
+
+
+def _backward_lines(plan: P.Plan) -> list[str]:
+    lines = []
+    for st in plan.states:
+        S = st.name
+        rows = [f"d{S}_{{t-1}} = " + (f"({s(st.decay)}) * d{S}_t" if st.decay != 1 else f"d{S}_t")]
+        for r in st.rank1:
+            rows[0] += f" + ({s(r.right)}) (x) (({s(r.left)}) @ d{S}_t)"
+        reads_prev = [r for r in plan.output.readouts if r.state == S and r.prev]
+        if reads_prev:
+            rows[0] += " + (gradient of the prev() readouts at token t)"
+        rows.append(f"  the reverse recurrence, started from the final state's gradient; d{S}_t also takes the "
+                    f"gradient of the readouts of {S}_t")
+        if st.key is not None:
+            rows.append(f"d(key) = d{S}_t @ value,   d(value) = key @ d{S}_t")
+        if st.decay not in (0, 1):
+            rows.append(f"d(log a_t) = sum over the other dims of ({S}_{{t-1}} * a_t * d{S}_t)  "
+                        "(a reverse cumulative sum in the chunked form)")
+            for p in st.log_decay_partials:
+                rows.append(f"  d(log a)/d{p.wrt} = {s(p.expr)}")
+        lines += rows
+    for p in plan.output.partials:
+        lines.append(f"d{plan.output.name}/d{p.wrt} = {s(p.expr)}")
+    for let in plan.lets:
+        for p in let.partials:
+            lines.append(f"d{let.name}/d{p.wrt} = {s(p.expr)}")
+    for node in plan.nodes:
+        for p in node.partials:
+            lines.append(f"d[{s(node.node.symbol)}]/d[{p.wrt}: {s(node.node.operands[int(p.wrt.split()[-1])])}]"
+                         f" = {s(p.expr)}")
+    return lines
+
+
+def plan_dict(plan: P.Plan) -> dict:
+    """The Plan as plain data (sympy expressions as strings) for --dump plan."""
+    return {
+        "mixer": plan.name,
+        "flags": dict(plan.flags),
+        "class": plan.transition,
+        "forms": list(plan.forms),
+        "lets": [{"name": x.name, "shape": list(x.shape), "expr": s(x.expr),
+                  "partials": {p.wrt: s(p.expr) for p in x.partials}} for x in plan.lets],
+        "nodes": [{"symbol": s(n.node.symbol), "kind": n.node.kind, "over": list(n.node.over),
+                   "operands": [s(o) for o in n.node.operands],
+                   "partials": [s(p.expr) for p in n.partials]} for n in plan.nodes],
+        "states": [{"name": x.name, "shape": list(x.shape), "class": x.transition, "gated": x.gated,
+                    "decay": s(x.decay), "decay_dims": list(x.decay_dims), "log_decay": s(x.log_decay),
+                    "log_decay_partials": {p.wrt: s(p.expr) for p in x.log_decay_partials},
+                    "rank1": [{"left": s(r.left), "right": s(r.right), "over": list(r.over)} for r in x.rank1],
+                    "input_term": s(x.input_term), "key": s(x.key) if x.key is not None else None,
+                    "value": s(x.value) if x.value is not None else None, "key_dims": list(x.key_dims),
+                    "value_dims": list(x.value_dims), "time_invariant": x.time_invariant,
+                    "forms": list(x.forms)} for x in plan.states],
+        "output": {"name": plan.output.name, "shape": list(plan.output.shape), "kind": plan.output.kind,
+                   "combine": s(plan.output.combine),
+                   "readouts": [{"name": r.name, "state": r.state, "prev": r.prev,
+                                 "terms": [{"scale": s(a), "proj": s(b) if b is not None else None,
+                                            "over": list(c)} for a, b, c in r.terms]}
+                                for r in plan.output.readouts],
+                   "partials": {p.wrt: s(p.expr) for p in plan.output.partials}},
+        "notes": list(plan.notes),
+    }
+
+
+def plan_json(plan: P.Plan) -> str:
+    return json.dumps(plan_dict(plan), indent=2)
