@@ -122,7 +122,8 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
             raise ArgumentError("cu_seqlens: not accepted by step(); pass one token per sequence")
         cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T)
     n = B if cu_seqlens is None else len(cu_seqlens) - 1
-    state = _check_state(mixer, initial_state, n, H, {k: v[0] for k, v in sizes.items()})
+    state = _check_state(mixer, initial_state, n, H, {k: v[0] for k, v in sizes.items()},
+                         packed=cu_seqlens is not None)
     return Bound(B, T, H, {k: v[0] for k, v in sizes.items() if k not in ("B", "T", "H")},
                  inputs, params, options, flags, state, cu_seqlens)
 
@@ -142,7 +143,9 @@ def _check_cu_seqlens(cu, B: int, T: int) -> torch.Tensor:
     return cu
 
 
-def _check_state(mixer: ir.MixerIR, initial_state, n: int, H: int, sizes) -> dict[str, torch.Tensor] | None:
+def _check_state(mixer: ir.MixerIR, initial_state, n: int, H: int, sizes,
+                 packed: bool) -> dict[str, torch.Tensor] | None:
+    """States are [B, H, *dims], or [N, H, *dims] for N packed sequences."""
     if initial_state is None:
         return None
     if isinstance(initial_state, torch.Tensor):
@@ -159,11 +162,12 @@ def _check_state(mixer: ir.MixerIR, initial_state, n: int, H: int, sizes) -> dic
             raise ArgumentError(f"initial_state: unknown state '{key}'; mixer '{mixer.name}' has {', '.join(names)}")
     for decl in mixer.states:
         if decl.name not in initial_state:
+            lead = "N" if packed else "B"
             raise ArgumentError(f"initial_state: missing state '{decl.name}' "
-                                f"(expected [N, H, {', '.join(decl.shape)}])")
+                                f"(expected [{lead}, H, {', '.join(decl.shape)}])")
         x = initial_state[decl.name]
         want = (n, H) + tuple(sizes[d] for d in decl.shape)
-        label = ("N" if n else "B", "H") + decl.shape
+        label = ("N" if packed else "B", "H") + decl.shape
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ArgumentError(f"initial_state['{decl.name}']: expected shape {_fmt(label, want)}, got {got}")

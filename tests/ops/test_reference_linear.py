@@ -217,7 +217,7 @@ class Case:
     spec: str
     closed: Callable
     flags: dict = field(default_factory=dict)        # bool options passed to both sides
-    roles: dict = field(default_factory=dict)        # overrides of random_args' draws
+    draw: dict = field(default_factory=dict)         # overrides of random_args' draws
     state_from_prefix: bool = False                  # a normalizer state must look like a real one
     custom: dict = field(default_factory=dict)       # a non-default value per float option
     scale_invariant: bool = False                    # normalized by scale q . z: scale cancels
@@ -226,7 +226,7 @@ class Case:
 CASES = [
     Case("linear_attn", "linear_attn", cf_linear_attn, {"normalize": False}, custom={"scale": 0.37}),
     Case("linear_attn-norm", "linear_attn", cf_linear_attn, {"normalize": True},
-         roles={"q": _positive, "k": _positive}, state_from_prefix=True, custom={"scale": 0.61},
+         draw={"q": _positive, "k": _positive}, state_from_prefix=True, custom={"scale": 0.61},
          scale_invariant=True),
     Case("linear_transformer", "linear_transformer", cf_linear_transformer, state_from_prefix=True,
          custom={"eps": 0.03}),
@@ -274,7 +274,7 @@ def _opts(case, op, sizes, custom=False):
 
 def _args(case, op, *, B, T, H, sizes, seed, requires_grad=False):
     args, sz = random_args(op.ir, B=B, T=T, H=H, sizes={d: sizes[d] for d in _dims(case.spec)},
-                           seed=seed, requires_grad=requires_grad, roles=case.roles)
+                           seed=seed, requires_grad=requires_grad, draw=case.draw)
     return args, sz
 
 

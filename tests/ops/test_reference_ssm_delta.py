@@ -7,7 +7,8 @@ conventions (mamba_ssm, flash-linear-attention), never from the spec's loop:
   mamba             mamba_ssm's selective-scan recurrence, in its (b, d, l) / A (d, n) layout
   s4d               a causal convolution with the kernel K_j = sum_n C (dA^j) B_bar
   rwkv6             fla's recurrence, bonus u on the current token, read before the update
-  rwkv7             fla's recurrence in its [V, K] state layout, compared after transposing
+  rwkv7             fla's recurrence written on the [V, K] state (the paper's and fla's
+                    docs' form), compared after transposing
   delta_rule        fla's loop (and the chunked WY / UT form, one or several chunks)
   gated_delta_rule  fla's loop: decay first, then the delta update
   mlstm             the stabilized xLSTM recurrence (max-stabilizer m_t), which must equal
@@ -156,8 +157,9 @@ def rwkv6_fla(a, opts, s0):
 
 
 def rwkv7_fla(a, opts, s0):
-    """fla.ops.rwkv7 in its own [V, K] state layout: S_t = S diag(exp(w)) + (S a) b^T + v k^T;
-    o = S_t (scale r). Our state is the transpose."""
+    """fla.ops.rwkv7 as its docs (and the paper) write it, on a [V, K] state:
+    S_t = S diag(exp(w)) + (S a) b^T + v k^T; o = S_t (scale r). Our state is the transpose
+    (fla's kernels also store the state tensors as [N, H, K, V])."""
     r, w, k, v, aa, bb = (_bh(a[n]) for n in ("r", "w", "k", "v", "a", "b"))
     scale = opts["scale"]
     b, H, T, K = r.shape
@@ -407,7 +409,7 @@ def test_gradients_match_formula(sysname, B, T, H, sizes, explicit_scale):
         assert_close(gr, gf, f"{sysname}: d/d {name}")
 
 
-@pytest.mark.parametrize("sysname", list(SYSTEMS))
+@pytest.mark.parametrize("sysname", [k for k in SYSTEMS if SYSTEMS[k].beta == "unit"])
 def test_gradcheck_tiny(sysname):
     op = _op(sysname)
     sizes = _sizes_for(sysname, small=3)

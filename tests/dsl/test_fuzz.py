@@ -1,0 +1,252 @@
+"""Fuzzing the spec language: whatever the text, parse + derive raise nothing but a
+SpecError that points inside the text and speaks the user's words.
+
+Three sources of text: (a) random strings of spec tokens and junk, (b) mutations of the
+library specs, (c) well-typed random specs from a small generator (these must parse; the
+derivation may still refuse them, with a SpecError). The default run is bounded; the
+`slow` variants (pytest -m slow) draw thousands of examples.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mixc
+from mixc.dsl import library_names, read_spec
+
+from .spec_checks import parse_and_derive
+
+FAST = settings(max_examples=150, deadline=None, database=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SLOW = settings(max_examples=3000, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+LIBRARY = {name: read_spec(name).text for name in library_names()}
+
+
+# ---- (a) random text from spec tokens and junk -----------------------------------------
+
+TOKENS = [
+    "mixer", "dims", "input", "param", "option", "let", "state", "update", "output",
+    "if", "then", "else", "true", "false", "head", "prev", "rename", "sum", "norm", "max", "min",
+    "exp", "log", "sigmoid", "softplus", "sqrt", "abs", "m", "K", "V", "J", "S", "z", "q", "k",
+    "v", "g", "a", "x", "B", "T", "tl", "_x", "0", "1", "2.5", "1e-6", ".5", "1e999",
+    "+", "-", "*", "/", "**", "@", "->", "=", ",", "(", ")", "[", "]", "[]", "()",
+    " ", " ", " ", "\n", "\n  ", "\t", "# note\n",
+    "$", "'", '"', ";", ":", "!", "{", "}", "é", "中", "\u200b", "\x00", "\r\n", "\x0c", "\u2028",
+]
+PREFIX = "mixer m\n  dims K, V\n  input q[K], k[K], v[V]\n"
+
+token_text = st.lists(st.sampled_from(TOKENS), max_size=60).map("".join)
+spec_like_text = st.one_of(token_text, token_text.map(lambda s: PREFIX + s),
+                           token_text.map(lambda s: "mixer m\n" + s))
+
+
+def _random_text(text):
+    parse_and_derive(text)
+
+
+@FAST
+@given(spec_like_text)
+def test_random_token_text(text):
+    _random_text(text)
+
+
+@pytest.mark.slow
+@SLOW
+@given(spec_like_text)
+def test_random_token_text_slow(text):
+    _random_text(text)
+
+
+@FAST
+@given(st.text(max_size=200))
+def test_random_unicode_text(text):
+    parse_and_derive(text)
+    parse_and_derive(PREFIX + text)
+
+
+# ---- (b) mutations of the library specs --------------------------------------------------
+
+_LEX = re.compile(r"#[^\n]*|\s+|[A-Za-z_]\w*|\d+\.?\d*(?:[eE][+-]?\d+)?|\*\*|->|.", re.S)
+_WORD = re.compile(r"[A-Za-z_]\w*\Z")
+JUNK = ["$", "é", "中", "\x00", "'", "(", ")", "[", "]", ",", "=", "*", "@", "-", ">", "\n", "\t",
+        "#", "1", "_"]
+
+
+def _tokens(text: str) -> list[str]:
+    return _LEX.findall(text)
+
+
+@st.composite
+def mutated_spec(draw):
+    name = draw(st.sampled_from(sorted(LIBRARY)))
+    toks = _tokens(LIBRARY[name])
+    for _ in range(draw(st.integers(1, 3))):
+        if not toks:
+            break
+        kind = draw(st.sampled_from(["delete", "duplicate", "swap", "rename", "insert", "truncate"]))
+        i = draw(st.integers(0, len(toks) - 1))
+        if kind == "delete":
+            del toks[i]
+        elif kind == "duplicate":
+            toks.insert(i, toks[i])
+        elif kind == "swap":
+            j = draw(st.integers(0, len(toks) - 1))
+            toks[i], toks[j] = toks[j], toks[i]
+        elif kind == "rename":
+            words = sorted({t for t in toks if _WORD.match(t)})
+            spots = [j for j, t in enumerate(toks) if _WORD.match(t)] or [i]
+            j = spots[i % len(spots)]
+            toks[j] = draw(st.sampled_from(words + ["head", "prev", "tl", "if", "B", "_y", "sum"]))
+        elif kind == "insert":
+            toks.insert(i, draw(st.sampled_from(JUNK)))
+        else:
+            toks = toks[:i]
+    return name, "".join(toks)
+
+
+def _mutation(case):
+    name, text = case
+    parse_and_derive(text, f"<library>/{name}.mix")
+
+
+@FAST
+@given(mutated_spec())
+def test_library_mutations(case):
+    _mutation(case)
+
+
+@pytest.mark.slow
+@SLOW
+@given(mutated_spec())
+def test_library_mutations_slow(case):
+    _mutation(case)
+
+
+# ---- (c) well-typed random specs -----------------------------------------------------------
+
+HEADER = """mixer fuzz
+  dims   K, V, J = K
+  input  q[K], k[K], v[V], g[], w[K], u[V]
+  param  A[], P[K, V]
+  option scale = K ** -0.5, f = {flag}
+  state  S[K, V], z[K]
+"""
+DIMS = ("K", "V", "J")
+# Values of each shape, by context: lets read inputs, params and options; updates and the
+# output also read lets and states (an update only its own state).
+LEAVES = {
+    frozenset(): ["g", "A", "scale", "head", "1", "0.5", "2", "1e-3", "K ** -0.5"],
+    frozenset("K"): ["q", "k", "w"],
+    frozenset("V"): ["v", "u"],
+    frozenset("KV"): ["P"],
+}
+DIM_LEAVES = {"K": ["q", "k", "w"], "V": ["v", "u"], "J": ["rename(q, K -> J)", "rename(w, K -> J)"]}
+FNS = ["exp", "log", "sigmoid", "logsigmoid", "softplus", "tanh", "elu", "relu", "silu", "sqrt", "abs"]
+
+
+@st.composite
+def expr(draw, shape: frozenset, depth: int, leaves: dict):
+    """Text of an expression whose shape is exactly `shape` (dims as a set)."""
+    options = ["leaf"] if leaves.get(shape) else []
+    if depth > 0:
+        options += ["binop", "fn", "neg", "pow", "reduce", "contract", "max2", "cond", "paren"]
+        if "J" in shape and "K" not in shape:
+            options.append("rename")
+    if not options:                      # no value of this shape: broadcast one of each dim
+        return "(" + " * ".join(draw(st.sampled_from(DIM_LEAVES[d])) for d in sorted(shape)) + ")"
+    kind = draw(st.sampled_from(options))
+    sub = depth - 1
+    if kind == "leaf":
+        return draw(st.sampled_from(leaves[shape]))
+    if kind == "binop":
+        dims = sorted(shape)
+        left = frozenset(d for d in dims if draw(st.booleans()))
+        right = frozenset(shape - left) | frozenset(d for d in left if draw(st.booleans()))
+        op = draw(st.sampled_from(["+", "-", "*", "/"]))
+        return f"({draw(expr(left, sub, leaves))} {op} {draw(expr(right, sub, leaves))})"
+    if kind == "fn":
+        return f"{draw(st.sampled_from(FNS))}({draw(expr(shape, sub, leaves))})"
+    if kind == "neg":
+        return f"-{draw(expr(shape, sub, leaves))}"
+    if kind == "pow":
+        e = draw(st.sampled_from(["2", "-1", "0.5", "-0.5", "(1/16)"]))
+        return f"({draw(expr(shape, sub, leaves))}) ** {e}"
+    if kind == "reduce":
+        free = [d for d in DIMS if d not in shape]
+        if not free:
+            return draw(expr(shape, sub, leaves))
+        d = draw(st.sampled_from(free))
+        fn = draw(st.sampled_from(["sum", "norm", "max", "min"]))
+        return f"{fn}({draw(expr(shape | {d}, sub, leaves))}, {d})"
+    if kind == "contract":
+        free = [d for d in DIMS if d not in shape]
+        if not free:
+            return draw(expr(shape, sub, leaves))
+        d = draw(st.sampled_from(free))
+        left = frozenset(x for x in sorted(shape) if draw(st.booleans()))
+        right = shape - left
+        return f"({draw(expr(left | {d}, sub, leaves))} @ {draw(expr(right | {d}, sub, leaves))})"
+    if kind == "max2":
+        fn = draw(st.sampled_from(["max", "min"]))
+        # The second argument is never a bare dim name: max(x, K) is a reduction.
+        return f"{fn}({draw(expr(shape, sub, leaves))}, ({draw(expr(shape, sub, leaves))}) * 1)"
+    if kind == "cond":
+        return f"(if f then {draw(expr(shape, sub, leaves))} else {draw(expr(shape, sub, leaves))})"
+    if kind == "paren":
+        return f"({draw(expr(shape, sub, leaves))})"
+    # rename: a value over K becomes one over J
+    return f"rename({draw(expr((shape - {'J'}) | {'K'}, sub, leaves))}, K -> J)"
+
+
+def _with(leaves: dict, **extra) -> dict:
+    out = {k: list(v) for k, v in leaves.items()}
+    for shape, names in extra.items():
+        out.setdefault(frozenset(shape if shape != "scalar" else ""), []).extend(names)
+    return out
+
+
+@st.composite
+def typed_spec(draw):
+    depth = draw(st.integers(0, 3))
+    lets = []
+    let_leaves = LEAVES
+    for i in range(draw(st.integers(0, 2))):
+        shape = draw(st.sampled_from([frozenset(), frozenset("K"), frozenset("V"), frozenset("KV")]))
+        lets.append((f"a{i}", draw(expr(shape, depth, let_leaves))))
+        let_leaves = _with(let_leaves, **{"".join(sorted(shape)) or "scalar": [f"a{i}"]})
+    s_leaves = _with(let_leaves, KV=["S", "prev(S)"])
+    z_leaves = _with(let_leaves, K=["z", "prev(z)"])
+    if draw(st.booleans()):               # the affine shape every mixer has: A * S + B
+        upd_s = f"{draw(expr(frozenset('K'), depth, let_leaves))} * S + {draw(expr(frozenset('KV'), depth, let_leaves))}"
+    else:
+        upd_s = draw(expr(frozenset("KV"), depth, s_leaves))
+    upd_z = f"z * {draw(expr(frozenset(), depth, let_leaves))} + {draw(expr(frozenset('K'), depth, z_leaves))}"
+    out_leaves = _with(let_leaves, KV=["S", "prev(S)"], K=["z", "prev(z)"])
+    output = f"q @ S + {draw(expr(frozenset('V'), depth, out_leaves))}"
+    text = HEADER.format(flag=draw(st.sampled_from(["true", "false"])))
+    text += "".join(f"  let    {n} = {e}\n" for n, e in lets)
+    text += f"  update S = {upd_s}\n  update z = {upd_z}\n  output o = {output}\n"
+    return text
+
+
+def _typed(text):
+    mixc.parse(text, "typed.mix")          # well-typed by construction: the checker must accept it
+    parse_and_derive(text, "typed.mix")
+
+
+@FAST
+@given(typed_spec())
+def test_typed_random_specs(text):
+    _typed(text)
+
+
+@pytest.mark.slow
+@SLOW
+@given(typed_spec())
+def test_typed_random_specs_slow(text):
+    _typed(text)
