@@ -17,6 +17,9 @@ conventions (mamba_ssm, flash-linear-attention), never from the spec's loop:
 Per system: forward output and final state, with and without a random initial state;
 gradients of every input, param and of the initial state; gradcheck on tiny inputs;
 reference_step token by token; packed sequences (cu_seqlens) against separate runs.
+The chunked forms a kernel would use are checked too: the WY / UT form of the (gated)
+delta rule, RWKV-6 and RWKV-7 (diagonal-plus-low-rank) with in-chunk cumulative decays,
+and mLSTM's row-max-stabilized parallel form (chunks of 9, 4 and 1 tokens).
 """
 from __future__ import annotations
 
@@ -195,29 +198,129 @@ def delta_fla(a, opts, s0):
     return torch.stack(outs, dim=1), {"S": S}
 
 
-def delta_rule_wy(a, opts, s0, chunk):
-    """The chunked delta rule in WY / UT form (Yang et al. 2024), chunk by chunk:
-    T = (I + tril(diag(beta) K K^T, -1))^-1, W = T diag(beta) K, U = T diag(beta) V - W S,
-    O = scale (Q S + (Q K^T masked i >= j) U), S <- S + K^T U."""
+def delta_wy(a, opts, s0, chunk):
+    """The chunked (gated) delta rule in WY / UT form (Yang et al. 2024; 2025), chunk by chunk.
+    Delta rule: T = (I + tril(diag(beta) K K^T, -1))^-1, W = T diag(beta) K,
+    U = T diag(beta) V - W S, O = scale (Q S + (Q K^T masked i >= j) U), S <- S + K^T U.
+    Gated (G = cumsum g within the chunk, Dec_ij = exp(G_i - G_j)): K K^T -> Dec * K K^T,
+    W = T diag(beta exp(G)) K, O = scale (diag(exp(G)) Q S + (Q K^T * Dec masked) U),
+    S <- exp(G_C) S + K^T diag(exp(G_C - G)) U."""
     q, k, v = (_bh(a[n]) for n in ("q", "k", "v"))
     beta = a["beta"].transpose(1, 2)
+    g = a["g"].transpose(1, 2) if "g" in a else torch.zeros_like(beta)
     if opts["use_qk_l2norm_in_kernel"]:
         q, k = _l2norm(q), _l2norm(k)
     b, H, T, K = q.shape
     S = s0["S"] if s0 is not None else torch.zeros(b, H, K, v.shape[-1], dtype=q.dtype)
     outs = []
     for c0 in range(0, T, chunk):
-        Q, Kc, Vc, bc = (x[:, :, c0:c0 + chunk] for x in (q, k, v, beta))
+        Q, Kc, Vc, bc, gc = (x[:, :, c0:c0 + chunk] for x in (q, k, v, beta, g))
         n = Q.shape[2]
+        G = gc.cumsum(-1)                                             # [b, h, n]
+        lower = torch.ones(n, n, dtype=torch.bool).tril()
+        dec = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~lower, -INF))
         eye = torch.eye(n, dtype=q.dtype)
-        strict = torch.tril(bc[..., None] * (Kc @ Kc.transpose(-1, -2)), -1)
+        strict = torch.tril(bc[..., None] * dec * (Kc @ Kc.transpose(-1, -2)), -1)
         Tm = torch.linalg.solve_triangular(eye + strict, eye.expand_as(strict), upper=False)
-        W = Tm @ (bc[..., None] * Kc)
+        W = Tm @ ((bc * torch.exp(G))[..., None] * Kc)
         U = Tm @ (bc[..., None] * Vc) - W @ S
-        attn = (Q @ Kc.transpose(-1, -2)) * torch.tril(torch.ones(n, n, dtype=q.dtype))
-        outs.append(opts["scale"] * (Q @ S + attn @ U))
-        S = S + Kc.transpose(-1, -2) @ U
+        attn = (Q @ Kc.transpose(-1, -2)) * dec
+        outs.append(opts["scale"] * (torch.exp(G)[..., None] * (Q @ S) + attn @ U))
+        S = (torch.exp(G[..., -1])[..., None, None] * S
+             + Kc.transpose(-1, -2) @ (torch.exp(G[..., -1:] - G)[..., None] * U))
     return torch.cat(outs, dim=2).transpose(1, 2), {"S": S}
+
+
+def _pair_decay(G_row, G_col, strict):
+    """exp(G_row[s] - G_col[j]) per key channel, [b, h, s, j, K], zero where j > s (or j >= s)."""
+    n = G_row.shape[2]
+    keep = torch.ones(n, n, dtype=torch.bool).tril(-1 if strict else 0)[..., None]
+    return torch.exp((G_row[:, :, :, None, :] - G_col[:, :, None, :, :]).masked_fill(~keep, -INF))
+
+
+def rwkv6_chunked(a, opts, s0, chunk):
+    """RWKV-6 chunk by chunk (G = cumsum w within the chunk, G_0 = 0):
+    o_s = scale [(r_s exp(G_{s-1}))^T S + sum_{j<s} (r_s exp(G_{s-1} - G_j)) . k_j v_j
+          + (r_s u) . k_s v_s];  S <- diag(exp(G_C)) S + sum_j diag(exp(G_C - G_j)) k_j v_j^T."""
+    r, k, v, w = (_bh(a[n]) for n in ("r", "k", "v", "w"))
+    scale, u = opts["scale"], a["u"][None, :, None, :]
+    b, H, T, K = r.shape
+    S = s0["S"] if s0 is not None else torch.zeros(b, H, K, v.shape[-1], dtype=r.dtype)
+    outs = []
+    for c0 in range(0, T, chunk):
+        R, Kc, Vc, Wc = (x[:, :, c0:c0 + chunk] for x in (r, k, v, w))
+        G = Wc.cumsum(2)
+        Gprev = G - Wc                                                # G_{s-1}
+        A = torch.einsum("bhsk,bhsjk,bhjk->bhsj", R, _pair_decay(Gprev, G, strict=True), Kc)
+        bonus = (R * u * Kc).sum(-1, keepdim=True) * Vc
+        outs.append(scale * ((R * torch.exp(Gprev)) @ S + A @ Vc + bonus))
+        S = (torch.exp(G[:, :, -1])[..., None] * S
+             + (Kc * torch.exp(G[:, :, -1:] - G)).transpose(-1, -2) @ Vc)
+    return torch.cat(outs, dim=2).transpose(1, 2), {"S": S}
+
+
+def rwkv7_chunked(a, opts, s0, chunk):
+    """RWKV-7 (a diagonal-plus-low-rank transition) chunk by chunk, in our [K, V] layout.
+    With G = cumsum w (G_0 = 0) and the pseudo-values u_s = S_{s-1}^T a_s:
+    U = (I - A_ab)^-1 (A_ak V + W S),  A_ab[s, j] = (a_s exp(G_{s-1} - G_j)) . b_j (j < s),
+    A_ak likewise with k_j, W = rows a_s exp(G_{s-1});
+    o_s = scale [(r_s exp(G_s))^T S + sum_{j<=s} (r_s exp(G_s - G_j)) . (k_j v_j + b_j u_j)];
+    S <- diag(exp(G_C)) S + sum_j diag(exp(G_C - G_j)) (k_j v_j^T + b_j u_j^T)."""
+    r, w, k, v, aa, bb = (_bh(a[n]) for n in ("r", "w", "k", "v", "a", "b"))
+    scale = opts["scale"]
+    b, H, T, K = r.shape
+    S = s0["S"] if s0 is not None else torch.zeros(b, H, K, v.shape[-1], dtype=r.dtype)
+    outs = []
+    for c0 in range(0, T, chunk):
+        R, Wc, Kc, Vc, Ac, Bc = (x[:, :, c0:c0 + chunk] for x in (r, w, k, v, aa, bb))
+        n = R.shape[2]
+        G = Wc.cumsum(2)
+        Gprev = G - Wc
+        strict = _pair_decay(Gprev, G, strict=True)                  # exp(G_{s-1} - G_j), j < s
+        A_ab = torch.einsum("bhsk,bhsjk,bhjk->bhsj", Ac, strict, Bc)
+        A_ak = torch.einsum("bhsk,bhsjk,bhjk->bhsj", Ac, strict, Kc)
+        Wm = Ac * torch.exp(Gprev)
+        eye = torch.eye(n, dtype=r.dtype)
+        U = torch.linalg.solve_triangular(eye - A_ab, A_ak @ Vc + Wm @ S, upper=False, unitriangular=True)
+        incl = _pair_decay(G, G, strict=False)                        # exp(G_s - G_j), j <= s
+        A_rk = torch.einsum("bhsk,bhsjk,bhjk->bhsj", R, incl, Kc)
+        A_rb = torch.einsum("bhsk,bhsjk,bhjk->bhsj", R, incl, Bc)
+        outs.append(scale * ((R * torch.exp(G)) @ S + A_rk @ Vc + A_rb @ U))
+        to_end = torch.exp(G[:, :, -1:] - G)
+        S = (torch.exp(G[:, :, -1])[..., None] * S
+             + (Kc * to_end).transpose(-1, -2) @ Vc + (Bc * to_end).transpose(-1, -2) @ U)
+    return torch.cat(outs, dim=2).transpose(1, 2), {"S": S}
+
+
+def mlstm_parallel(a, opts, s0, chunk=None):
+    """The mLSTM parallel form, stabilized by the row max (Beck et al. 2024):
+    F = cumsum logsigmoid(f), log D_tj = F_t - F_j + i_j (j <= t), the initial state weighted by
+    exp(F_t); m_t = max(max_j log D_tj, F_t); Ct = (q_t . ks_j) exp(log D_tj - m_t);
+    h_t = (Ct V + exp(F_t - m_t) q_t^T C0) / max(|sum_j Ct + exp(F_t - m_t) q_t . n0|, exp(-m_t))."""
+    q, k, v = (_bh(a[n]) for n in ("q", "k", "v"))
+    ig, fg = a["i"].transpose(1, 2), a["f"].transpose(1, 2)
+    b, H, T, K = q.shape
+    ks = opts["scale"] * k
+    Fc = F.logsigmoid(fg).cumsum(-1)                                  # [b, h, t]
+    lower = torch.ones(T, T, dtype=torch.bool).tril()
+    logD = (Fc[..., :, None] - Fc[..., None, :] + ig[..., None, :]).masked_fill(~lower, -INF)
+    m = logD.amax(-1)
+    if s0 is not None:
+        m = torch.maximum(m, Fc)
+    Ct = (q @ ks.transpose(-1, -2)) * torch.exp(logD - m[..., None])
+    num, den = Ct @ v, Ct.sum(-1)
+    if s0 is not None:
+        w0 = torch.exp(Fc - m)
+        num = num + w0[..., None] * (q @ s0["C"])
+        den = den + w0 * (q @ s0["n"][..., None])[..., 0]
+    h = num / torch.maximum(den.abs(), torch.exp(-m))[..., None]
+    wT = torch.exp(Fc[..., -1:] - Fc + ig)                            # exp(F_T - F_j + i_j)
+    C = torch.einsum("bhj,bhjk,bhjv->bhkv", wT, ks, v)
+    n = torch.einsum("bhj,bhjk->bhk", wT, ks)
+    if s0 is not None:
+        C = C + torch.exp(Fc[..., -1])[..., None, None] * s0["C"]
+        n = n + torch.exp(Fc[..., -1])[..., None] * s0["n"]
+    return h.transpose(1, 2), {"C": C, "n": n}
 
 
 def mlstm_stabilized(a, opts, s0, branches=None):
@@ -472,19 +575,37 @@ def test_cu_seqlens_equals_separate_runs(sysname, lengths, with_state):
                 assert_close(fin[name][i:i + 1], want, f"{sysname}: empty sequence {i} state {name}")
 
 
-@pytest.mark.parametrize("chunk", [9, 4, 1], ids=["one-chunk", "chunk4", "chunk1"])
-@pytest.mark.parametrize("sysname", [k for k in SYSTEMS if SYSTEMS[k].spec == "delta_rule"])
-def test_delta_rule_chunked_wy_form(sysname, chunk):
-    """The chunked WY / UT form of the delta rule equals the reference (B2 T9 H3 K5 V3)."""
+CHUNKED = {"delta_rule": delta_wy, "gated_delta_rule": delta_wy, "rwkv6": rwkv6_chunked,
+           "rwkv7": rwkv7_chunked, "mlstm": mlstm_parallel}
+
+
+def _chunk_cases():
+    out = []
+    for name, sysd in SYSTEMS.items():
+        if sysd.spec not in CHUNKED:
+            continue
+        chunks = [9] if sysd.spec == "mlstm" else [9, 4, 1]   # mlstm: one parallel block
+        for c in chunks:
+            out.append(pytest.param(name, c, id=f"{name}-" + ("one-chunk" if c == 9 else f"chunk{c}")))
+    return out
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "init-state"])
+@pytest.mark.parametrize("sysname,chunk", _chunk_cases())
+def test_chunked_form(sysname, chunk, with_state):
+    """The chunked forms (the delta rules' WY / UT form, RWKV-6/7 with in-chunk cumulative
+    decays, mLSTM's parallel form) equal the reference (B2 T9 H3 K5 V3)."""
+    spec = SYSTEMS[sysname].spec
     B, T, H = 2, 9, 3
     op = _op(sysname)
     args, sizes = make_args(sysname, B=B, T=T, H=H, sizes=dict(K=5, V=3), seed=51)
     call, full = options(sysname, sizes)
-    s0 = random_state(op.ir, B, H, sizes, seed=9)
+    s0 = random_state(op.ir, B, H, sizes, seed=9) if with_state else None
     o, fin = _run_ref(sysname, args, call, s0)
-    o_wy, fin_wy = delta_rule_wy(args, full, s0, chunk)
-    assert_close(o, o_wy, f"{sysname}: WY output (chunk {chunk})")
-    assert_close(fin["S"], fin_wy["S"], f"{sysname}: WY final state (chunk {chunk})")
+    o_c, fin_c = CHUNKED[spec](args, full, s0, chunk)
+    assert_close(o, o_c, f"{sysname}: chunked output (chunk {chunk})")
+    for name in fin:
+        assert_close(fin[name], fin_c[name], f"{sysname}: chunked final state {name} (chunk {chunk})")
 
 
 def test_mlstm_draws_reach_both_normalizer_branches():
