@@ -14,6 +14,8 @@ TORCH_FUNCTIONS = {
     "step": lambda x: (x > 0).to(x.dtype),
     "Heaviside": lambda x, h0=0.5: torch.where(x > 0, 1.0, torch.where(x < 0, 0.0, h0)).to(x.dtype),
     "Max": lambda *a: _fold(torch.maximum, a), "Min": lambda *a: _fold(torch.minimum, a),
+    "maximum": lambda *a: _fold(torch.maximum, a), "minimum": lambda *a: _fold(torch.minimum, a),
+    "geq": lambda a, b: (torch.as_tensor(a) >= torch.as_tensor(b)).to(torch.float64),
 }
 
 

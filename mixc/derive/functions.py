@@ -64,6 +64,32 @@ class silu(sp.Function):
         return sigmoid(x) * (1 + x * (1 - sigmoid(x)))
 
 
+class geq(sp.Function):
+    """1 where a >= b else 0 (the derivative of maximum(a, b) in a; ties go to a)."""
+
+    def fdiff(self, argindex=1):
+        return sp.S.Zero
+
+
+class maximum(sp.Function):
+    """max(a, b), never evaluated symbolically: sympy's Max would compare its arguments and
+    fails on ones it cannot order (softplus(0), sqrt(-1))."""
+
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return geq(a, b) if argindex == 1 else 1 - geq(a, b)
+
+
+class minimum(sp.Function):
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return geq(b, a) if argindex == 1 else 1 - geq(b, a)
+
+
 SYMPY_FUNCTIONS = {
     "exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs,
     "sigmoid": sigmoid, "logsigmoid": logsigmoid, "softplus": softplus, "elu": elu,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from ..dsl import ir
-from .functions import SYMPY_FUNCTIONS
+from .functions import SYMPY_FUNCTIONS, maximum, minimum
 
 
 @dataclass(frozen=True)
@@ -148,9 +148,9 @@ class ToSympy:
     def x_Call(self, e: ir.Call):
         args = [self(a) for a in e.args]
         if e.fn == "max":
-            return sp.Max(*args)
+            return maximum(*args)
         if e.fn == "min":
-            return sp.Min(*args)
+            return minimum(*args)
         return SYMPY_FUNCTIONS[e.fn](*args)
 
     def x_Reduce(self, e: ir.Reduce):

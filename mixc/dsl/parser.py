@@ -209,7 +209,12 @@ def _unexpected_character(err: lark.exceptions.UnexpectedCharacters, source: Sou
     if ch == ">" and pos > 0 and text[pos - 1] == "-":
         return SpecError("'->' may only appear in rename(x, A -> B)", source,
                          Span(err.line, err.column - 1, err.line, err.column + 1))
-    what = f"'{ch}'" if ch.isprintable() and ch != "'" else (f'"{ch}"' if ch == "'" else f"U+{ord(ch):04X}")
+    if not ch.isprintable():    # invisible in the message: name it by its code point
+        what = f"U+{ord(ch):04X}"
+    elif ch == "'":
+        what = "\"'\""
+    else:
+        what = f"'{ch}'"
     msg = f"unexpected character {what}"
     if ch.isalnum():            # a letter or digit outside ASCII, in what was meant as a name
         msg += " (names are ASCII letters, digits and _)"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 
+
 import mixc
 from mixc.derive.plan import derive
 

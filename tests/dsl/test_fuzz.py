@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mixc
+from mixc.derive.plan import derive
 from mixc.dsl import library_names, read_spec
 
 from .spec_checks import parse_and_derive
@@ -221,8 +222,11 @@ def typed_spec(draw):
         let_leaves = _with(let_leaves, **{"".join(sorted(shape)) or "scalar": [f"a{i}"]})
     s_leaves = _with(let_leaves, KV=["S", "prev(S)"])
     z_leaves = _with(let_leaves, K=["z", "prev(z)"])
-    if draw(st.booleans()):               # the affine shape every mixer has: A * S + B
+    form = draw(st.sampled_from(["affine", "plus", "any"]))
+    if form == "affine":                  # the shape every mixer has: A * S + B
         upd_s = f"{draw(expr(frozenset('K'), depth, let_leaves))} * S + {draw(expr(frozenset('KV'), depth, let_leaves))}"
+    elif form == "plus":                  # S plus anything of S: often linear, sometimes not
+        upd_s = f"S + {draw(expr(frozenset('KV'), depth, s_leaves))}"
     else:
         upd_s = draw(expr(frozenset("KV"), depth, s_leaves))
     upd_z = f"z * {draw(expr(frozenset(), depth, let_leaves))} + {draw(expr(frozenset('K'), depth, z_leaves))}"
@@ -250,3 +254,14 @@ def test_typed_random_specs(text):
 @given(typed_spec())
 def test_typed_random_specs_slow(text):
     _typed(text)
+
+
+# ---- crashes found by fuzzing -------------------------------------------------------------
+
+@pytest.mark.parametrize("const", ["softplus(0)", "relu(1)", "sqrt(-1)", "elu(2)", "silu(0.5)"])
+def test_max_of_a_constant_sympy_cannot_order(const):
+    """Found by fuzzing: sympy's Max compared its arguments and raised on these."""
+    text = ("mixer m\n  dims K, V\n  input q[K], k[K], v[V], g[]\n  state S[K, V]\n"
+            f"  update S = max(g, {const}) * S + min(k * v, {const})\n  output o = q @ S\n")
+    plan = derive(mixc.parse(text))
+    assert plan.states[0].transition == "scalar decay"
