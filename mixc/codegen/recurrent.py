@@ -1,11 +1,19 @@
-"""The fused recurrent forward kernel: one program per (sequence, head), states in registers,
-tokens in order. It is also the decode step (T = 1 with a state in and out). The template
-(templates/recurrent_fwd.py.j2) is plain Triton; this module fills its hooks from the IR."""
+"""The fused recurrent kernels: one program per (sequence, head), states in registers, tokens
+in order. The forward is also the decode step (T = 1, a state in and out). The backward
+recomputes each chunk of CK tokens from a checkpointed state, keeps the chunk's states in a
+scratch buffer, and walks the tokens in reverse with the adjoint of the same per-token code.
+Templates: templates/recurrent_fwd.py.j2 and recurrent_bwd.py.j2 (plain Triton, named hooks)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from ..derive.plan import Plan
 from ..dsl import ir
+from .adjoint import Adjoint, combine
 from .triton_expr import Emitter, canon, expand
+
+I1, I2, I3 = "    ", "        ", "            "
+Var = tuple[str, tuple[str, ...]]
 
 
 def _offsets(decl_dims: tuple[str, ...], order: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
@@ -19,88 +27,87 @@ def _offsets(decl_dims: tuple[str, ...], order: tuple[str, ...]) -> tuple[str, t
     return " + ".join(terms), cd
 
 
-def _numel(dims) -> str:
+def numel(dims) -> str:
     return " * ".join(f"_size_{d}" for d in dims) or "1"
 
 
-def _mask(dims: tuple[str, ...]) -> str:
+def mask(dims: tuple[str, ...]) -> str:
     return " & ".join(expand(f"_mask_{d}", (d,), dims) for d in dims) or "True"
 
 
-def _load(ptr: str, base: str, decl: tuple[str, ...], order, indent: str, var: str) -> list[str]:
+def load(ptr: str, base: str, decl: tuple[str, ...], order, indent: str, var: str) -> list[str]:
     if not decl:
         return [f"{indent}{var} = tl.load({ptr} + {base}).to(tl.float32)"]
     offs, cd = _offsets(decl, order)
-    return [f"{indent}{var} = tl.load({ptr} + {base} * {_numel(decl)} + {offs}, mask={_mask(cd)}, "
+    return [f"{indent}{var} = tl.load({ptr} + {base} * {numel(decl)} + {offs}, mask={mask(cd)}, "
             f"other=0.0).to(tl.float32)"]
 
 
-def _store(ptr: str, base: str, decl: tuple[str, ...], order, indent: str, value: str, cast: str = "") -> list[str]:
+def store(ptr: str, base: str, decl: tuple[str, ...], order, indent: str, value: str, cast: bool = False) -> list[str]:
+    v = f"{value}.to({ptr}.dtype.element_ty)" if cast else value
     if not decl:
-        return [f"{indent}tl.store({ptr} + {base}, {value}{cast})"]
+        return [f"{indent}tl.store({ptr} + {base}, {v})"]
     offs, cd = _offsets(decl, order)
-    return [f"{indent}tl.store({ptr} + {base} * {_numel(decl)} + {offs}, {value}{cast}, mask={_mask(cd)})"]
+    return [f"{indent}tl.store({ptr} + {base} * {numel(decl)} + {offs}, {v}, mask={mask(cd)})"]
 
 
-def recurrent_hooks(plan: Plan) -> dict[str, object]:
-    """Values for the template's hooks and names."""
-    m: ir.MixerIR = plan.ir
-    order = m.dim_names
-    I1, I2, I3 = "    ", "        ", "            "
-    env: dict[str, tuple[str, tuple[str, ...]]] = {}
+def zeros(dims: tuple[str, ...]) -> str:
+    return f"tl.zeros([{', '.join(f'_BLOCK_{d}' for d in dims)}], dtype=tl.float32)" if dims else "_head_f * 0.0"
 
+
+@dataclass
+class Token:
+    """The forward code of one token: loads, lets, updates (from states `s_*`), output."""
+
+    plan: Plan
+    indent: str
+    lines: list[str] = field(default_factory=list)
+    env: dict[str, Var] = field(default_factory=dict)
+    new: dict[str, str] = field(default_factory=dict)
+
+    def build(self, with_output: bool = True) -> "Token":
+        m, order, ind = self.plan.ir, self.plan.ir.dim_names, self.indent
+        self.env = base_env(self.plan)
+        for d in m.inputs:
+            self.lines += load(f"p_{d.name}", "_row", d.shape, order, ind, f"v_{d.name}")
+            self.env[d.name] = (f"v_{d.name}", canon(order, d.shape))
+        self.lets = Emitter(m, self.env, indent=ind, prefix="_l")
+        for let in m.lets:
+            self.env[let.name] = self.lets(let.expr)
+            self.lets.env[let.name] = self.env[let.name]
+        self.lines += self.lets.lines
+        upd_env = dict(self.env)
+        for s in m.states:
+            upd_env[s.name] = upd_env["prev " + s.name] = (f"s_{s.name}", canon(order, s.shape))
+        self.upd = Emitter(m, upd_env, indent=ind, prefix="_u")
+        for u in m.updates:
+            var, dims = self.upd(u.expr)
+            assert set(dims) == set(m.state(u.state).shape)
+            self.new[u.state] = var
+        self.lines += self.upd.lines
+        if with_output:
+            out_env = dict(self.env)
+            for s in m.states:
+                out_env["prev " + s.name] = (f"s_{s.name}", canon(order, s.shape))
+                out_env[s.name] = (self.new[s.name], canon(order, s.shape))
+            self.out = Emitter(m, out_env, indent=ind, prefix="_o")
+            self.o = self.out(m.output.expr)
+            self.lines += self.out.lines
+        return self
+
+
+def base_env(plan: Plan) -> dict[str, Var]:
+    m, order = plan.ir, plan.ir.dim_names
+    env = {d.name: (f"v_{d.name}", canon(order, d.shape)) for d in m.params}
+    env.update({o.name: (f"v_{o.name}", ()) for o in m.options if o.kind == "float"})
+    return env
+
+
+def common_hooks(plan: Plan) -> dict[str, object]:
+    m, order = plan.ir, plan.ir.dim_names
     params = []
     for d in m.params:
-        params += _load(f"p_{d.name}", "i_h", d.shape, order, I1, f"v_{d.name}")
-        env[d.name] = (f"v_{d.name}", canon(order, d.shape))
-    for o in m.options:
-        if o.kind == "float":
-            env[o.name] = (f"v_{o.name}", ())
-
-    init = []
-    for s in m.states:
-        cs = canon(order, s.shape)
-        zeros = f"tl.zeros([{', '.join(f'_BLOCK_{d}' for d in cs)}], dtype=tl.float32)" if cs else "_head_f * 0.0"
-        init.append(f"{I1}s_{s.name} = {zeros}")
-        init.append(f"{I1}if USE_INITIAL_STATE:")
-        init += _load(f"p_init_{s.name}", "(i_n * H + i_h)", s.shape, order, I2, f"s_{s.name}")
-
-    loads = []
-    for d in m.inputs:
-        loads += _load(f"p_{d.name}", "_row", d.shape, order, I2, f"v_{d.name}")
-        env[d.name] = (f"v_{d.name}", canon(order, d.shape))
-
-    lets = Emitter(m, env, indent=I2, prefix="_l")
-    for let in m.lets:
-        env[let.name] = lets(let.expr)
-        lets.env[let.name] = env[let.name]
-
-    upd_env = dict(env)
-    for s in m.states:
-        upd_env[s.name] = upd_env["prev " + s.name] = (f"s_{s.name}", canon(order, s.shape))
-    upd = Emitter(m, upd_env, indent=I2, prefix="_u")
-    new = {}
-    for u in m.updates:
-        var, dims = upd(u.expr)
-        want = canon(order, m.state(u.state).shape)
-        assert set(dims) == set(want)
-        new[u.state] = var
-    out_env = dict(env)
-    for s in m.states:
-        out_env["prev " + s.name] = (f"s_{s.name}", canon(order, s.shape))
-        out_env[s.name] = (new[s.name], canon(order, s.shape))
-    out = Emitter(m, out_env, indent=I2, prefix="_o")
-    o_var, o_dims = out(m.output.expr)
-    o_shape = m.output.expr.shape
-    o_lines = out.lines + _store("p_out", "_row", o_shape, order, I2, expand(o_var, o_dims, canon(order, o_shape)),
-                                 ".to(p_out.dtype.element_ty)")
-    # the states advance after the output has read both the old and the new ones
-    assign = [f"{I2}s_{s} = {v}" for s, v in new.items()]
-
-    store = []
-    for s in m.states:
-        store += _store(f"p_final_{s.name}", "(i_n * H + i_h)", s.shape, order, I2, f"s_{s.name}")
-
+        params += load(f"p_{d.name}", "i_h", d.shape, order, I1, f"v_{d.name}")
     return {
         "inputs": [d.name for d in m.inputs],
         "params": [d.name for d in m.params],
@@ -108,10 +115,120 @@ def recurrent_hooks(plan: Plan) -> dict[str, object]:
         "states": [s.name for s in m.states],
         "dims": list(order),
         "load_params": "\n".join(params) or f"{I1}pass",
+    }
+
+
+def state_base(kind: str) -> str:
+    """Row of a state in its buffer: per (sequence, head), or per checkpoint / scratch slot."""
+    return {"seq": "(i_n * H + i_h)", "ckpt": "((i_n * H + i_h) * n_chunks + _chunk)",
+            "scratch": "(tl.program_id(0).to(tl.int64) * CK + _slot)"}[kind]
+
+
+def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
+    m, order = plan.ir, plan.ir.dim_names
+    init = []
+    for s in m.states:
+        init.append(f"{I1}s_{s.name} = {zeros(canon(order, s.shape))}")
+        init.append(f"{I1}if USE_INITIAL_STATE:")
+        init += load(f"p_init_{s.name}", state_base("seq"), s.shape, order, I2, f"s_{s.name}")
+    ckpt = [f"{I2}if STORE_CHECKPOINTS:", f"{I3}if (_t - bos) % CK == 0:", f"{I3}    _chunk = (_t - bos) // CK"]
+    for s in m.states:
+        ckpt += store(f"p_ckpt_{s.name}", state_base("ckpt"), s.shape, order, I3 + "    ", f"s_{s.name}")
+    tok = Token(plan, I2).build()
+    o_var, o_dims = tok.o
+    o_shape = m.output.expr.shape
+    out = store("p_out", "_row", o_shape, order, I2, expand(o_var, o_dims, canon(order, o_shape)), cast=True)
+    # the states advance after the output has read both the old and the new ones
+    advance = [f"{I2}s_{s} = {v}" for s, v in tok.new.items()]
+    final = []
+    for s in m.states:
+        final += store(f"p_final_{s.name}", state_base("seq"), s.shape, order, I2, f"s_{s.name}")
+    return common_hooks(plan) | {
         "init_states": "\n".join(init),
-        "load_inputs": "\n".join(loads),
-        "lets": "\n".join(lets.lines) or f"{I2}pass",
-        "updates": "\n".join(upd.lines),
-        "output": "\n".join(o_lines + assign),
-        "store_states": "\n".join(store),
+        "checkpoint": "\n".join(ckpt),
+        "token": "\n".join(tok.lines + out + advance),
+        "store_states": "\n".join(final),
+    }
+
+
+def recurrent_bwd_hooks(plan: Plan) -> dict[str, object]:
+    m, order = plan.ir, plan.ir.dim_names
+    sdims = {s.name: canon(order, s.shape) for s in m.states}
+    init = []
+    for s in m.states:
+        init.append(f"{I1}d_{s.name} = {zeros(sdims[s.name])}")
+        init.append(f"{I1}if USE_FINAL_STATE_GRAD:")
+        init += load(f"p_dfinal_{s.name}", state_base("seq"), s.shape, order, I2, f"d_{s.name}")
+    for d in m.params:
+        init.append(f"{I1}dp_{d.name} = {zeros(canon(order, d.shape))}")
+
+    # chunk recompute: states from the checkpoint, stored per token into the scratch buffer
+    load_ckpt = []
+    for s in m.states:
+        load_ckpt += load(f"p_ckpt_{s.name}", state_base("ckpt"), s.shape, order, I2, f"s_{s.name}")
+    fwd = Token(plan, I3).build(with_output=False)
+    recompute = list(fwd.lines) + [f"{I3}s_{s} = {v}" for s, v in fwd.new.items()]
+    recompute.append(f"{I3}_slot = _t - _c_start")
+    for s in m.states:
+        recompute += store(f"p_scratch_{s.name}", state_base("scratch"), s.shape, order, I3, f"s_{s.name}")
+
+    # reverse step: S_{t-1} from the checkpoint or the scratch, then forward and adjoint code
+    prev = [f"{I3}_slot = _t - _c_start - 1"]
+    for s in m.states:
+        prev += load(f"p_ckpt_{s.name}", state_base("ckpt"), s.shape, order, I3, f"s_{s.name}")
+        prev.append(f"{I3}if _slot >= 0:")
+        prev += load(f"p_scratch_{s.name}", state_base("scratch"), s.shape, order, I3 + "    ", f"s_{s.name}")
+    tok = Token(plan, I3).build()
+    o_shape = canon(order, m.output.expr.shape)
+    body = list(tok.lines)
+    body += load("p_do", "_row", m.output.expr.shape, order, I3, "_do")
+    adj_o = Adjoint(tok.out, "_ao")
+    adj_o.backward(m.output.expr, ("_do", o_shape))
+    adj_u = Adjoint(tok.upd, "_au")
+    seeds = {}
+    for s in m.states:       # the gradient of S_t: from later tokens, and from this token's output
+        seeds[s.name] = combine(adj_o.out, [(f"d_{s.name}", sdims[s.name])] + adj_o.leaf_parts(("state", s.name)))
+    for u in m.updates:
+        adj_u.backward(u.expr, seeds[u.state])
+    body += adj_o.lines + adj_u.lines
+    # lets, in reverse: each collects what the output, the updates and later lets sent it
+    adj_l = Adjoint(tok.lets, "_al")
+    adjs = (adj_o, adj_u, adj_l)
+    for let in reversed(m.lets):
+        parts = [g for a in adjs for g in a.leaf_parts(("let", let.name))]
+        if parts:
+            adj_l.backward(let.expr, combine(adj_l.out, parts))
+    body += adj_l.lines
+
+    # totals per leaf, once every adjoint has run
+    sums = Emitter(m, {}, indent=I3, prefix="_s")
+    tail = []
+    for d in m.inputs:
+        cd = canon(order, d.shape)
+        g = combine(sums, [g for a in adjs for g in a.leaf_parts(("input", d.name))])
+        tail += store(f"p_d{d.name}", "_row", d.shape, order, I3, expand(g[0], g[1], cd) if g else zeros(cd),
+                      cast=True)
+    for d in m.params:
+        if (g := combine(sums, [g for a in adjs for g in a.leaf_parts(("param", d.name))])) is not None:
+            tail.append(f"{I3}dp_{d.name} = dp_{d.name} + {expand(g[0], g[1], canon(order, d.shape))}")
+    for s in m.states:
+        # S_{t-1} reaches token t through the update (as S or prev(S)) and the prev() readouts
+        parts = (adj_u.leaf_parts(("state", s.name)) + adj_u.leaf_parts(("prev", s.name))
+                 + adj_o.leaf_parts(("prev", s.name)))
+        g = combine(sums, parts)
+        tail.append(f"{I3}d_{s.name} = {expand(g[0], g[1], sdims[s.name]) if g else zeros(sdims[s.name])}")
+    body += sums.lines + tail
+
+    final = []
+    for s in m.states:
+        final += store(f"p_dinit_{s.name}", state_base("seq"), s.shape, order, I1, f"d_{s.name}")
+    for d in m.params:
+        final += store(f"p_dp_{d.name}", state_base("seq"), d.shape, order, I1, f"dp_{d.name}")
+    return common_hooks(plan) | {
+        "init_grads": "\n".join(init),
+        "load_checkpoint": "\n".join(load_ckpt),
+        "recompute": "\n".join(recompute),
+        "load_prev": "\n".join(prev),
+        "token_backward": "\n".join(body),
+        "store_grads": "\n".join(final),
     }
