@@ -120,7 +120,9 @@ def common_hooks(plan: Plan) -> dict[str, object]:
 
 def state_base(kind: str) -> str:
     """Row of a state in its buffer: per (sequence, head), or per checkpoint / scratch slot."""
-    return {"seq": "(i_n * H + i_h)", "ckpt": "((i_n * H + i_h) * n_chunks + _chunk)",
+    # checkpoint slots: sequence i's chunks start at bos // CK + i, which never overlaps sequence
+    # i - 1's, so packed sequences need at most (total tokens) // CK + N + 1 slots
+    return {"seq": "(i_n * H + i_h)", "ckpt": "((bos // CK + i_n + _chunk) * H + i_h)",
             "scratch": "(tl.program_id(0).to(tl.int64) * CK + _slot)"}[kind]
 
 

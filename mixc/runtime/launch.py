@@ -1,6 +1,8 @@
 """Launching generated kernels: argument order, block sizes, outputs and states."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -8,6 +10,15 @@ from ..derive.plan import Plan
 from .cache import interpreting, load_module
 from .reference import _options
 from .signature import Bound
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """An output buffer; filled with NaN under MIXC_POISON=1 (the tests) so that an element a
+    kernel forgets to write shows up instead of passing with stale memory."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("MIXC_POISON") == "1":
+        t.fill_(float("nan"))
+    return t
 
 
 def block(size: int) -> int:
@@ -41,11 +52,9 @@ def _kernel(plan: Plan, device, form: str):
     return getattr(mod, mod.METADATA["kernels"][form])
 
 
-def _max_len(bound: Bound) -> int:
-    if bound.cu_seqlens is None:
-        return bound.T
-    cu = bound.cu_seqlens.tolist()
-    return max([b - a for a, b in zip(cu, cu[1:])] + [0])
+def checkpoint_slots(bound: Bound, CK: int) -> int:
+    """Slots for the chunk checkpoints of all sequences (see codegen.recurrent.state_base)."""
+    return (bound.B * bound.T) // CK + bound.n_seqs + 1
 
 
 def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,
@@ -53,35 +62,34 @@ def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out
     """Run the fused recurrent forward kernel.
 
     Returns (o, final states or None, checkpoints or None): with checkpoints=True the state at
-    the start of every chunk of CK tokens is kept for the backward ([N, H, n_chunks, *dims])."""
+    the start of every chunk of CK tokens is kept for the backward ([slots, H, *dims])."""
     m = plan.ir
     x0 = next(iter(bound.inputs.values()))
     device = x0.device
     out_dtype = out_dtype or x0.dtype
     kernel = _kernel(plan, device, "recurrent_fwd")
     n, H, T = bound.n_seqs, bound.H, bound.T
-    n_chunks = max(1, -(-_max_len(bound) // CK))
+    slots = checkpoint_slots(bound, CK)
     inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
     params = [bound.params[d.name].contiguous() for d in m.params]
     opts = _options(m, bound)
-    out = torch.empty((bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape),
-                      dtype=out_dtype, device=device)
+    out = _empty((bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape), out_dtype, device)
     state_args, finals, ckpts = [], {}, {}
     for s in m.states:
         shape = tuple(bound.sizes[d] for d in s.shape)
         init = (bound.initial_state[s.name].to(torch.float32).contiguous()
                 if bound.initial_state is not None else out)
-        final = torch.empty((n, H) + shape, dtype=torch.float32, device=device) if output_final_state else out
+        final = _empty((n, H) + shape, torch.float32, device) if output_final_state else out
         if output_final_state:
             finals[s.name] = final
         state_args += [init, final]
         if checkpoints:
-            ckpts[s.name] = torch.empty((n, H, n_chunks) + shape, dtype=torch.float32, device=device)
+            ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
     ckpt_args = [ckpts.get(s.name, out) for s in m.states]
     cu = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out
     fsizes = [float(bound.sizes[d]) for d in m.dim_names]
     kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
-                     *ckpt_args, out, cu, T, H, n_chunks, *fsizes, **dim_kwargs(plan, bound),
+                     *ckpt_args, out, cu, T, H, *fsizes, **dim_kwargs(plan, bound),
                      USE_INITIAL_STATE=bound.initial_state is not None, STORE_FINAL_STATE=output_final_state,
                      IS_VARLEN=bound.cu_seqlens is not None, STORE_CHECKPOINTS=checkpoints, CK=CK)
     return out, (finals if output_final_state else None), (ckpts if checkpoints else None)
@@ -96,24 +104,22 @@ def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, 
     device = x0.device
     kernel = _kernel(plan, device, "recurrent_bwd")
     n, H, T = bound.n_seqs, bound.H, bound.T
-    n_chunks = next(iter(ckpts.values())).shape[2]
     inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
     params = [bound.params[d.name].contiguous() for d in m.params]
     opts = _options(m, bound)
     state_args, dinit = [], {}
     for s in m.states:
         shape = tuple(bound.sizes[d] for d in s.shape)
-        scratch = torch.empty((n * H * CK,) + shape, dtype=torch.float32, device=device)
+        scratch = _empty((n * H * CK,) + shape, torch.float32, device)
         dfin = dfinal[s.name].to(torch.float32).contiguous() if dfinal else scratch
-        dinit[s.name] = torch.empty((n, H) + shape, dtype=torch.float32, device=device)
+        dinit[s.name] = _empty((n, H) + shape, torch.float32, device)
         state_args += [ckpts[s.name], scratch, dfin, dinit[s.name]]
-    dinputs = {d.name: torch.empty_like(x) for d, x in zip(m.inputs, inputs)}
-    dparams = {d.name: torch.empty((n,) + tuple(x.shape), dtype=torch.float32, device=device)
-               for d, x in zip(m.params, params)}
+    dinputs = {d.name: _empty(x.shape, x.dtype, device) for d, x in zip(m.inputs, inputs)}
+    dparams = {d.name: _empty((n,) + tuple(x.shape), torch.float32, device) for d, x in zip(m.params, params)}
     cu = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do
     fsizes = [float(bound.sizes[d]) for d in m.dim_names]
     kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
-                     do.contiguous(), *dinputs.values(), *dparams.values(), cu, T, H, n_chunks, *fsizes,
+                     do.contiguous(), *dinputs.values(), *dparams.values(), cu, T, H, *fsizes,
                      **dim_kwargs(plan, bound), USE_FINAL_STATE_GRAD=dfinal is not None,
                      IS_VARLEN=bound.cu_seqlens is not None, CK=CK)
     dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()}

@@ -1,12 +1,27 @@
-"""MixerOp: what mixc.load() returns. Today it carries the spec, its Plan and the float64
-reference; the kernels (chunked, recurrent, step) attach here as they are generated."""
+"""MixerOp: what mixc.load() returns.
+
+    o, state = op(q=..., k=..., ..., initial_state=None, output_final_state=False,
+                  cu_seqlens=None, mode="auto")
+    o, state = op.step(q=..., ..., state=state)          # one token per sequence
+
+Modes: "recurrent" (the fused recurrent Triton kernels, forward and backward), "chunk"
+(the chunked kernels: not generated yet, see docs/design-notes.md), "torch" (the spec as a
+loop in the inputs' dtype, plain torch with autograd: the CPU backend), "reference" (the
+same loop in float64: ground truth). "auto" takes the kernels on CUDA tensors and on CPU
+tensors under Triton's interpreter (TRITON_INTERPRET=1), and "torch" otherwise."""
 from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
+
 from ..derive.plan import Plan, derive
 from ..dsl import MixerIR, parse, read_spec
 from . import reference as _reference
+from .cache import interpreting
+from .signature import ArgumentError, bind
+
+MODES = ("auto", "recurrent", "chunk", "torch", "reference")
 
 
 class MixerOp:
@@ -24,16 +39,77 @@ class MixerOp:
         """The derivation for the given flag values (the spec's defaults otherwise)."""
         return _cached_plan(self.ir, tuple(sorted(flags.items())))
 
-    def reference(self, **kwargs):
-        """The spec as a float64 loop over t with autograd.
+    # ---- the op ----
+    def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
+                 mode: str = "auto", CK: int = 32, **kwargs):
+        if mode not in MODES:
+            raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
+        device = next(iter(bound.inputs.values())).device
+        mode = self._resolve(mode, device)
+        if mode in ("torch", "reference"):
+            dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
+            o, st = _reference.reference(self.ir, **kwargs, initial_state=initial_state,
+                                         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                         dtype=dtype)
+            if mode == "torch":
+                o = o.to(next(iter(bound.inputs.values())).dtype)
+                st = {k: v.float() for k, v in st.items()} if st is not None else None
+            return o, st
+        if mode == "chunk":
+            raise NotImplementedError(f"mode='chunk': the chunked kernels of {self.plan(**bound.flags).transition} "
+                                      "specs are not generated yet; use mode='recurrent' (or 'auto')")
+        from .autograd import RecurrentFunction
+        plan = self.plan(**bound.flags)
+        tensors = ([bound.inputs[d.name] for d in self.ir.inputs] + [bound.params[d.name] for d in self.ir.params]
+                   + ([bound.initial_state[s.name] for s in self.ir.states] if bound.initial_state is not None else []))
+        outs = RecurrentFunction.apply(plan, bound, output_final_state, CK, *tensors)
+        o = outs[0]
+        st = {s.name: f for s, f in zip(self.ir.states, outs[1:])} if output_final_state else None
+        return o, st
 
-        reference(q=..., k=..., ..., <options>, initial_state=None, output_final_state=False,
-        cu_seqlens=None) -> (o [B, T, H, *dims] float64, state dict or None)."""
+    def step(self, *, state, mode: str = "auto", **kwargs):
+        """One token per sequence: inputs [B, H, *dims] (a scalar per head [B, H]), params as
+        usual, state the dict from output_final_state (or a previous step). Returns (o [B, H,
+        *dims], new state)."""
+        if not isinstance(state, (dict, torch.Tensor)):
+            raise ArgumentError("state: step() needs the state dict that output_final_state=True returns")
+        bound = bind(self.ir, dict(kwargs, initial_state=state), step=True)
+        device = next(iter(bound.inputs.values())).device
+        mode = self._resolve(mode, device)
+        if mode in ("torch", "reference"):
+            dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
+            o, st = _reference.reference_step(self.ir, state=state, dtype=dtype, **kwargs)
+            if mode == "torch":
+                o = o.to(next(iter(bound.inputs.values())).dtype)
+                st = {k: v.float() for k, v in st.items()}
+            return o, st
+        names = {d.name for d in self.ir.inputs}
+        seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
+        o, st = self(**seq, initial_state=state, output_final_state=True, mode="recurrent")
+        return o[:, 0], st
+
+    def reference(self, **kwargs):
+        """The spec as a float64 loop over t with autograd: (o float64, state dict or None)."""
         return _reference.reference(self.ir, **kwargs)
 
     def reference_step(self, *, state, **kwargs):
-        """One token per sequence through the reference: returns (o, new state dict)."""
+        """One token per sequence through the float64 reference: (o, new state dict)."""
         return _reference.reference_step(self.ir, state=state, **kwargs)
+
+    @staticmethod
+    def _resolve(mode: str, device: torch.device) -> str:
+        if mode != "auto":
+            return mode
+        if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+            return "recurrent"
+        return "torch"
+
+
+def _compute_dtype(bound) -> torch.dtype:
+    """The torch backend computes in float32 at least (bf16/fp16 inputs are upcast)."""
+    dtypes = {x.dtype for x in bound.inputs.values()}
+    return torch.float64 if dtypes == {torch.float64} else torch.float32
 
 
 @lru_cache(maxsize=256)

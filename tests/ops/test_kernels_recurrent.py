@@ -1,0 +1,135 @@
+"""The fused recurrent kernels (forward, backward, step) of every library spec, in Triton's
+interpreter, against the float64 reference. Tolerance as FlexAttention does it: the kernel's
+error against float64 must stay within a small factor of the error of the same computation
+done eagerly in the same dtype (the torch backend)."""
+import pytest
+import torch
+
+import mixc
+from mixc.dsl import library_names
+
+from helpers import case_id, random_args, random_state
+
+CASES = [(n, {}) for n in library_names()] + [
+    ("linear_attn", {"normalize": True}), ("based", {"use_norm": False}),
+    ("delta_rule", {"use_qk_l2norm_in_kernel": True}), ("gated_delta_rule", {"use_qk_l2norm_in_kernel": True}),
+]
+IDS = [n + "".join(f"-{k}" for k in f) for n, f in CASES]
+
+
+def _sizes(op, base=3):
+    return {d.name: base + i for i, d in enumerate(op.ir.dims) if not d.alias_of}
+
+
+def _err(x, ref):
+    return (x.double() - ref).abs().max().item()
+
+
+def _run(op, mode, args, flags, st, **kw):
+    return op(**args, **flags, initial_state=st, output_final_state=True, mode=mode, **kw)
+
+
+def _loss(o, st, op, weights):
+    wo, ws = weights
+    return (o.double() * wo).sum() + sum((st[s.name].double() * w).sum() for s, w in zip(op.ir.states, ws))
+
+
+def check_against_reference(op, flags, args, st, dtype, CK=4, factor=4.0, cu_seqlens=None):
+    """Forward, final states and every gradient of the kernels vs the float64 reference,
+    within `factor` times the torch backend's error (plus a floor for exact cases)."""
+    leaves = list(args.values()) + (list(st.values()) if st is not None else [])
+    kw = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}
+    ref_o, ref_st = _run(op, "reference", args, flags, st, **kw)
+    ker_o, ker_st = _run(op, "recurrent", args, flags, st, CK=CK, **kw)
+    eag_o, eag_st = _run(op, "torch", args, flags, st, **kw)
+    assert ker_o.dtype == dtype and all(v.dtype == torch.float32 for v in ker_st.values())
+    assert torch.isfinite(ker_o).all(), "the kernel left NaN (poison) or produced inf"
+    gen = torch.Generator().manual_seed(11)
+    weights = (torch.randn(ref_o.shape, generator=gen, dtype=torch.float64),
+               [torch.randn(ref_st[s.name].shape, generator=gen, dtype=torch.float64) for s in op.ir.states])
+    ref_g = torch.autograd.grad(_loss(ref_o, ref_st, op, weights), leaves, allow_unused=True)
+    ker_g = torch.autograd.grad(_loss(ker_o, ker_st, op, weights), leaves, allow_unused=True)
+    eag_g = torch.autograd.grad(_loss(eag_o, eag_st, op, weights), leaves, allow_unused=True)
+    floor = {torch.float32: 1e-6, torch.float64: 1e-10, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+    names = [f"d{k}" for k in args] + [f"d initial {k}" for k in (st or {})]
+    pairs = [("o", ker_o, eag_o, ref_o)] + [(f"final {k}", ker_st[k], eag_st[k], ref_st[k]) for k in ref_st]
+    pairs += [(n, k, e, r) for n, k, e, r in zip(names, ker_g, eag_g, ref_g) if r is not None]
+    for what, ker, eag, ref in pairs:
+        scale = max(1.0, ref.abs().max().item())
+        allowed = factor * _err(eag, ref) + floor * scale
+        assert _err(ker, ref) <= allowed, f"{what}: kernel error {_err(ker, ref):.3g} > {allowed:.3g}"
+
+
+@pytest.mark.parametrize("name,flags", CASES, ids=IDS)
+def test_recurrent_matches_reference(name, flags):
+    op = mixc.load(name)
+    args, sizes = random_args(op.ir, B=2, T=9, H=3, sizes=_sizes(op), dtype=torch.float32, requires_grad=True, seed=1)
+    st = random_state(op.ir, 2, 3, sizes, requires_grad=True)
+    check_against_reference(op, flags, args, st, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["gla", "mamba2", "delta_rule", "mlstm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_recurrent_low_precision_inputs(name, dtype):
+    op = mixc.load(name)
+    args, sizes = random_args(op.ir, B=1, T=7, H=2, sizes=_sizes(op, 5), dtype=dtype, requires_grad=True, seed=2)
+    st = random_state(op.ir, 1, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, dtype)
+
+
+@pytest.mark.parametrize("T,CK", [(1, 4), (4, 4), (5, 4), (13, 32)], ids=lambda x: str(x))
+def test_chunk_boundaries(T, CK):
+    op = mixc.load("rwkv6")
+    args, sizes = random_args(op.ir, B=2, T=T, H=2, sizes={"K": 6, "V": 5}, dtype=torch.float32,
+                              requires_grad=True, seed=T)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, CK=CK)
+
+
+@pytest.mark.parametrize("name", ["gla", "delta_rule", "based"])
+def test_cu_seqlens(name):
+    op = mixc.load(name)
+    lens = [3, 0, 6, 2]
+    args, sizes = random_args(op.ir, B=1, T=sum(lens), H=2, sizes=_sizes(op, 4), dtype=torch.float32,
+                              requires_grad=True, seed=3)
+    st = random_state(op.ir, len(lens), 2, sizes, requires_grad=True)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    check_against_reference(op, {}, args, st, torch.float32, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("name,flags", CASES, ids=IDS)
+def test_step_matches_sequence(name, flags):
+    """Decoding token by token with op.step equals one call over the sequence."""
+    op = mixc.load(name)
+    B, T, H = 2, 4, 2
+    args, sizes = random_args(op.ir, B=B, T=T, H=H, sizes=_sizes(op), dtype=torch.float32, seed=4)
+    st0 = random_state(op.ir, B, H, sizes)
+    o_all, st_all = op(**args, **flags, initial_state=st0, output_final_state=True, mode="reference")
+    st = st0
+    names = {d.name for d in op.ir.inputs}
+    for t in range(T):
+        tok = {k: (v[:, t] if k in names else v) for k, v in args.items()}
+        o, st = op.step(**tok, **flags, state=st)
+        assert o.shape == o_all[:, t].shape
+        torch.testing.assert_close(o.double(), o_all[:, t], rtol=1e-4, atol=1e-5)
+    for k in st_all:
+        torch.testing.assert_close(st[k].double(), st_all[k], rtol=1e-4, atol=1e-5)
+
+
+def test_modes_and_dispatch(monkeypatch):
+    op = mixc.load("simple_gla")
+    args, _ = random_args(op.ir, B=1, T=3, H=2, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="chunked kernels of scalar decay specs are not generated yet"):
+        op(**args, mode="chunk")
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        op(**args, mode="fast")
+    o_auto, _ = op(**args)
+    o_rec, _ = op(**args, mode="recurrent")
+    torch.testing.assert_close(o_auto, o_rec)
+    # without the interpreter, CPU tensors go to the torch backend
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    o_torch, _ = op(**args)
+    torch.testing.assert_close(o_torch, o_rec, rtol=1e-5, atol=1e-6)
+    from mixc.runtime.launch import KernelUnavailable
+    with pytest.raises(KernelUnavailable, match="TRITON_INTERPRET=1"):
+        op(**args, mode="recurrent")
