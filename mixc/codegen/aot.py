@@ -1,8 +1,15 @@
 """Ahead-of-time compilation of generated kernels for a GPU target, with no GPU: catches what
-the interpreter forgives (dtype rules, shapes, shared memory) and shows the instructions."""
+the interpreter forgives (dtype rules, block shapes, shared memory) and shows the code.
+
+Needs compiled (not interpreted) kernels: run it in a process without TRITON_INTERPRET=1
+(`python -m mixc.codegen.aot NAME ...`)."""
 from __future__ import annotations
 
+import argparse
 import inspect
+import json
+import sys
+import time
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -12,44 +19,83 @@ from ..derive.plan import Plan
 from ..runtime.launch import block
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# flag values used for the constexpr switches of every template
+_SWITCHES = {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "IS_VARLEN": False,
+             "STORE_CHECKPOINTS": True, "USE_FINAL_STATE_GRAD": True, "CK": 32}
 
 
-def recurrent_signature(plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16") -> tuple[dict, dict]:
-    """(signature, constexprs) of the recurrent forward kernel for the given dim sizes."""
-    m = plan.ir
+def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16") -> tuple[dict, dict]:
+    """(signature, constexprs) of a generated kernel, read off its argument names: pointers to
+    inputs, outputs and their gradients in `dtype`, everything else float32."""
+    fn = kernel.fn if hasattr(kernel, "fn") else kernel
     t = _DTYPE[dtype]
-    sig: dict[str, str] = {}
-    for d in m.inputs:
-        sig[f"p_{d.name}"] = f"*{t}"
-    for d in m.params:
-        sig[f"p_{d.name}"] = "*fp32"
-    for o in m.options:
-        if o.kind == "float":
-            sig[f"v_{o.name}"] = "fp32"
-    for s in m.states:
-        sig[f"p_init_{s.name}"] = "*fp32"
-        sig[f"p_final_{s.name}"] = "*fp32"
-    sig["p_out"] = f"*{t}"
-    sig["p_cu_seqlens"] = "*i32"
-    sig["T"] = "i32"
-    sig["H"] = "i32"
-    for d in m.dim_names:
-        sig[f"_fsize_{d}"] = "fp32"
-    const = {}
-    for d in m.dim_names:
-        const[f"_size_{d}"] = sizes[d]
-        const[f"_BLOCK_{d}"] = block(sizes[d])
-    const.update(USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False)
-    for k in const:
-        sig[k] = "constexpr"
+    lowp = {f"p_{d.name}" for d in plan.ir.inputs} | {f"p_d{d.name}" for d in plan.ir.inputs} | {"p_out", "p_do"}
+    sig, const = {}, {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if "constexpr" in str(p.annotation):
+            if name.startswith("_size_"):
+                const[name] = sizes[name[len("_size_"):]]
+            elif name.startswith("_BLOCK_"):
+                const[name] = block(sizes[name[len("_BLOCK_"):]])
+            else:
+                const[name] = _SWITCHES[name]
+            sig[name] = "constexpr"
+        elif name == "p_cu_seqlens":
+            sig[name] = "*i32"
+        elif name.startswith("p_"):
+            sig[name] = f"*{t}" if name in lowp else "*fp32"
+        elif name in ("T", "H"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "fp32"
     return sig, const
 
 
-def compile_kernel(kernel, signature: dict, constexprs: dict, arch: int = 90, num_warps: int = 4,
-                   num_stages: int = 2):
-    """triton.compile for CUDA sm_<arch>; kernel is a JITFunction (not an interpreted one)."""
+def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warps: int = 4, num_stages: int = 2):
+    """triton.compile for CUDA sm_<arch>."""
     fn = kernel if isinstance(kernel, triton.runtime.jit.JITFunction) else triton.runtime.jit.JITFunction(
         inspect.unwrap(getattr(kernel, "fn", kernel)))
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16") -> list[dict]:
+    """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel."""
+    from ..runtime.cache import interpreting, load_module
+    from ..runtime.op import load
+    if interpreting():
+        raise RuntimeError("ahead-of-time compilation needs compiled kernels: unset TRITON_INTERPRET")
+    plan = load(name).plan()
+    mod = load_module(plan)
+    sizes = {d: size for d in plan.ir.dim_names}
+    out = []
+    for form, kname in mod.METADATA["kernels"].items():
+        kernel = getattr(mod, kname)
+        for arch in archs:
+            t0 = time.perf_counter()
+            ck = compile_kernel(kernel, *signature(kernel, plan, sizes, dtype), arch=arch)
+            ptx = ck.asm["ptx"]
+            out.append({"spec": name, "kernel": form, "arch": f"sm_{arch}", "shared_bytes": ck.metadata.shared,
+                        "local_memory": ".local" in ptx,
+                        "wgmma": "wgmma" in ptx, "mma": "mma.sync" in ptx,
+                        "cubin_bytes": len(ck.asm["cubin"]), "seconds": round(time.perf_counter() - t0, 2)})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="compile generated kernels for sm_90 / sm_80 without a GPU")
+    p.add_argument("specs", nargs="+")
+    p.add_argument("--arch", type=int, action="append")
+    p.add_argument("--size", type=int, default=16)
+    args = p.parse_args(argv)
+    reports = []
+    for name in args.specs:
+        reports += compile_spec(name, tuple(args.arch or (90, 80)), args.size)
+    json.dump(reports, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

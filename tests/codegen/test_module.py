@@ -1,0 +1,94 @@
+"""Generated modules: readable, headed with the spec, its hash and the versions, built only
+from validated names, importable; and the cache that holds them."""
+import io
+import tokenize
+
+import pytest
+import triton
+
+import mixc
+from mixc.codegen.module import generate
+from mixc.dsl import library_names
+from mixc.runtime import cache
+from mixc.runtime.op import from_text
+
+
+@pytest.mark.parametrize("name", library_names())
+def test_generated_module_header_and_kernels(name):
+    plan = mixc.load(name).plan()
+    src = generate(plan)
+    first = src.splitlines()[0]
+    assert f"from spec '{name}'" in first and plan.ir.spec_hash in first
+    assert f"mixc {mixc.__version__}" in first and f"Triton {triton.__version__}" in first
+    assert f"def {name}_recurrent_fwd(" in src and f"def {name}_recurrent_bwd(" in src
+    compile(src, f"{name}.py", "exec")          # valid Python
+
+
+def _code_names(src: str) -> set[str]:
+    """Free identifiers of the code: NAME tokens not after a '.', never strings or comments."""
+    names, prev = set(), None
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.NAME and not (prev is not None and prev.string == "."):
+            names.add(tok.string)
+        if tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
+            prev = tok
+    return names
+
+
+@pytest.mark.parametrize("name", library_names())
+def test_spec_names_only_appear_behind_prefixes(name):
+    """No name from a spec is a bare identifier in generated code: each becomes v_NAME, p_NAME,
+    s_NAME, d_NAME or dp_NAME, so a spec cannot shadow tl, triton or a template's variables."""
+    m = mixc.load(name).ir
+    spec_names = ({d.name for d in m.dims} | {x.name for x in (*m.inputs, *m.params, *m.states, *m.lets)}
+                  | {o.name for o in m.options} | {m.output.name})
+    assert not (_code_names(generate(mixc.load(name).plan())) & spec_names)
+
+
+def test_names_that_look_like_generated_code_stay_prefixed():
+    text = ("mixer m\n  dims K, V\n  input q[K], k[K], v[V], tl_[K], zeros[K]\n  let triton_ = exp(tl_)\n"
+            "  state S[K, V]\n  update S = triton_ * S + k * v + zeros * v\n  output o = q @ S\n")
+    names = _code_names(generate(from_text(text).plan()))
+    assert not names & {"tl_", "zeros", "triton_", "q", "k", "v", "S", "o"}
+    assert {"v_tl_", "v_zeros", "p_tl_", "s_S"} <= names
+
+
+def test_cache_rebuilds_a_corrupted_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXC_CACHE_DIR", str(tmp_path))
+    plan = mixc.load("gla").plan()
+    path = cache.ensure_source(plan)
+    assert cache.is_intact(path)
+    good = path.read_text()
+    path.write_text(good[: len(good) // 2])                   # truncated
+    assert not cache.is_intact(path)
+    assert cache.ensure_source(plan) == path and path.read_text() == good
+    path.write_text(good.replace("tl.exp", "tl.log", 1))      # corrupted
+    assert cache.ensure_source(plan) == path and path.read_text() == good
+
+
+def test_cache_key_changes_with_spec_flags_and_versions(monkeypatch):
+    op = mixc.load("delta_rule")
+    k1, k2 = cache.cache_key(op.plan()), cache.cache_key(op.plan(use_qk_l2norm_in_kernel=True))
+    assert k1 != k2
+    monkeypatch.setattr(cache, "__version__", "9.9.9")
+    assert cache.cache_key(op.plan()) != k1
+    monkeypatch.undo()
+    monkeypatch.setattr(cache.triton, "__version__", "0.0.1")
+    assert cache.cache_key(op.plan()) != k1
+
+
+def test_unwritable_cache_falls_back_with_a_warning(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MIXC_CACHE_DIR", str(blocker / "cache"))    # cannot be created, even by root
+    with pytest.warns(UserWarning, match="is not writable"):
+        d = cache.cache_dir()
+    assert d.is_dir() and blocker not in d.parents
+
+
+def test_generated_module_imports_and_has_metadata(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXC_CACHE_DIR", str(tmp_path))
+    plan = mixc.load("mamba2").plan()
+    mod = cache.load_module(plan)
+    assert mod.METADATA["mixer"] == "mamba2" and mod.METADATA["class"] == "scalar decay"
+    assert mod.METADATA["states"] == {"S": ["N", "P"]}
