@@ -104,6 +104,28 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    """Write the generated module (kernels, metadata, the op) to DIR/NAME.py, or print it."""
+    from pathlib import Path
+
+    from .codegen.module import generate
+    from .derive.plan import derive
+    mixer = _load(args.spec)
+    plan = derive(mixer, _flags(args.set))
+    if _dump(mixer, plan, args.dump if args.dump != "source" else None):
+        return 0
+    source = generate(plan)
+    if args.dump == "source" or not args.output:
+        print(source)
+        return 0
+    suffix = "".join(f"__{k}_{int(v)}" for k, v in plan.flags if v != mixer.option(k).default)
+    path = Path(args.output) / f"{mixer.name}{suffix}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    print(f"wrote {path} ({plan.transition}; kernels: {', '.join(('recurrent_fwd', 'recurrent_bwd'))})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mixc", description="Compile sequence-mixer specs to kernels and ops.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -115,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option")
         c.add_argument("--dump", choices=("ir", "plan"), help="print a pipeline stage instead")
         c.set_defaults(fn=fn)
+    c = sub.add_parser("compile", help="generate the module of a spec (Triton kernels, metadata, the op)")
+    c.add_argument("spec", help="a library spec name or a .mix file")
+    c.add_argument("-o", "--output", metavar="DIR", help="write DIR/NAME.py (default: print the source)")
+    c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option")
+    c.add_argument("--dump", choices=("ir", "plan", "source"), help="print a pipeline stage instead")
+    c.set_defaults(fn=cmd_compile)
     r = sub.add_parser("run", help="run a spec on random inputs")
     r.add_argument("spec")
     r.add_argument("--B", type=int, default=2)

@@ -2,7 +2,6 @@
 and the versions, the Triton kernels rendered from the templates, and metadata."""
 from __future__ import annotations
 
-import json  # noqa: F401
 import pprint
 from functools import lru_cache
 from pathlib import Path
@@ -60,5 +59,19 @@ def generate(plan: Plan) -> str:
     bwd = _env().get_template("recurrent_bwd.py.j2").render(kernel=kernel_name(plan, "recurrent_bwd"),
                                                             **recurrent_bwd_hooks(plan))
     body = fwd + "\n\n" + bwd
+    # The spec text travels as a Python string literal (repr), never as code.
+    trailer = (f"\n\n# The op: the same kernels through mixc's autograd.Function and argument checks.\n"
+               f"SPEC_TEXT = {plan.ir.source.text!r}\n"
+               f"SPEC_FILE = {plan.ir.source.filename!r}\n"
+               f"FLAGS = {dict(plan.flags)!r}\n\n\n"
+               "def op(**kwargs):\n"
+               '    """o, state = op(<inputs, params, options>, initial_state=None, output_final_state=False,\n'
+               '    cu_seqlens=None, mode="auto")"""\n'
+               "    from mixc.runtime.op import from_text\n"
+               "    return from_text(SPEC_TEXT, SPEC_FILE)(**FLAGS, **kwargs)\n\n\n"
+               "def step(**kwargs):\n"
+               '    """o, new_state = step(<one token of each input>, state=...)"""\n'
+               "    from mixc.runtime.op import from_text\n"
+               "    return from_text(SPEC_TEXT, SPEC_FILE).step(**FLAGS, **kwargs)\n")
     return (header + "import triton\nimport triton.language as tl\n\n"
-            f"METADATA = {pprint.pformat(meta, width=100, sort_dicts=False)}\n\n\n" + body)
+            f"METADATA = {pprint.pformat(meta, width=100, sort_dicts=False)}\n\n\n" + body + trailer)

@@ -19,7 +19,7 @@ from ..derive.plan import Plan, derive
 from ..dsl import MixerIR, parse, read_spec
 from . import reference as _reference
 from .cache import interpreting
-from .signature import ArgumentError, bind
+from .signature import ArgumentError, bind, option_values
 
 MODES = ("auto", "recurrent", "chunk", "torch", "reference")
 
@@ -27,6 +27,8 @@ MODES = ("auto", "recurrent", "chunk", "torch", "reference")
 class MixerOp:
     def __init__(self, mixer: MixerIR):
         self.ir = mixer
+        self._plans: dict[tuple, Plan] = {}
+        self._ops: dict[tuple, tuple] = {}
 
     @property
     def name(self) -> str:
@@ -57,16 +59,39 @@ class MixerOp:
                 st = {k: v.float() for k, v in st.items()} if st is not None else None
             return o, st
         if mode == "chunk":
-            raise NotImplementedError(f"mode='chunk': the chunked kernels of {self.plan(**bound.flags).transition} "
+            raise NotImplementedError(f"mode='chunk': the chunked kernels of {self._plan_for(bound.flags).transition} "
                                       "specs are not generated yet; use mode='recurrent' (or 'auto')")
-        from .autograd import RecurrentFunction
-        plan = self.plan(**bound.flags)
-        tensors = ([bound.inputs[d.name] for d in self.ir.inputs] + [bound.params[d.name] for d in self.ir.params]
-                   + ([bound.initial_state[s.name] for s in self.ir.states] if bound.initial_state is not None else []))
-        outs = RecurrentFunction.apply(plan, bound, output_final_state, CK, *tensors)
-        o = outs[0]
-        st = {s.name: f for s, f in zip(self.ir.states, outs[1:])} if output_final_state else None
-        return o, st
+        return self._kernels(bound, output_final_state, CK)
+
+    def _kernels(self, bound, output_final_state: bool, CK: int):
+        """The recurrent kernels through the registered custom op (autograd included)."""
+        m = self.ir
+        inputs = [bound.inputs[d.name] for d in m.inputs]
+        params = [bound.params[d.name] for d in m.params]
+        init = [bound.initial_state[s.name] for s in m.states] if bound.initial_state is not None else []
+        opts = option_values(m, bound)
+        save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + params + init)
+        fwd, _ = self.prepare(**bound.flags)
+        outs = fwd(inputs, params, init, [opts[o.name] for o in m.options if o.kind == "float"],
+                   bound.cu_seqlens, output_final_state, save, CK)
+        st = {s.name: f for s, f in zip(m.states, outs[1:1 + len(m.states)])} if output_final_state else None
+        return outs[0], st
+
+    def prepare(self, **flags):
+        """Derive and register the kernels' custom ops for these flags (the defaults otherwise).
+        Calls look them up in a plain dict, so torch.compile traces no derivation: call
+        prepare() (or the op once) eagerly before compiling a model with other flag values."""
+        key = tuple(sorted(({o.name: o.default for o in self.ir.flags} | flags).items()))
+        if key not in self._ops:
+            from .custom_op import ops_for
+            self._ops[key] = ops_for(self._plan_for(dict(key)))
+        return self._ops[key]
+
+    def _plan_for(self, flags: dict) -> Plan:
+        key = tuple(sorted(({o.name: o.default for o in self.ir.flags} | flags).items()))
+        if key not in self._plans:            # a plain dict: cheap, and traceable by torch.compile
+            self._plans[key] = _cached_plan(self.ir, key)
+        return self._plans[key]
 
     def step(self, *, state, mode: str = "auto", **kwargs):
         """One token per sequence: inputs [B, H, *dims] (a scalar per head [B, H]), params as
@@ -118,10 +143,13 @@ def _cached_plan(mixer: MixerIR, flags: tuple) -> Plan:
 
 
 def load(name_or_path) -> MixerOp:
-    """A library spec by name ('gla') or a .mix file by path -> MixerOp. Raises SpecError."""
+    """A library spec by name ('gla') or a .mix file by path -> MixerOp, its default flags
+    prepared (derived, custom ops registered). Raises SpecError."""
     src = read_spec(name_or_path)
-    return MixerOp(parse(src.text, src.filename))
+    return from_text(src.text, src.filename)
 
 
 def from_text(text: str, filename: str = "<spec>") -> MixerOp:
-    return MixerOp(parse(text, filename))
+    op = MixerOp(parse(text, filename))
+    op.prepare()
+    return op

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dsl import ir
-from .signature import Bound, bind
+from .signature import Bound, bind, option_values
 
 # A value is (tensor, dims): tensor shape = lead + sizes of dims, lead = (B, H) or
 # (B, T, H), broadcast where a size is 1 (params have lead (1, H) / (1, 1, H)).
@@ -114,17 +114,7 @@ class Evaluator:
 
 
 def _options(mixer: ir.MixerIR, bound: Bound) -> dict[str, float]:
-    """Option values: given ones, else defaults evaluated with the bound dims."""
-    out = {}
-    for opt in mixer.options:
-        if opt.kind != "float":
-            continue
-        if opt.name in bound.options:
-            out[opt.name] = bound.options[opt.name]
-        else:
-            ev = Evaluator(mixer, bound, {k: (torch.tensor(v, dtype=torch.float64), ()) for k, v in out.items()}, 0)
-            out[opt.name] = float(ev(opt.default)[0])
-    return out
+    return option_values(mixer, bound)
 
 
 def reference(mixer: ir.MixerIR, *, output_final_state: bool = False, dtype=torch.float64, **kwargs):

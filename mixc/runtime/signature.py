@@ -5,6 +5,7 @@ inputs [B, T, H, *dims] (a scalar per head is [B, T, H]), params [H, *dims], sta
 [B, H, *state dims] (N sequences instead of B with cu_seqlens)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -174,4 +175,45 @@ def _check_state(mixer: ir.MixerIR, initial_state, n: int, H: int, sizes,
         if x.dtype not in FLOAT_DTYPES:
             raise ArgumentError(f"initial_state['{decl.name}']: expected a floating-point tensor, got {x.dtype}")
         out[decl.name] = x
+    return out
+
+
+_MATH = {
+    "exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "abs": abs,
+    "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)),
+    "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),
+    "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
+    "elu": lambda x: x if x > 0 else math.expm1(x), "relu": lambda x: max(x, 0.0),
+    "silu": lambda x: x / (1.0 + math.exp(-x)),
+}
+
+
+def _scalar(e: ir.Expr, sizes: dict[str, int], values: dict[str, float]) -> float:
+    """An option's default: numbers, dims, earlier options (plain Python, so that tracing under
+    torch.compile sees constants, not tensor reads)."""
+    if isinstance(e, ir.Num):
+        return e.value
+    if isinstance(e, ir.Ref):
+        return float(sizes[e.name]) if e.kind == "dim" else values[e.name]
+    if isinstance(e, ir.Neg):
+        return -_scalar(e.x, sizes, values)
+    if isinstance(e, ir.BinOp):
+        a, b = _scalar(e.left, sizes, values), _scalar(e.right, sizes, values)
+        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else math.copysign(math.inf, a),
+                "**": a ** b if a > 0 or float(b).is_integer() else math.nan}[e.op]
+    if isinstance(e, ir.Call):
+        args = [_scalar(x, sizes, values) for x in e.args]
+        if e.fn in ("max", "min"):
+            return (max if e.fn == "max" else min)(args)
+        return _MATH[e.fn](args[0])
+    raise ArgumentError(f"cannot evaluate the option default {type(e).__name__}")
+
+
+def option_values(mixer: ir.MixerIR, bound: Bound) -> dict[str, float]:
+    """Every number option: the value passed, else its default evaluated with the bound dims."""
+    out: dict[str, float] = {}
+    for opt in mixer.options:
+        if opt.kind == "float":
+            out[opt.name] = bound.options[opt.name] if opt.name in bound.options else _scalar(
+                opt.default, bound.sizes, out)
     return out

@@ -1,0 +1,121 @@
+"""The generated kernels as torch.library custom ops (with fake implementations and autograd),
+so that torch.compile(fullgraph=True) traces a model that calls a mixc op with no graph break.
+
+Per spec (and flag assignment) two ops: mixc::<name>_<hash>_fwd and ..._bwd. Tensors travel
+as lists in the spec's order; number options as a float list."""
+from __future__ import annotations
+
+import torch
+
+from ..derive.plan import Plan
+from .launch import checkpoint_slots, recurrent_backward, recurrent_forward
+from .signature import Bound
+
+_OPS: dict[tuple, object] = {}
+
+FWD_SCHEMA = ("(Tensor[] inputs, Tensor[] params, Tensor[] initial_state, float[] options, Tensor? cu_seqlens, "
+              "bool output_final_state, bool save_for_backward, int CK) -> Tensor[]")
+BWD_SCHEMA = ("(Tensor[] inputs, Tensor[] params, Tensor[] checkpoints, Tensor[] dfinal, Tensor do, "
+              "float[] options, Tensor? cu_seqlens, int CK) -> Tensor[]")
+
+
+def _bound(plan: Plan, inputs, params, initial_state, options, cu_seqlens) -> Bound:
+    """A Bound from tensors already checked by signature.bind (shapes only: no data read)."""
+    m = plan.ir
+    sizes = {}
+    for d, x in zip(m.inputs, inputs):
+        sizes.update({n: int(s) for n, s in zip(d.shape, x.shape[3:])})
+    for d, x in zip(m.params, params):
+        sizes.update({n: int(s) for n, s in zip(d.shape, x.shape[1:])})
+    for d in m.dims:
+        sizes.setdefault(d.name, sizes.get(m.root_dim(d.name)))
+    B, T, H = (int(s) for s in inputs[0].shape[:3])
+    opt_names = [o.name for o in m.options if o.kind == "float"]
+    return Bound(B, T, H, sizes, {d.name: x for d, x in zip(m.inputs, inputs)},
+                 {d.name: x for d, x in zip(m.params, params)}, dict(zip(opt_names, options)), dict(plan.flags),
+                 {s.name: x for s, x in zip(m.states, initial_state)} if initial_state else None, cu_seqlens)
+
+
+def ops_for(plan: Plan):
+    """(forward op, backward op) of a plan, registered once per process."""
+    key = (plan.name, plan.ir.spec_hash, plan.flags)
+    if key in _OPS:
+        return _OPS[key]
+    flag_part = "".join(f"_{k}{int(v)}" for k, v in plan.flags)
+    base = f"mixc::{plan.name}_{plan.ir.spec_hash[:10]}{flag_part}"
+    m = plan.ir
+
+    def state_shape(bound: Bound, s) -> tuple:
+        return tuple(bound.sizes[d] for d in s.shape)
+
+    @torch.library.custom_op(base + "_fwd", mutates_args=(), schema=FWD_SCHEMA)
+    def fwd(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, CK):
+        bound = _bound(plan, inputs, params, initial_state, options, cu_seqlens)
+        o, finals, ckpts = recurrent_forward(plan, bound, output_final_state=output_final_state,
+                                             checkpoints=save_for_backward, CK=CK)
+        def empty():        # a fresh one each time: outputs of a custom op may not alias
+            return o.new_empty(0, dtype=torch.float32)
+        return ([o] + [finals[s.name] if finals else empty() for s in m.states]
+                + [ckpts[s.name] if ckpts else empty() for s in m.states])
+
+    @fwd.register_fake
+    def _(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, CK):
+        bound = _bound(plan, inputs, params, initial_state, options, cu_seqlens)
+        x = inputs[0]
+        o = x.new_empty((bound.B, bound.T, bound.H) + tuple(bound.sizes[d] for d in m.output.expr.shape))
+        n = bound.n_seqs
+        finals = [x.new_empty(((n, bound.H) + state_shape(bound, s)) if output_final_state else (0,),
+                              dtype=torch.float32) for s in m.states]
+        slots = checkpoint_slots(bound, CK)
+        ckpts = [x.new_empty(((slots, bound.H) + state_shape(bound, s)) if save_for_backward else (0,),
+                             dtype=torch.float32) for s in m.states]
+        return [o] + finals + ckpts
+
+    @torch.library.custom_op(base + "_bwd", mutates_args=(), schema=BWD_SCHEMA)
+    def bwd(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, CK):
+        bound = _bound(plan, inputs, params, [], options, cu_seqlens)
+        ckpts = {s.name: c for s, c in zip(m.states, checkpoints)}
+        dfin = {s.name: g for s, g in zip(m.states, dfinal)} if dfinal else None
+        dinputs, dparams, dinit = recurrent_backward(plan, bound, ckpts, do, dfin, CK=CK)
+        return ([dinputs[d.name] for d in m.inputs] + [dparams[d.name] for d in m.params]
+                + [dinit[s.name] for s in m.states])
+
+    @bwd.register_fake
+    def _(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, CK):
+        bound = _bound(plan, inputs, params, [], options, cu_seqlens)
+        n = bound.n_seqs
+        return ([torch.empty_like(x) for x in inputs] + [torch.empty_like(x) for x in params]
+                + [do.new_empty((n, bound.H) + state_shape(bound, s), dtype=torch.float32) for s in m.states])
+
+    def setup_context(ctx, inputs, output):
+        ins, params, init, options, cu, output_final_state, save, CK = inputs
+        n_states = len(m.states)
+        ckpts = output[1 + n_states:]
+        ctx.save_for_backward(*ins, *params, *ckpts, *([cu] if cu is not None else []))
+        ctx.meta = (len(ins), len(params), n_states, list(options), cu is not None, output_final_state,
+                    [x.dtype for x in init], bool(init), CK, tuple(output[0].shape),
+                    cu.shape[0] - 1 if cu is not None else ins[0].shape[0])
+
+    def backward(ctx, grads):
+        (n_in, n_par, n_states, options, has_cu, output_final_state, init_dtypes, has_init, CK, o_shape,
+         n_seqs) = ctx.meta
+        saved = ctx.saved_tensors
+        ins, params = list(saved[:n_in]), list(saved[n_in:n_in + n_par])
+        ckpts = list(saved[n_in + n_par:n_in + n_par + n_states])
+        cu = saved[-1] if has_cu else None
+        do = grads[0] if grads[0] is not None else ins[0].new_zeros(o_shape)
+        dfinal = list(grads[1:1 + n_states]) if output_final_state else []
+        if all(g is None for g in dfinal):
+            dfinal = []
+        else:           # a final state whose gradient is None gets zeros
+            dfinal = [g if g is not None else c.new_zeros((n_seqs,) + tuple(c.shape[1:]))
+                      for g, c in zip(dfinal, ckpts)]
+        out = bwd(ins, params, ckpts, dfinal, do.contiguous(), options, cu, CK)
+        dins, dpars = out[:n_in], out[n_in:n_in + n_par]
+        dinit = [g.to(dt) for g, dt in zip(out[n_in + n_par:], init_dtypes)] if has_init else []
+        # torch.library treats a non-empty list of floats as one leaf (an empty one as a list)
+        return list(dins), list(dpars), dinit, (None if options else []), None, None, None, None
+
+    torch.library.register_autograd(base + "_fwd", backward, setup_context=setup_context)
+    _OPS[key] = (fwd, bwd)
+    return _OPS[key]
