@@ -11,6 +11,7 @@ from ..dsl import ir
 from ..dsl.errors import SpecError
 from . import affine
 from .functions import log_of
+from .logspace import log_ir
 from .symbolic import NodeDef, SymbolTable, ToSympy, node_partial
 
 # Transition classes (DESIGN.md section 1).
@@ -76,6 +77,17 @@ class StatePlan:
     value_dims: ir.Shape
     time_invariant: bool
     forms: tuple[str, ...]
+    ir_pieces: "StateIR | None" = None   # the same pieces on the IR, for code generation
+
+
+@dataclass(frozen=True)
+class StateIR:
+    """decay, log decay, key and value of a state as IR expressions (None: 1 / not factored)."""
+
+    decay: ir.Expr
+    log_decay: ir.Expr
+    key: ir.Expr | None
+    value: ir.Expr | None
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,7 @@ class ReadoutPlan:
     prev: bool                         # reads S_{t-1} (prev(S)) instead of S_t
     terms: tuple[tuple[sp.Expr, sp.Expr | None, ir.Shape], ...]   # (scale, proj, over)
     shape: ir.Shape
+    terms_ir: tuple[affine.LinTerm, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,7 @@ class OutputPlan:
     combine: sp.Expr                   # over readout symbols and per-token values
     kind: str                          # how readouts combine: linear, normalized, nonlinear
     partials: tuple[Partial, ...]
+    combine_ir: ir.Expr | None = None  # the combine expression on the IR (readouts as Refs)
 
 
 @dataclass(frozen=True)
@@ -190,7 +204,7 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
             key_dims[r.state] |= set(t.over)
             terms.append((conv(t.scale) if t.scale is not None else sp.S.One,
                           conv(t.proj) if t.proj is not None else None, t.over))
-        r_plans.append(ReadoutPlan(r.name, r.state, r.prev, tuple(terms), r.shape))
+        r_plans.append(ReadoutPlan(r.name, r.state, r.prev, tuple(terms), r.shape, r.terms))
     for s in spec.states:
         if s.name not in read:
             notes.append(f"state {s.name} is never read by the output")
@@ -201,7 +215,7 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     readout_syms = {sp.Symbol(r.name, real=True) for r in r_plans}
     kind = _combine_kind(combine, readout_syms)
     out = OutputPlan(spec.output.name, spec.output.expr.shape, tuple(r_plans), combine, kind,
-                     _partials(spec.output.name, combine, table, ("input", "param", "node", "readout")))
+                     _partials(spec.output.name, combine, table, ("input", "param", "node", "readout")), combine_ir)
 
     nodes = []
     for sym, nd in table.nodes.items():
@@ -270,8 +284,8 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
         transition = SCALAR
     elif set(decay_dims) <= set(kdims):
         transition = KEY_DIAG
-    elif set(decay_dims) <= set(vdims) and set(decay_dims) != set(decl.shape):
-        transition = VALUE_DIAG
+    elif set(decay_dims) <= set(vdims) and (set(decay_dims) != set(decl.shape) or not kdims):
+        transition = VALUE_DIAG         # hgrn's h[D], read as is, decays per value channel
     else:
         transition = ELEMENTWISE
     gated = transition == RANK1 and decay != 1
@@ -285,12 +299,15 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     coefs = [decay] + [r.left for r in rank1] + [r.right for r in rank1]
     ti = _time_invariant(coefs, table)
     forms = ("recurrent", "step")
-    if transition in CHUNK_CLASSES:
+    if transition in CHUNK_CLASSES and key is not None:
         forms = ("chunk",) + forms
     elif transition == ELEMENTWISE:
         forms = ("scan",) + forms
     if ti:
         forms = forms + ("conv",)
+    decay_ir = functools.reduce(lambda a, b: affine.add(a, b), [t.scale or affine.num(1) for t in diag]) \
+        if diag else affine.num(0)
+    pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value)
     return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,
                      rank1, input_term, conv(key) if key is not None else None,
-                     conv(value) if value is not None else None, kdims, vdims, ti, forms)
+                     conv(value) if value is not None else None, kdims, vdims, ti, forms, pieces)

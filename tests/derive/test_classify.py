@@ -20,7 +20,7 @@ EXPECTED = {
     "mlstm": (P.SCALAR, ("chunk", "recurrent", "step"), False, "logsigmoid(f)"),
     "gla": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "rwkv6": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "w"),
-    "hgrn": (P.ELEMENTWISE, ("scan", "recurrent", "step"), False, "g"),
+    "hgrn": (P.VALUE_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "mamba": (P.ELEMENTWISE, ("scan", "recurrent", "step"), False, "A*dt"),
     "s4d": (P.ELEMENTWISE, ("scan", "recurrent", "step", "conv"), True, "A*exp(log_dt)"),
     "delta_rule": (P.RANK1, ("chunk", "recurrent", "step"), False, "0"),
