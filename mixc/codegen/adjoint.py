@@ -130,7 +130,7 @@ class Adjoint:
             want = canon(self.order, renamed)
             if renamed == want:
                 return [(node.x, (gv, want))]
-            return [(node.x, self.emit(f"tl.trans({gv})", want))]
+            return [(node.x, self.emit(f"tl.permute({gv}, {tuple(renamed.index(d) for d in want)})", want))]
         return []                     # numbers, dims, head: no gradient
 
     def _binop(self, node: ir.BinOp, g):

@@ -11,6 +11,7 @@ import triton
 
 from .. import __version__
 from ..derive.plan import Plan
+from .chunk import chunk_fwd_hooks, chunk_supported
 from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -44,7 +45,9 @@ def metadata(plan: Plan) -> dict:
         "states": {s.name: list(s.shape) for s in m.states},
         "output": {"name": m.output.name, "shape": list(m.output.expr.shape)},
         "kernels": {"recurrent_fwd": kernel_name(plan, "recurrent_fwd"),
-                    "recurrent_bwd": kernel_name(plan, "recurrent_bwd")},
+                    "recurrent_bwd": kernel_name(plan, "recurrent_bwd")}
+        | ({"chunk_fwd": kernel_name(plan, "chunk_fwd")} if chunk_supported(plan) is None else {}),
+        "chunk_unsupported": chunk_supported(plan),
     }
 
 
@@ -59,6 +62,9 @@ def generate(plan: Plan) -> str:
     bwd = _env().get_template("recurrent_bwd.py.j2").render(kernel=kernel_name(plan, "recurrent_bwd"),
                                                             **recurrent_bwd_hooks(plan))
     body = fwd + "\n\n" + bwd
+    if chunk_supported(plan) is None:
+        body += "\n\n" + _env().get_template("chunk_fwd.py.j2").render(kernel=kernel_name(plan, "chunk_fwd"),
+                                                                        **chunk_fwd_hooks(plan))
     # The spec text travels as a Python string literal (repr), never as code.
     trailer = (f"\n\n# The op: the same kernels through mixc's autograd.Function and argument checks.\n"
                f"SPEC_TEXT = {plan.ir.source.text!r}\n"

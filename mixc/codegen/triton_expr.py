@@ -38,9 +38,10 @@ class Emitter:
     'prev S' for prev(S)) to (variable, dims) already available in the kernel."""
 
     def __init__(self, mixer: ir.MixerIR, env: dict[str, tuple[str, tuple[str, ...]]], indent: str = "    ",
-                 prefix: str = "_e"):
+                 prefix: str = "_e", order: tuple[str, ...] | None = None):
         self.m = mixer
-        self.order = mixer.dim_names
+        # the axes of blocks, outermost first; chunked kernels put the token axis "_T" first
+        self.order = order or mixer.dim_names
         self.env = dict(env)
         self.lines: list[str] = []
         self.cache: dict[ir.Expr, tuple[str, tuple[str, ...]]] = {}
@@ -172,9 +173,7 @@ class Emitter:
         out = canon(self.order, renamed)
         if renamed == out:
             return x, out
-        if len(out) == 2:
-            return self.emit(f"tl.trans({x})", out)
-        raise NotImplementedError("rename that reorders more than two axes")
+        return self.emit(f"tl.permute({x}, {tuple(renamed.index(d) for d in out)})", out)
 
     def x_Cond(self, e: ir.Cond):
         raise AssertionError("flags are resolved before code generation")

@@ -124,3 +124,55 @@ def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, 
                      IS_VARLEN=bound.cu_seqlens is not None, CK=CK)
     dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()}
     return dinputs, dparams, dinit
+
+
+def chunk_size(plan: Plan) -> int:
+    """C: 16 where the intra-chunk term is a [C, C, dim] block (key- or value-diagonal decay),
+    64 otherwise."""
+    from ..derive import plan as P
+    diag = any(s.transition in (P.KEY_DIAG, P.VALUE_DIAG) for s in plan.states)
+    return 16 if diag else 64
+
+
+def _dot_code(dtype: torch.dtype) -> int:
+    return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+
+
+def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,
+                  checkpoints: bool = False, C: int | None = None):
+    """Run the fused chunked forward kernel. Same returns as recurrent_forward; its checkpoints
+    (the states at chunk starts) serve the recurrent backward with CK = C."""
+    m = plan.ir
+    C = C or chunk_size(plan)
+    x0 = next(iter(bound.inputs.values()))
+    device = x0.device
+    out_dtype = out_dtype or x0.dtype
+    kernel = _kernel(plan, device, "chunk_fwd")
+    n, H, T = bound.n_seqs, bound.H, bound.T
+    slots = checkpoint_slots(bound, C)
+    inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
+    params = [bound.params[d.name].contiguous() for d in m.params]
+    opts = _options(m, bound)
+    out = _empty((bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape), out_dtype, device)
+    state_args, finals, ckpts = [], {}, {}
+    for s in m.states:
+        shape = tuple(bound.sizes[d] for d in s.shape)
+        init = (bound.initial_state[s.name].to(torch.float32).contiguous()
+                if bound.initial_state is not None else out)
+        final = _empty((n, H) + shape, torch.float32, device) if output_final_state else out
+        ckpt = _empty((slots, H) + shape, torch.float32, device) if checkpoints else out
+        if output_final_state:
+            finals[s.name] = final
+        if checkpoints:
+            ckpts[s.name] = ckpt
+        state_args += [init, final, ckpt]
+    cu = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out
+    fsizes = [float(bound.sizes[d]) for d in m.dim_names]
+    blocks = {f"_size_{d}": bound.sizes[d] for d in m.dim_names}
+    blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in m.dim_names})
+    kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
+                     out, cu, T, H, *fsizes, **blocks, _BLOCK__T=C, _BLOCK__1=16,
+                     USE_INITIAL_STATE=bound.initial_state is not None, STORE_FINAL_STATE=output_final_state,
+                     IS_VARLEN=bound.cu_seqlens is not None, STORE_CHECKPOINTS=checkpoints,
+                     DOT=_dot_code(x0.dtype))
+    return out, (finals if output_final_state else None), (ckpts if checkpoints else None)

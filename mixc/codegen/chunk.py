@@ -1,0 +1,289 @@
+"""The fused chunked forward kernel of the linear classes (prefix sum, scalar, key- and
+value-diagonal decay). One program per (sequence, head) walks the chunks of C tokens in
+order with every state in registers as a [key, value] matrix; in each chunk it computes
+the readouts of all C tokens with matmuls (the inter-chunk term from the state, the
+intra-chunk term from a causal matrix) and advances the states:
+
+    O   = (Q * exp(b)) S0 + [ sum_d q_id k_jd exp(b_id - b_jd), i >= j ] V
+    S_C = exp(b_C) * S0 + (K * exp(b_C - b))^T V
+
+with b the cumulative log decay inside the chunk. Only exponents b_i - b_j (i >= j) and
+b_C - b_j are formed, none positive for a decay <= 1, so strong decay cannot overflow. The
+state at each chunk start is kept as the recurrent backward's checkpoint (CK = C).
+
+Key dims of a state flatten into one matrix axis (based's S2[K, J, V] is a [K*J, V] matrix);
+a state without key (or value) dims gets a unit axis "_1"."""
+from __future__ import annotations
+
+from ..derive import plan as P
+from ..derive.plan import Plan
+from ..dsl import ir
+from .recurrent import I1, I2, base_env, common_hooks, numel
+from .triton_expr import Emitter, canon, expand
+
+UNIT = "_1"
+
+
+def chunk_supported(plan: Plan) -> str | None:
+    """Why the chunked kernel cannot serve this plan, or None when it can."""
+    for st in plan.states:
+        if st.transition not in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG, P.VALUE_DIAG):
+            return f"state {st.name} is a {st.transition}"
+        if st.ir_pieces is None or st.ir_pieces.key is None:
+            return f"the input term of state {st.name} is not an outer product key (x) value"
+        if len(st.value_dims) > 1:
+            return f"state {st.name} has more than one value dim"
+    for r in plan.output.readouts:
+        st = plan.state(r.state)
+        for t in r.terms_ir:
+            if t.proj is not None and set(t.over) != set(st.key_dims):
+                return f"readout {r.name} contracts {t.over}, not the key dims of {r.state}"
+            if t.proj is None and st.key_dims:
+                return f"readout {r.name} reads {r.state} without contracting its key dims"
+    return None
+
+
+def _axes(st: P.StatePlan, order) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    kd = canon(order, st.key_dims) or (UNIT,)
+    vd = canon(order, st.value_dims) or (UNIT,)
+    return kd, vd
+
+
+def _block(dims) -> str:
+    return " * ".join(f"_BLOCK_{d}" for d in dims)
+
+
+class ChunkCode:
+    """Builds the hook texts of templates/chunk_fwd.py.j2 for one plan."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.m = plan.ir
+        self.dims = self.m.dim_names
+        self.order = ("_T",) + self.dims + (UNIT,)
+        self.n = 0
+        self._gvars: dict[str, str] = {}     # each state's per-token log decay (for prev() readouts)
+
+    def fresh(self, stem: str) -> str:
+        self.n += 1
+        return f"_{stem}{self.n}"
+
+    # ---- flat matrix axes over several dims, in the declared layout of a state ----
+    def flat_axis(self, name: str, dims: tuple[str, ...], decl: tuple[str, ...], indent: str) -> list[str]:
+        """_f<name> over the product of dims' blocks; its offset in a state laid out as `decl`
+        and its mask."""
+        lines = [f"{indent}_f{name} = tl.arange(0, {_block(dims)})"]
+        offs, masks = [], []
+        for i, d in enumerate(dims):
+            inner = " * ".join(f"_BLOCK_{x}" for x in dims[i + 1:])
+            idx = f"(_f{name} // ({inner}))" if inner else f"_f{name}"
+            idx = f"({idx} % _BLOCK_{d})" if i else idx
+            lines.append(f"{indent}_i{name}_{d} = {idx}")
+            if d == UNIT:
+                masks.append(f"(_i{name}_{d} < 1)")
+                continue
+            stride = " * ".join(f"_size_{x}" for x in decl[decl.index(d) + 1:])
+            offs.append(f"_i{name}_{d}" + (f" * {stride}" if stride else ""))
+            masks.append(f"(_i{name}_{d} < _size_{d})")
+        lines.append(f"{indent}_o{name} = {' + '.join(offs) or '0 * _f' + name}")
+        lines.append(f"{indent}_m{name} = {' & '.join(masks)}")
+        return lines
+
+    def state_io(self, st: P.StatePlan, indent: str) -> list[str]:
+        kd, vd = _axes(st, self.order)
+        decl = self.m.state(st.name).shape
+        return self.flat_axis(f"k_{st.name}", kd, decl, indent) + self.flat_axis(f"v_{st.name}", vd, decl, indent)
+
+    def state_ptr(self, st: P.StatePlan, ptr: str, base: str) -> tuple[str, str]:
+        n = st.name
+        decl = self.m.state(n).shape
+        return (f"{ptr} + {base} * {numel(decl)} + _ok_{n}[:, None] + _ov_{n}[None, :]",
+                f"_mk_{n}[:, None] & _mv_{n}[None, :]")
+
+    # ---- per-token values of a chunk as matrices ----
+    def matrix(self, em: Emitter, value: tuple[str, tuple[str, ...]], axes: tuple[str, ...]) -> str:
+        """A [C, prod(axes)] block of a per-token value (broadcast, padded lanes zeroed)."""
+        var, dims = value
+        want = ("_T",) + tuple(axes)
+        full = f"({expand(var, dims, want)} + tl.zeros([_BLOCK__T, {', '.join(f'_BLOCK_{d}' for d in axes)}], "\
+               f"dtype=tl.float32))"
+        masked, _ = em.emit(f"tl.where({em.mask(want)}, {full}, 0.0)", want)
+        if len(axes) == 1:
+            return masked
+        flat, _ = em.emit(f"tl.reshape({masked}, [_BLOCK__T, {_block(axes)}])", ("_T", "_flat"))
+        return flat
+
+    def hooks(self) -> dict:
+        m, order = self.m, self.order
+        I3 = I2 + "    "
+        env = base_env(self.plan)
+        # params are per head: no token axis
+        loads = []
+        for d in m.inputs:
+            cd = canon(order, d.shape)
+            offs = self._offsets(d.shape)
+            mask = " & ".join([expand("_mask__T", ("_T",), ("_T",) + cd)]
+                              + [expand(f"_mask_{x}", (x,), ("_T",) + cd) for x in cd])
+            rows = expand("_rows", ("_T",), ("_T",) + cd)
+            loads.append(f"{I2}v_{d.name} = tl.load(p_{d.name} + ({rows} * H + i_h) * {numel(d.shape)}"
+                         f"{' + ' + offs if offs else ''}, mask={mask}, other=0.0).to(tl.float32)")
+            env[d.name] = (f"v_{d.name}", ("_T",) + cd)
+        em = Emitter(m, env, indent=I2, prefix="_c", order=order)
+        for let in m.lets:
+            env[let.name] = em(let.expr)
+            em.env[let.name] = env[let.name]
+        body = list(em.lines)
+        mark = len(em.lines)
+        per_state = {}
+        for st in self.plan.states:
+            pieces = st.ir_pieces
+            kd, vd = _axes(st, order)
+            K = self.matrix(em, em(pieces.key), kd)
+            V = self.matrix(em, em(pieces.value) if pieces.value is not None else ("1.0", ()), vd)
+            g = None
+            if st.transition != P.PREFIX_SUM:
+                gv = em(pieces.log_decay)
+                if st.transition == P.SCALAR:
+                    g, _ = em.emit(f"tl.where(_mask__T, {expand(gv[0], gv[1], ('_T',))} + "
+                                   "tl.zeros([_BLOCK__T], dtype=tl.float32), 0.0)", ("_T",))
+                else:
+                    g = self.matrix(em, gv, kd if st.transition == P.KEY_DIAG else vd)
+            per_state[st.name] = (K, V, g, kd, vd)
+            if g is not None:
+                self._gvars[st.name] = g
+        body += em.lines[mark:]
+        mark = len(em.lines)
+
+        # cumulative log decays
+        decay_lines = []
+        for st in self.plan.states:
+            K, V, g, kd, vd = per_state[st.name]
+            if g is not None:
+                decay_lines += [f"{I2}_b_{st.name} = tl.cumsum({g}, axis=0)",
+                                f"{I2}_bl_{st.name} = tl.sum({g}, axis=0)      # b at the chunk's last token"]
+        body += decay_lines
+
+        # readouts
+        out_env = dict(env)
+        for r in self.plan.output.readouts:
+            st = self.plan.state(r.state)
+            K, V, g, kd, vd = per_state[st.name]
+            total = None
+            for t in r.terms_ir:
+                Q = self.matrix(em, em(t.proj) if t.proj is not None else ("1.0", ()), kd)
+                body += em.lines[mark:]
+                mark = len(em.lines)
+                R = self.fresh("r")
+                body += self.readout(st, R, Q, K, V, r.prev)
+                if t.scale is not None:
+                    sc = self.matrix(em, em(t.scale), vd)
+                    body += em.lines[mark:]
+                    mark = len(em.lines)
+                    body.append(f"{I2}{R} = {R} * {sc}")
+                total = R if total is None else self._add(body, total, R)
+            if st.value_dims:
+                out_env[r.name] = (total, ("_T",) + vd)
+            else:
+                v = self.fresh("r")
+                body.append(f"{I2}{v} = tl.sum(tl.where(_mask__1[None, :], {total}, 0.0), axis=1)")
+                out_env[r.name] = (v, ("_T",))
+        oem = Emitter(m, out_env, indent=I2, prefix="_co", order=order)
+        o_var, o_dims = oem(self.plan.output.combine_ir)
+        body += oem.lines
+        o_shape = canon(order, m.output.expr.shape)
+        want = ("_T",) + o_shape
+        offs = self._offsets(m.output.expr.shape, canonical=True)
+        mask = " & ".join([expand("_mask__T", ("_T",), want)] + [expand(f"_mask_{x}", (x,), want) for x in o_shape])
+        rows = expand("_rows", ("_T",), want)
+        value = expand(o_var, o_dims, want)
+        if set(o_dims) != set(want):          # a value constant over tokens or dims: broadcast it
+            value = f"({value} + tl.zeros([{', '.join(f'_BLOCK_{d}' for d in want)}], dtype=tl.float32))"
+        body.append(f"{I2}tl.store(p_out + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
+                    f"{' + ' + offs if offs else ''}, {value}.to(p_out.dtype.element_ty), mask={mask})")
+
+        # state updates
+        for st in self.plan.states:
+            body += self.advance(st, per_state[st.name])
+
+        init, ckpt, final = [], [], []
+        for st in self.plan.states:
+            kd, vd = _axes(st, order)
+            init += self.state_io(st, I1)
+            init.append(f"{I1}s_{st.name} = tl.zeros([{_block(kd)}, {_block(vd)}], dtype=tl.float32)")
+            init.append(f"{I1}if USE_INITIAL_STATE:")
+            ptr, msk = self.state_ptr(st, f"p_init_{st.name}", "(i_n * H + i_h)")
+            init.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
+            ptr, msk = self.state_ptr(st, f"p_ckpt_{st.name}", "((bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
+            ckpt.append(f"{I3}tl.store({ptr}, s_{st.name}, mask={msk})")
+            ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
+            final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
+        return common_hooks(self.plan) | {
+            "init_states": "\n".join(init),
+            "load_inputs": "\n".join(loads),
+            "chunk_body": "\n".join(body),
+            "checkpoint": "\n".join(ckpt),
+            "store_states": "\n".join(final),
+        }
+
+    def _offsets(self, decl: tuple[str, ...], canonical: bool = False) -> str:
+        """Offsets of a per-token block [C, *canonical dims] laid out in `decl` order."""
+        order = self.order
+        layout = canon(order, decl) if canonical else decl
+        cd = ("_T",) + canon(order, decl)
+        terms = []
+        for i, d in enumerate(layout):
+            stride = " * ".join(f"_size_{x}" for x in layout[i + 1:])
+            term = expand(f"_offs_{d}", (d,), cd)
+            terms.append(f"{term} * {stride}" if stride else term)
+        return " + ".join(terms)
+
+    def _add(self, body, a, b) -> str:
+        v = self.fresh("r")
+        body.append(f"{I2}{v} = {a} + {b}")
+        return v
+
+    def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
+        """R = the readout of S_t (or S_{t-1}) for the C query rows Q."""
+        n, I = st.name, I2
+        cmp = ">" if prev else ">="
+        causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
+        S = f"s_{n}"
+        if st.transition == P.PREFIX_SUM:
+            return [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
+                    f"{I}{R} = _mixc_dot({Q}, {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
+        b = f"_b_{n}"
+        bq = f"(_b_{n} - {self._g(st)})" if prev else b        # b_{i-1} for a readout of S_{t-1}
+        if st.transition == P.SCALAR:
+            return [f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * "
+                    f"tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
+                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq})[:, None], {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
+        if st.transition == P.KEY_DIAG:
+            return [f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * tl.exp(tl.where({causal}[:, :, None], "
+                    f"{bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=2)",
+                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq}), {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
+        # value-diagonal: the decay runs per value channel
+        return [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
+                f"{I}{R} = _mixc_dot({Q}, {S}, DOT) * tl.exp({bq}) + tl.sum(_A[:, :, None] * {V}[None, :, :] * "
+                f"tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=1)"]
+
+    def _g(self, st: P.StatePlan) -> str:
+        return self._gvars[st.name]
+
+    def advance(self, st: P.StatePlan, parts) -> list[str]:
+        K, V, g, kd, vd = parts
+        n, I, S = st.name, I2, f"s_{st.name}"
+        if st.transition == P.PREFIX_SUM:
+            return [f"{I}{S} = {S} + _mixc_dot(tl.trans({K}), {V}, DOT)"]
+        b, bl = f"_b_{n}", f"_bl_{n}"
+        if st.transition == P.SCALAR:
+            return [f"{I}{S} = tl.exp({bl}) * {S} + "
+                    f"_mixc_dot(tl.trans({K} * tl.exp({bl} - {b})[:, None]), {V}, DOT)"]
+        if st.transition == P.KEY_DIAG:
+            return [f"{I}{S} = tl.exp({bl})[:, None] * {S} + _mixc_dot(tl.trans({K} * tl.exp({bl}[None, :] - {b})), "
+                    f"{V}, DOT)"]
+        return [f"{I}{S} = {S} * tl.exp({bl})[None, :] + _mixc_dot(tl.trans({K}), {V} * tl.exp({bl}[None, :] - {b}), "
+                "DOT)"]
+
+
+def chunk_fwd_hooks(plan: Plan) -> dict:
+    return ChunkCode(plan).hooks()
