@@ -114,6 +114,8 @@ def cmd_compile(args) -> int:
     plan = derive(mixer, _flags(args.set))
     if _dump(mixer, plan, args.dump if args.dump != "source" else None):
         return 0
+    if args.report:
+        return _report(args.spec)
     source = generate(plan)
     if args.dump == "source" or not args.output:
         print(source)
@@ -122,8 +124,20 @@ def cmd_compile(args) -> int:
     path = Path(args.output) / f"{mixer.name}{suffix}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
-    print(f"wrote {path} ({plan.transition}; kernels: {', '.join(('recurrent_fwd', 'recurrent_bwd'))})")
+    from .codegen.module import metadata
+    print(f"wrote {path} ({plan.transition}; kernels: {', '.join(metadata(plan)['kernels'])})")
     return 0
+
+
+def _report(spec: str) -> int:
+    """Compile every kernel for sm_90 and sm_80 (no GPU needed) and print registers, spills,
+    shared memory and tensor-core use. Runs in a fresh process: compiled (not interpreted)
+    kernels need TRITON_INTERPRET unset before Triton is imported."""
+    import os
+    import subprocess
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.codegen.aot", spec, "--table"], env=env)
+    return p.returncode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", metavar="DIR", help="write DIR/NAME.py (default: print the source)")
     c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option")
     c.add_argument("--dump", choices=("ir", "plan", "source"), help="print a pipeline stage instead")
+    c.add_argument("--report", action="store_true",
+                   help="compile for sm_90 and sm_80 and print registers, spills, shared memory, tensor cores")
     c.set_defaults(fn=cmd_compile)
     r = sub.add_parser("run", help="run a spec on random inputs")
     r.add_argument("spec")

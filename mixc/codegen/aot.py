@@ -21,22 +21,30 @@ from ..runtime.launch import block
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # flag values used for the constexpr switches of every template
 _SWITCHES = {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "IS_VARLEN": False,
-             "STORE_CHECKPOINTS": True, "USE_FINAL_STATE_GRAD": True, "CK": 32}
+             "STORE_CHECKPOINTS": True, "USE_FINAL_STATE_GRAD": True, "CK": 32, "_BLOCK__1": 16}
+_DOT = {"bfloat16": 1, "float16": 2, "float32": 0}
 
 
 def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16") -> tuple[dict, dict]:
     """(signature, constexprs) of a generated kernel, read off its argument names: pointers to
     inputs, outputs and their gradients in `dtype`, everything else float32."""
+    from ..runtime.launch import chunk_size
     fn = kernel.fn if hasattr(kernel, "fn") else kernel
     t = _DTYPE[dtype]
+    chunked = "_BLOCK__T" in inspect.signature(fn).parameters      # matmul blocks are at least 16
     lowp = {f"p_{d.name}" for d in plan.ir.inputs} | {f"p_d{d.name}" for d in plan.ir.inputs} | {"p_out", "p_do"}
     sig, const = {}, {}
     for name, p in inspect.signature(fn).parameters.items():
         if "constexpr" in str(p.annotation):
             if name.startswith("_size_"):
                 const[name] = sizes[name[len("_size_"):]]
-            elif name.startswith("_BLOCK_"):
-                const[name] = block(sizes[name[len("_BLOCK_"):]])
+            elif name == "_BLOCK__T":
+                const[name] = chunk_size(plan)
+            elif name == "DOT":
+                const[name] = _DOT[dtype]
+            elif name.startswith("_BLOCK_") and name not in _SWITCHES:
+                b = block(sizes[name[len("_BLOCK_"):]])
+                const[name] = max(16, b) if chunked else b
             else:
                 const[name] = _SWITCHES[name]
             sig[name] = "constexpr"
@@ -76,11 +84,46 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
             t0 = time.perf_counter()
             ck = compile_kernel(kernel, *signature(kernel, plan, sizes, dtype), arch=arch)
             ptx = ck.asm["ptx"]
+            tensor_cores = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None
             out.append({"spec": name, "kernel": form, "arch": f"sm_{arch}", "shared_bytes": ck.metadata.shared,
-                        "local_memory": ".local" in ptx,
-                        "wgmma": "wgmma" in ptx, "mma": "mma.sync" in ptx,
+                        **ptxas_usage(ptx, arch), "tensor_cores": tensor_cores,
                         "cubin_bytes": len(ck.asm["cubin"]), "seconds": round(time.perf_counter() - t0, 2)})
     return out
+
+
+def ptxas_usage(ptx: str, arch: int) -> dict:
+    """Registers and spills as ptxas reports them (-v), with the ptxas that Triton ships."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    try:                                  # the ptxas Triton itself uses for this arch
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(arch).path
+    except (ImportError, TypeError, AttributeError):
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return {"registers": None, "spill_bytes": None}
+    gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        p = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    text = p.stdout + p.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": max(spills) if spills else 0}
+
+
+def report_table(reports: list[dict]) -> str:
+    head = f"{'spec':18} {'kernel':14} {'arch':6} {'regs':>5} {'spill B':>8} {'smem B':>8} {'tensor cores':12}"
+    rows = [head, "-" * len(head)]
+    for r in reports:
+        rows.append(f"{r['spec']:18} {r['kernel']:14} {r['arch']:6} {str(r['registers']):>5} "
+                    f"{str(r['spill_bytes']):>8} {r['shared_bytes']:>8} {str(r['tensor_cores'] or '-'):12}")
+    return "\n".join(rows)
 
 
 def main(argv=None) -> int:
@@ -88,12 +131,16 @@ def main(argv=None) -> int:
     p.add_argument("specs", nargs="+")
     p.add_argument("--arch", type=int, action="append")
     p.add_argument("--size", type=int, default=16)
+    p.add_argument("--table", action="store_true", help="a table instead of JSON")
     args = p.parse_args(argv)
     reports = []
     for name in args.specs:
         reports += compile_spec(name, tuple(args.arch or (90, 80)), args.size)
-    json.dump(reports, sys.stdout, indent=1)
-    print()
+    if args.table:
+        print(report_table(reports))
+    else:
+        json.dump(reports, sys.stdout, indent=1)
+        print()
     return 0
 
 

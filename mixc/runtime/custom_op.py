@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 
 from ..derive.plan import Plan
-from .launch import checkpoint_slots, recurrent_backward, recurrent_forward
+from .launch import checkpoint_slots, chunk_forward, recurrent_backward, recurrent_forward
 from .signature import Bound
 
 _OPS: dict[tuple, object] = {}
 
 FWD_SCHEMA = ("(Tensor[] inputs, Tensor[] params, Tensor[] initial_state, float[] options, Tensor? cu_seqlens, "
-              "bool output_final_state, bool save_for_backward, int CK) -> Tensor[]")
+              "bool output_final_state, bool save_for_backward, bool chunked, int CK) -> Tensor[]")
 BWD_SCHEMA = ("(Tensor[] inputs, Tensor[] params, Tensor[] checkpoints, Tensor[] dfinal, Tensor do, "
               "float[] options, Tensor? cu_seqlens, int CK) -> Tensor[]")
 
@@ -49,17 +49,22 @@ def ops_for(plan: Plan):
         return tuple(bound.sizes[d] for d in s.shape)
 
     @torch.library.custom_op(base + "_fwd", mutates_args=(), schema=FWD_SCHEMA)
-    def fwd(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, CK):
+    def fwd(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, chunked,
+            CK):
+        """The chunked (C = CK) or recurrent forward; either keeps the states at chunk starts
+        for the recurrent backward."""
         bound = _bound(plan, inputs, params, initial_state, options, cu_seqlens)
-        o, finals, ckpts = recurrent_forward(plan, bound, output_final_state=output_final_state,
-                                             checkpoints=save_for_backward, CK=CK)
+        run = chunk_forward if chunked else recurrent_forward
+        size = {"C": CK} if chunked else {"CK": CK}
+        o, finals, ckpts = run(plan, bound, output_final_state=output_final_state, checkpoints=save_for_backward,
+                               **size)
         def empty():        # a fresh one each time: outputs of a custom op may not alias
             return o.new_empty(0, dtype=torch.float32)
         return ([o] + [finals[s.name] if finals else empty() for s in m.states]
                 + [ckpts[s.name] if ckpts else empty() for s in m.states])
 
     @fwd.register_fake
-    def _(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, CK):
+    def _(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, chunked, CK):
         bound = _bound(plan, inputs, params, initial_state, options, cu_seqlens)
         x = inputs[0]
         o = x.new_empty((bound.B, bound.T, bound.H) + tuple(bound.sizes[d] for d in m.output.expr.shape))
@@ -88,7 +93,7 @@ def ops_for(plan: Plan):
                 + [do.new_empty((n, bound.H) + state_shape(bound, s), dtype=torch.float32) for s in m.states])
 
     def setup_context(ctx, inputs, output):
-        ins, params, init, options, cu, output_final_state, save, CK = inputs
+        ins, params, init, options, cu, output_final_state, save, chunked, CK = inputs
         n_states = len(m.states)
         ckpts = output[1 + n_states:]
         ctx.save_for_backward(*ins, *params, *ckpts, *([cu] if cu is not None else []))
@@ -114,7 +119,7 @@ def ops_for(plan: Plan):
         dins, dpars = out[:n_in], out[n_in:n_in + n_par]
         dinit = [g.to(dt) for g, dt in zip(out[n_in + n_par:], init_dtypes)] if has_init else []
         # torch.library treats a non-empty list of floats as one leaf (an empty one as a list)
-        return list(dins), list(dpars), dinit, (None if options else []), None, None, None, None
+        return list(dins), list(dpars), dinit, (None if options else []), None, None, None, None, None
 
     torch.library.register_autograd(base + "_fwd", backward, setup_context=setup_context)
     _OPS[key] = (fwd, bwd)

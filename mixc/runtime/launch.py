@@ -135,6 +135,11 @@ def chunk_size(plan: Plan) -> int:
 
 
 def _dot_code(dtype: torch.dtype) -> int:
+    """Matmul inputs of the chunked kernels: the inputs' precision on a GPU (tensor cores), fp32
+    otherwise. Triton's interpreter (3.9) computes a bf16 tl.dot wrongly (garbage of 1e10,
+    while fp16 and fp32 are right), so under the interpreter bf16 inputs multiply in fp32."""
+    if dtype == torch.bfloat16 and interpreting():
+        return 0
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
 
 

@@ -4,11 +4,13 @@
                   cu_seqlens=None, mode="auto")
     o, state = op.step(q=..., ..., state=state)          # one token per sequence
 
-Modes: "recurrent" (the fused recurrent Triton kernels, forward and backward), "chunk"
-(the chunked kernels: not generated yet, see docs/design-notes.md), "torch" (the spec as a
-loop in the inputs' dtype, plain torch with autograd: the CPU backend), "reference" (the
-same loop in float64: ground truth). "auto" takes the kernels on CUDA tensors and on CPU
-tensors under Triton's interpreter (TRITON_INTERPRET=1), and "torch" otherwise."""
+Modes: "chunk" (the fused chunked forward kernel, for the linear classes), "recurrent" (the
+fused recurrent forward kernel, every class); both train through the recurrent backward
+kernel, which starts from the states the forward keeps at chunk starts. "torch" is the spec
+as a loop in the inputs' dtype (plain torch with autograd: the CPU backend), "reference"
+the same loop in float64 (ground truth). "auto" takes the kernels (chunked where the spec has
+that form) on CUDA tensors and on CPU tensors under Triton's interpreter
+(TRITON_INTERPRET=1), and "torch" otherwise."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -19,6 +21,8 @@ from ..derive.plan import Plan, derive
 from ..dsl import MixerIR, parse, read_spec
 from . import reference as _reference
 from .cache import interpreting
+from ..codegen.chunk import chunk_supported
+from .launch import chunk_size
 from .signature import ArgumentError, bind, option_values
 
 MODES = ("auto", "recurrent", "chunk", "torch", "reference")
@@ -43,7 +47,7 @@ class MixerOp:
 
     # ---- the op ----
     def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
-                 mode: str = "auto", CK: int = 32, **kwargs):
+                 mode: str = "auto", CK: int = 32, chunk: int | None = None, **kwargs):
         if mode not in MODES:
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
@@ -58,13 +62,20 @@ class MixerOp:
                 o = o.to(next(iter(bound.inputs.values())).dtype)
                 st = {k: v.float() for k, v in st.items()} if st is not None else None
             return o, st
-        if mode == "chunk":
-            raise NotImplementedError(f"mode='chunk': the chunked kernels of {self._plan_for(bound.flags).transition} "
-                                      "specs are not generated yet; use mode='recurrent' (or 'auto')")
-        return self._kernels(bound, output_final_state, CK)
+        plan = self._plan_for(bound.flags)
+        if mode == "chunk" or (mode == "auto" and "chunk" in plan.forms):
+            why = chunk_supported(plan)
+            if why is not None:
+                if mode == "chunk":
+                    raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
+                                        "use mode='recurrent'")
+            else:
+                return self._kernels(bound, output_final_state, chunk_size(plan) if chunk is None else chunk, True)
+        return self._kernels(bound, output_final_state, CK, False)
 
-    def _kernels(self, bound, output_final_state: bool, CK: int):
-        """The recurrent kernels through the registered custom op (autograd included)."""
+    def _kernels(self, bound, output_final_state: bool, CK: int, chunked: bool):
+        """The kernels through the registered custom op (autograd included): the chunked or the
+        recurrent forward, and the recurrent backward from the states at chunk starts."""
         m = self.ir
         inputs = [bound.inputs[d.name] for d in m.inputs]
         params = [bound.params[d.name] for d in m.params]
@@ -73,7 +84,7 @@ class MixerOp:
         save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + params + init)
         fwd, _ = self.prepare(**bound.flags)
         outs = fwd(inputs, params, init, [opts[o.name] for o in m.options if o.kind == "float"],
-                   bound.cu_seqlens, output_final_state, save, CK)
+                   bound.cu_seqlens, output_final_state, save, chunked, CK)
         st = {s.name: f for s, f in zip(m.states, outs[1:1 + len(m.states)])} if output_final_state else None
         return outs[0], st
 
@@ -127,7 +138,7 @@ class MixerOp:
         if mode != "auto":
             return mode
         if device.type == "cuda" or (device.type == "cpu" and interpreting()):
-            return "recurrent"
+            return "auto"           # the kernels: chunked where the spec has that form
         return "torch"
 
 

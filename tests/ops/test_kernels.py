@@ -1,11 +1,12 @@
-"""The fused recurrent kernels (forward, backward, step) of every library spec, in Triton's
-interpreter, against the float64 reference. Tolerance as FlexAttention does it: the kernel's
+"""The generated kernels (chunked and recurrent forward, recurrent backward, step) of every
+library spec, in Triton's interpreter, against the float64 reference. Tolerance as FlexAttention does it: the kernel's
 error against float64 must stay within a small factor of the error of the same computation
 done eagerly in the same dtype (the torch backend)."""
 import pytest
 import torch
 
 import mixc
+from mixc.codegen.chunk import chunk_supported
 from mixc.dsl import library_names
 
 from helpers import case_id, random_args, random_state
@@ -15,6 +16,8 @@ CASES = [(n, {}) for n in library_names()] + [
     ("delta_rule", {"use_qk_l2norm_in_kernel": True}), ("gated_delta_rule", {"use_qk_l2norm_in_kernel": True}),
 ]
 IDS = [n + "".join(f"-{k}" for k in f) for n, f in CASES]
+CHUNKED = [(n, f) for n, f in CASES if chunk_supported(mixc.load(n).plan(**f)) is None]
+CHUNK_IDS = [n + "".join(f"-{k}" for k in f) for n, f in CHUNKED]
 
 
 def _sizes(op, base=3):
@@ -34,13 +37,14 @@ def _loss(o, st, op, weights):
     return (o.double() * wo).sum() + sum((st[s.name].double() * w).sum() for s, w in zip(op.ir.states, ws))
 
 
-def check_against_reference(op, flags, args, st, dtype, CK=4, factor=4.0, cu_seqlens=None):
+def check_against_reference(op, flags, args, st, dtype, CK=4, factor=4.0, cu_seqlens=None, mode="recurrent",
+                            chunk=None):
     """Forward, final states and every gradient of the kernels vs the float64 reference,
     within `factor` times the torch backend's error (plus a floor for exact cases)."""
     leaves = list(args.values()) + (list(st.values()) if st is not None else [])
     kw = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}
     ref_o, ref_st = _run(op, "reference", args, flags, st, **kw)
-    ker_o, ker_st = _run(op, "recurrent", args, flags, st, CK=CK, **kw)
+    ker_o, ker_st = _run(op, mode, args, flags, st, CK=CK, chunk=chunk, **kw)
     eag_o, eag_st = _run(op, "torch", args, flags, st, **kw)
     assert ker_o.dtype == dtype and all(v.dtype == torch.float32 for v in ker_st.values())
     assert torch.isfinite(ker_o).all(), "the kernel left NaN (poison) or produced inf"
@@ -68,13 +72,31 @@ def test_recurrent_matches_reference(name, flags):
     check_against_reference(op, flags, args, st, torch.float32)
 
 
-@pytest.mark.parametrize("name", ["gla", "mamba2", "delta_rule", "mlstm"])
+@pytest.mark.parametrize("name,flags", CHUNKED, ids=CHUNK_IDS)
+def test_chunk_matches_reference(name, flags):
+    """Chunks of 16 over T = 21 (a partial last chunk), backward from the chunk checkpoints."""
+    op = mixc.load(name)
+    args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes=_sizes(op), dtype=torch.float32, requires_grad=True,
+                              seed=6)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, flags, args, st, torch.float32, mode="chunk", chunk=16)
+
+
+def test_specs_without_a_chunked_kernel_say_why():
+    op = mixc.load("delta_rule")
+    args, _ = random_args(op.ir, B=1, T=3, H=2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="mode='chunk': mixer 'delta_rule' has no chunked kernel .*rank-1"):
+        op(**args, mode="chunk")
+
+
+@pytest.mark.parametrize("name,mode", [("gla", "chunk"), ("mamba2", "chunk"), ("delta_rule", "recurrent"),
+                                       ("mlstm", "chunk"), ("mlstm", "recurrent")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_recurrent_low_precision_inputs(name, dtype):
+def test_low_precision_inputs(name, mode, dtype):
     op = mixc.load(name)
     args, sizes = random_args(op.ir, B=1, T=7, H=2, sizes=_sizes(op, 5), dtype=dtype, requires_grad=True, seed=2)
     st = random_state(op.ir, 1, 2, sizes, requires_grad=True)
-    check_against_reference(op, {}, args, st, dtype)
+    check_against_reference(op, {}, args, st, dtype, mode=mode)
 
 
 @pytest.mark.parametrize("T,CK", [(1, 4), (4, 4), (5, 4), (13, 32)], ids=lambda x: str(x))
@@ -86,15 +108,16 @@ def test_chunk_boundaries(T, CK):
     check_against_reference(op, {}, args, st, torch.float32, CK=CK)
 
 
-@pytest.mark.parametrize("name", ["gla", "delta_rule", "based"])
-def test_cu_seqlens(name):
+@pytest.mark.parametrize("name,mode", [("gla", "chunk"), ("gla", "recurrent"), ("delta_rule", "recurrent"),
+                                       ("based", "chunk"), ("rwkv6", "chunk")])
+def test_cu_seqlens(name, mode):
     op = mixc.load(name)
     lens = [3, 0, 6, 2]
     args, sizes = random_args(op.ir, B=1, T=sum(lens), H=2, sizes=_sizes(op, 4), dtype=torch.float32,
                               requires_grad=True, seed=3)
     st = random_state(op.ir, len(lens), 2, sizes, requires_grad=True)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    check_against_reference(op, {}, args, st, torch.float32, cu_seqlens=cu)
+    check_against_reference(op, {}, args, st, torch.float32, cu_seqlens=cu, mode=mode, chunk=16)
 
 
 @pytest.mark.parametrize("name,flags", CASES, ids=IDS)
@@ -119,13 +142,13 @@ def test_step_matches_sequence(name, flags):
 def test_modes_and_dispatch(monkeypatch):
     op = mixc.load("simple_gla")
     args, _ = random_args(op.ir, B=1, T=3, H=2, dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match="chunked kernels of scalar decay specs are not generated yet"):
-        op(**args, mode="chunk")
     with pytest.raises(ValueError, match="mode: expected one of"):
         op(**args, mode="fast")
     o_auto, _ = op(**args)
+    o_chunk, _ = op(**args, mode="chunk")
     o_rec, _ = op(**args, mode="recurrent")
-    torch.testing.assert_close(o_auto, o_rec)
+    torch.testing.assert_close(o_auto, o_chunk)
+    torch.testing.assert_close(o_chunk, o_rec, rtol=1e-5, atol=1e-6)
     # without the interpreter, CPU tensors go to the torch backend
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     o_torch, _ = op(**args)
