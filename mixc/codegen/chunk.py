@@ -62,7 +62,6 @@ class ChunkCode:
         self.dims = self.m.dim_names
         self.order = ("_T",) + self.dims + (UNIT,)
         self.n = 0
-        self._gvars: dict[str, str] = {}     # each state's per-token log decay (for prev() readouts)
 
     def fresh(self, stem: str) -> str:
         self.n += 1
@@ -149,8 +148,6 @@ class ChunkCode:
                 else:
                     g = self.matrix(em, gv, kd if st.transition == P.KEY_DIAG else vd)
             per_state[st.name] = (K, V, g, kd, vd)
-            if g is not None:
-                self._gvars[st.name] = g
         body += em.lines[mark:]
         mark = len(em.lines)
 
@@ -159,8 +156,11 @@ class ChunkCode:
         for st in self.plan.states:
             K, V, g, kd, vd = per_state[st.name]
             if g is not None:
+                # b at the chunk's last token, read off b itself: a separate sum would round
+                # differently, and exp(b_C - b_last) must be exactly 1
+                last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
                 decay_lines += [f"{I2}_b_{st.name} = tl.cumsum({g}, axis=0)",
-                                f"{I2}_bl_{st.name} = tl.sum({g}, axis=0)      # b at the chunk's last token"]
+                                f"{I2}_bl_{st.name} = tl.sum(tl.where({last}, _b_{st.name}, 0.0), axis=0)"]
         body += decay_lines
 
         # readouts
@@ -252,22 +252,29 @@ class ChunkCode:
             return [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
                     f"{I}{R} = _mixc_dot({Q}, {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
         b = f"_b_{n}"
-        bq = f"(_b_{n} - {self._g(st)})" if prev else b        # b_{i-1} for a readout of S_{t-1}
+        pre = []
+        bq = b
+        if prev:
+            # b_{i-1} for a readout of S_{t-1}: b shifted by one row, selected exactly (b_i - g_i
+            # would round, and exp(b_{i-1} - b_{i-1}) weighs the newest token of the state)
+            shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
+            if g_is_vector(st):
+                pre = [f"{I}_bp = tl.sum(tl.where({shift}, {b}[None, :], 0.0), axis=1)"]
+            else:
+                pre = [f"{I}_bp = tl.sum(tl.where({shift}[:, :, None], {b}[None, :, :], 0.0), axis=1)"]
+            bq = "_bp"
         if st.transition == P.SCALAR:
-            return [f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * "
+            return pre + [f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * "
                     f"tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
                     f"{I}{R} = _mixc_dot({Q} * tl.exp({bq})[:, None], {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
         if st.transition == P.KEY_DIAG:
-            return [f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * tl.exp(tl.where({causal}[:, :, None], "
+            return pre + [f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * tl.exp(tl.where({causal}[:, :, None], "
                     f"{bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=2)",
                     f"{I}{R} = _mixc_dot({Q} * tl.exp({bq}), {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
         # value-diagonal: the decay runs per value channel
-        return [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
+        return pre + [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
                 f"{I}{R} = _mixc_dot({Q}, {S}, DOT) * tl.exp({bq}) + tl.sum(_A[:, :, None] * {V}[None, :, :] * "
                 f"tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=1)"]
-
-    def _g(self, st: P.StatePlan) -> str:
-        return self._gvars[st.name]
 
     def advance(self, st: P.StatePlan, parts) -> list[str]:
         K, V, g, kd, vd = parts
@@ -283,6 +290,11 @@ class ChunkCode:
                     f"{V}, DOT)"]
         return [f"{I}{S} = {S} * tl.exp({bl})[None, :] + _mixc_dot(tl.trans({K}), {V} * tl.exp({bl}[None, :] - {b}), "
                 "DOT)"]
+
+
+def g_is_vector(st: P.StatePlan) -> bool:
+    """A scalar decay's per-token log decay is a [C] vector; the diagonal ones are [C, dim]."""
+    return st.transition == P.SCALAR
 
 
 def chunk_fwd_hooks(plan: Plan) -> dict:

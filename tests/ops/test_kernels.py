@@ -9,7 +9,8 @@ import mixc
 from mixc.codegen.chunk import chunk_supported
 from mixc.dsl import library_names
 
-from helpers import case_id, random_args, random_state
+from helpers import case_id, random_args, random_state  # noqa: F401
+from kernel_checks import check_against_reference
 
 CASES = [(n, {}) for n in library_names()] + [
     ("linear_attn", {"normalize": True}), ("based", {"use_norm": False}),
@@ -22,46 +23,6 @@ CHUNK_IDS = [n + "".join(f"-{k}" for k in f) for n, f in CHUNKED]
 
 def _sizes(op, base=3):
     return {d.name: base + i for i, d in enumerate(op.ir.dims) if not d.alias_of}
-
-
-def _err(x, ref):
-    return (x.double() - ref).abs().max().item()
-
-
-def _run(op, mode, args, flags, st, **kw):
-    return op(**args, **flags, initial_state=st, output_final_state=True, mode=mode, **kw)
-
-
-def _loss(o, st, op, weights):
-    wo, ws = weights
-    return (o.double() * wo).sum() + sum((st[s.name].double() * w).sum() for s, w in zip(op.ir.states, ws))
-
-
-def check_against_reference(op, flags, args, st, dtype, CK=4, factor=4.0, cu_seqlens=None, mode="recurrent",
-                            chunk=None):
-    """Forward, final states and every gradient of the kernels vs the float64 reference,
-    within `factor` times the torch backend's error (plus a floor for exact cases)."""
-    leaves = list(args.values()) + (list(st.values()) if st is not None else [])
-    kw = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}
-    ref_o, ref_st = _run(op, "reference", args, flags, st, **kw)
-    ker_o, ker_st = _run(op, mode, args, flags, st, CK=CK, chunk=chunk, **kw)
-    eag_o, eag_st = _run(op, "torch", args, flags, st, **kw)
-    assert ker_o.dtype == dtype and all(v.dtype == torch.float32 for v in ker_st.values())
-    assert torch.isfinite(ker_o).all(), "the kernel left NaN (poison) or produced inf"
-    gen = torch.Generator().manual_seed(11)
-    weights = (torch.randn(ref_o.shape, generator=gen, dtype=torch.float64),
-               [torch.randn(ref_st[s.name].shape, generator=gen, dtype=torch.float64) for s in op.ir.states])
-    ref_g = torch.autograd.grad(_loss(ref_o, ref_st, op, weights), leaves, allow_unused=True)
-    ker_g = torch.autograd.grad(_loss(ker_o, ker_st, op, weights), leaves, allow_unused=True)
-    eag_g = torch.autograd.grad(_loss(eag_o, eag_st, op, weights), leaves, allow_unused=True)
-    floor = {torch.float32: 1e-6, torch.float64: 1e-10, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
-    names = [f"d{k}" for k in args] + [f"d initial {k}" for k in (st or {})]
-    pairs = [("o", ker_o, eag_o, ref_o)] + [(f"final {k}", ker_st[k], eag_st[k], ref_st[k]) for k in ref_st]
-    pairs += [(n, k, e, r) for n, k, e, r in zip(names, ker_g, eag_g, ref_g) if r is not None]
-    for what, ker, eag, ref in pairs:
-        scale = max(1.0, ref.abs().max().item())
-        allowed = factor * _err(eag, ref) + floor * scale
-        assert _err(ker, ref) <= allowed, f"{what}: kernel error {_err(ker, ref):.3g} > {allowed:.3g}"
 
 
 @pytest.mark.parametrize("name,flags", CASES, ids=IDS)

@@ -1,0 +1,73 @@
+"""The kernels over the shapes the issue names (T in {1, 17, 64, 130}; K, V in {16, 32, 48}),
+strong decay, and prefill-then-decode agreement."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixc
+
+from helpers import case_id, random_args, random_state
+from kernel_checks import check_against_reference
+
+SHAPES = [(1, 16, 16), (17, 32, 16), (64, 16, 48), (130, 48, 32)]        # (T, K, V): every value of each
+SPECS = [("simple_gla", "chunk"), ("gla", "chunk"), ("linear_attn", "chunk"), ("gla", "recurrent")]
+
+
+@pytest.mark.parametrize("name,mode", SPECS, ids=[f"{n}-{m}" for n, m in SPECS])
+@pytest.mark.parametrize("T,K,V", SHAPES, ids=[case_id(B=1, T=t, H=2, K=k, V=v) for t, k, v in SHAPES])
+def test_shapes(name, mode, T, K, V):
+    op = mixc.load(name)
+    args, sizes = random_args(op.ir, B=1, T=T, H=2, sizes={"K": K, "V": V}, dtype=torch.float32,
+                              requires_grad=True, seed=T + K)
+    st = random_state(op.ir, 1, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode=mode, CK=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mode", SPECS, ids=[f"{n}-{m}" for n, m in SPECS])
+@pytest.mark.parametrize("T", [1, 17, 64, 130])
+@pytest.mark.parametrize("K,V", [(k, v) for k in (16, 32, 48) for v in (16, 32, 48)])
+def test_shapes_full_grid(name, mode, T, K, V):
+    test_shapes(name, mode, T, K, V)
+
+
+@pytest.mark.parametrize("log_decay", [-8.0, -20.0])
+@pytest.mark.parametrize("name,mode", [("gla", "chunk"), ("simple_gla", "chunk"), ("rwkv6", "chunk"),
+                                       ("hgrn", "chunk"), ("gla", "recurrent")])
+def test_strong_decay_no_nan(name, mode, log_decay):
+    """A log decay of -8 and -20 per token: the chunked form forms only exponents <= 0."""
+    op = mixc.load(name)
+    gate = {"gla": "g", "simple_gla": "g", "rwkv6": "w", "hgrn": "g"}[name]
+
+    def strong(shape, gen):
+        return log_decay + 0.5 * torch.rand(shape, generator=gen, dtype=torch.float64)
+
+    from helpers import random_args as draw_args
+    args, sizes = draw_args(op.ir, B=2, T=40, H=2, sizes={"K": 16, "V": 16, "D": 16}, dtype=torch.float32,
+                            requires_grad=True, seed=9, draw={gate: strong})
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    o, fin = op(**args, initial_state=st, output_final_state=True, mode=mode)
+    assert torch.isfinite(o).all() and all(torch.isfinite(v).all() for v in fin.values())
+    grads = torch.autograd.grad(o.sum() + sum(v.sum() for v in fin.values()), list(args.values()))
+    assert all(torch.isfinite(g).all() for g in grads)
+    check_against_reference(op, {}, args, st, torch.float32, mode=mode, CK=16)
+
+
+@pytest.mark.parametrize("name", ["gla", "mamba2", "rwkv6", "based", "mlstm"])
+def test_prefill_chunked_then_decode(name):
+    """Prefill with the chunked form, then decode token by token with step: equals one pass."""
+    op = mixc.load(name)
+    B, T, P, H = 2, 23, 17, 2
+    args, sizes = random_args(op.ir, B=B, T=T, H=H, sizes={d.name: 5 + i for i, d in enumerate(op.ir.dims)},
+                              dtype=torch.float32, seed=13)
+    names = {d.name for d in op.ir.inputs}
+    full, full_st = op(**args, output_final_state=True, mode="reference")
+    pre = {k: (v[:, :P] if k in names else v) for k, v in args.items()}
+    o, st = op(**pre, output_final_state=True, mode="chunk")
+    outs = [o]
+    for t in range(P, T):
+        o_t, st = op.step(**{k: (v[:, t] if k in names else v) for k, v in args.items()}, state=st)
+        outs.append(o_t[:, None])
+    torch.testing.assert_close(torch.cat(outs, 1).double(), full, rtol=1e-4, atol=1e-4)
+    for k in full_st:
+        torch.testing.assert_close(st[k].double(), full_st[k], rtol=1e-4, atol=1e-4)
