@@ -6,9 +6,10 @@
 
 Modes: "chunk" (the fused chunked forward kernel, for the linear classes), "recurrent" (the
 fused recurrent forward kernel, every class); both train through the recurrent backward
-kernel, which starts from the states the forward keeps at chunk starts. "torch" is the spec
-as a loop in the inputs' dtype (plain torch with autograd: the CPU backend), "reference"
-the same loop in float64 (ground truth). "auto" takes the kernels (chunked where the spec has
+kernel, which starts from the states the forward keeps at chunk starts. "torch" is plain torch
+with autograd in the inputs' dtype (float32 at least), the CPU backend: the chunked algorithm
+of the kernels where the spec has it (runtime/torch_chunk.py), the loop over t otherwise.
+"reference" is the loop over t in float64 (ground truth). "auto" takes the kernels (chunked where the spec has
 that form) on CUDA tensors and on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1), and "torch" otherwise."""
 from __future__ import annotations
@@ -53,16 +54,20 @@ class MixerOp:
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         device = next(iter(bound.inputs.values())).device
         mode = self._resolve(mode, device)
+        plan = self._plan_for(bound.flags)
+        if mode == "torch" and chunk_supported(plan) is None:
+            from .torch_chunk import torch_chunked
+            o, st = torch_chunked(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound),
+                                  C=chunk or 64)
+            return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
             o, st = _reference.reference(self.ir, **kwargs, initial_state=initial_state,
                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                          dtype=dtype)
             if mode == "torch":
-                o = o.to(next(iter(bound.inputs.values())).dtype)
-                st = {k: v.float() for k, v in st.items()} if st is not None else None
+                return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
             return o, st
-        plan = self._plan_for(bound.flags)
         if mode == "chunk" or (mode == "auto" and "chunk" in plan.forms):
             why = chunk_supported(plan)
             if why is not None:
@@ -140,6 +145,10 @@ class MixerOp:
         if device.type == "cuda" or (device.type == "cpu" and interpreting()):
             return "auto"           # the kernels: chunked where the spec has that form
         return "torch"
+
+
+def _float_states(st):
+    return {k: v.float() for k, v in st.items()} if st is not None else None
 
 
 def _compute_dtype(bound) -> torch.dtype:
