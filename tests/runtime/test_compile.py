@@ -48,8 +48,9 @@ def test_custom_op_passes_opcheck():
     from helpers import random_args
     args, _ = random_args(op.ir, B=1, T=3, H=2, sizes={"K": 3, "V": 2}, dtype=torch.float32, requires_grad=True)
     inputs = [args[d.name] for d in op.ir.inputs]
-    torch.library.opcheck(fwd, (inputs, [], [], [0.5], None, True, True, 4),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for chunked, CK in ((False, 4), (True, 16)):
+        torch.library.opcheck(fwd, (inputs, [], [], [0.5], None, True, True, chunked, CK),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 def test_compile_before_any_eager_call():
