@@ -13,3 +13,18 @@ def test_custom_mixer_example():
     assert "class: key-diagonal decay" in p.stdout
     assert "output (2, 32, 4, 16)" in p.stdout
     assert "unknown name 'phi_kk' (did you mean 'phi_k'?)" in p.stdout
+
+
+def test_readme_main_job(tmp_path):
+    """README's first command after the install: explain, compile, run the kernels."""
+    import os
+    import re
+    first = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
+    job = first.split("pip install -e '.[test]' && ", 1)[1]
+    assert job.startswith("mixc explain gla")
+    env = dict(os.environ, TRITON_INTERPRET="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    p = subprocess.run(job, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "build" / "gla.py").is_file()
+    err = float(re.search(r"max relative error vs the float64 reference (\S+)", p.stdout).group(1))
+    assert err < 1e-4
