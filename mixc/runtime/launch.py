@@ -57,42 +57,46 @@ def checkpoint_slots(bound: Bound, CK: int) -> int:
     return (bound.B * bound.T) // CK + bound.n_seqs + 1
 
 
+def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, checkpoints: bool,
+             chunk_tokens: int, out_dtype=None, **launch):
+    """Launch a forward kernel (arguments: inputs, params, options, then per state its initial,
+    final and checkpoint buffers, the output, cu_seqlens, T, H, the dims as floats)."""
+    m = plan.ir
+    x0 = next(iter(bound.inputs.values()))
+    device = x0.device
+    kernel = _kernel(plan, device, form)
+    n, H, T = bound.n_seqs, bound.H, bound.T
+    slots = checkpoint_slots(bound, chunk_tokens)
+    opts = _options(m, bound)
+    out = _empty((bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape), out_dtype or x0.dtype, device)
+    state_args, finals, ckpts = [], {}, {}
+    for s in m.states:
+        shape = tuple(bound.sizes[d] for d in s.shape)
+        init = (bound.initial_state[s.name].to(torch.float32).contiguous()
+                if bound.initial_state is not None else out)
+        if output_final_state:
+            finals[s.name] = _empty((n, H) + shape, torch.float32, device)
+        if checkpoints:
+            ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
+        state_args += [init, finals.get(s.name, out), ckpts.get(s.name, out)]
+    kernel[(n * H,)](*[bound.inputs[d.name].contiguous() for d in m.inputs],
+                     *[bound.params[d.name].contiguous() for d in m.params],
+                     *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
+                     out, bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out, T, H,
+                     *[float(bound.sizes[d]) for d in m.dim_names],
+                     USE_INITIAL_STATE=bound.initial_state is not None, STORE_FINAL_STATE=output_final_state,
+                     IS_VARLEN=bound.cu_seqlens is not None, STORE_CHECKPOINTS=checkpoints, **launch)
+    return out, (finals if output_final_state else None), (ckpts if checkpoints else None)
+
+
 def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,
                       checkpoints: bool = False, CK: int = 32):
     """Run the fused recurrent forward kernel.
 
     Returns (o, final states or None, checkpoints or None): with checkpoints=True the state at
     the start of every chunk of CK tokens is kept for the backward ([slots, H, *dims])."""
-    m = plan.ir
-    x0 = next(iter(bound.inputs.values()))
-    device = x0.device
-    out_dtype = out_dtype or x0.dtype
-    kernel = _kernel(plan, device, "recurrent_fwd")
-    n, H, T = bound.n_seqs, bound.H, bound.T
-    slots = checkpoint_slots(bound, CK)
-    inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
-    params = [bound.params[d.name].contiguous() for d in m.params]
-    opts = _options(m, bound)
-    out = _empty((bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape), out_dtype, device)
-    state_args, finals, ckpts = [], {}, {}
-    for s in m.states:
-        shape = tuple(bound.sizes[d] for d in s.shape)
-        init = (bound.initial_state[s.name].to(torch.float32).contiguous()
-                if bound.initial_state is not None else out)
-        final = _empty((n, H) + shape, torch.float32, device) if output_final_state else out
-        if output_final_state:
-            finals[s.name] = final
-        state_args += [init, final]
-        if checkpoints:
-            ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
-    ckpt_args = [ckpts.get(s.name, out) for s in m.states]
-    cu = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out
-    fsizes = [float(bound.sizes[d]) for d in m.dim_names]
-    kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
-                     *ckpt_args, out, cu, T, H, *fsizes, **dim_kwargs(plan, bound),
-                     USE_INITIAL_STATE=bound.initial_state is not None, STORE_FINAL_STATE=output_final_state,
-                     IS_VARLEN=bound.cu_seqlens is not None, STORE_CHECKPOINTS=checkpoints, CK=CK)
-    return out, (finals if output_final_state else None), (ckpts if checkpoints else None)
+    return _forward(plan, bound, "recurrent_fwd", output_final_state=output_final_state, checkpoints=checkpoints,
+                    chunk_tokens=CK, out_dtype=out_dtype, CK=CK, **dim_kwargs(plan, bound))
 
 
 def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None,
@@ -147,37 +151,12 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
                   checkpoints: bool = False, C: int | None = None):
     """Run the fused chunked forward kernel. Same returns as recurrent_forward; its checkpoints
     (the states at chunk starts) serve the recurrent backward with CK = C."""
-    m = plan.ir
     C = C or chunk_size(plan)
+    dims = plan.ir.dim_names
+    blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
+    blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})     # tl.dot needs 16
     x0 = next(iter(bound.inputs.values()))
-    device = x0.device
-    out_dtype = out_dtype or x0.dtype
-    kernel = _kernel(plan, device, "chunk_fwd")
-    n, H, T = bound.n_seqs, bound.H, bound.T
-    slots = checkpoint_slots(bound, C)
-    inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
-    params = [bound.params[d.name].contiguous() for d in m.params]
-    opts = _options(m, bound)
-    out = _empty((bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape), out_dtype, device)
-    state_args, finals, ckpts = [], {}, {}
-    for s in m.states:
-        shape = tuple(bound.sizes[d] for d in s.shape)
-        init = (bound.initial_state[s.name].to(torch.float32).contiguous()
-                if bound.initial_state is not None else out)
-        final = _empty((n, H) + shape, torch.float32, device) if output_final_state else out
-        ckpt = _empty((slots, H) + shape, torch.float32, device) if checkpoints else out
-        if output_final_state:
-            finals[s.name] = final
-        if checkpoints:
-            ckpts[s.name] = ckpt
-        state_args += [init, final, ckpt]
-    cu = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out
-    fsizes = [float(bound.sizes[d]) for d in m.dim_names]
-    blocks = {f"_size_{d}": bound.sizes[d] for d in m.dim_names}
-    blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in m.dim_names})
-    kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
-                     out, cu, T, H, *fsizes, **blocks, _BLOCK__T=C, _BLOCK__1=16,
-                     USE_INITIAL_STATE=bound.initial_state is not None, STORE_FINAL_STATE=output_final_state,
-                     IS_VARLEN=bound.cu_seqlens is not None, STORE_CHECKPOINTS=checkpoints,
-                     DOT=_dot_code(x0.dtype))
-    return out, (finals if output_final_state else None), (ckpts if checkpoints else None)
+    out, finals, ckpts = _forward(plan, bound, "chunk_fwd", output_final_state=output_final_state,
+                                  checkpoints=checkpoints, chunk_tokens=C, out_dtype=out_dtype, **blocks, _BLOCK__T=C,
+                                  _BLOCK__1=16, DOT=_dot_code(x0.dtype))
+    return out, finals, ckpts
