@@ -112,9 +112,10 @@ class ChunkCode:
         flat, _ = em.emit(f"tl.reshape({masked}, [_BLOCK__T, {_block(axes)}])", ("_T", "_flat"))
         return flat
 
-    def hooks(self) -> dict:
+    def forward_body(self) -> dict:
+        """The per-chunk forward code (inputs, lets, keys, values, log decays, readouts, the
+        output's value) and the names of everything the backward needs again."""
         m, order = self.m, self.order
-        I3 = I2 + "    "
         env = base_env(self.plan)
         # params are per head: no token axis
         loads = []
@@ -152,34 +153,36 @@ class ChunkCode:
         mark = len(em.lines)
 
         # cumulative log decays
-        decay_lines = []
         for st in self.plan.states:
             K, V, g, kd, vd = per_state[st.name]
             if g is not None:
                 # b at the chunk's last token, read off b itself: a separate sum would round
                 # differently, and exp(b_C - b_last) must be exactly 1
                 last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
-                decay_lines += [f"{I2}_b_{st.name} = tl.cumsum({g}, axis=0)",
-                                f"{I2}_bl_{st.name} = tl.sum(tl.where({last}, _b_{st.name}, 0.0), axis=0)"]
-        body += decay_lines
+                body += [f"{I2}_b_{st.name} = tl.cumsum({g}, axis=0)",
+                         f"{I2}_bl_{st.name} = tl.sum(tl.where({last}, _b_{st.name}, 0.0), axis=0)"]
 
-        # readouts
+        # readouts: per term the query matrix, the scale and the unscaled value
         out_env = dict(env)
+        readouts = []
         for r in self.plan.output.readouts:
             st = self.plan.state(r.state)
             K, V, g, kd, vd = per_state[st.name]
-            total = None
+            total, terms = None, []
             for t in r.terms_ir:
                 Q = self.matrix(em, em(t.proj) if t.proj is not None else ("1.0", ()), kd)
                 body += em.lines[mark:]
                 mark = len(em.lines)
-                R = self.fresh("r")
-                body += self.readout(st, R, Q, K, V, r.prev)
+                core = self.fresh("r")
+                body += self.readout(st, core, Q, K, V, r.prev)
+                R, sc = core, None
                 if t.scale is not None:
                     sc = self.matrix(em, em(t.scale), vd)
                     body += em.lines[mark:]
                     mark = len(em.lines)
-                    body.append(f"{I2}{R} = {R} * {sc}")
+                    R = self.fresh("r")
+                    body.append(f"{I2}{R} = {core} * {sc}")
+                terms.append((t, Q, sc, core))
                 total = R if total is None else self._add(body, total, R)
             if st.value_dims:
                 out_env[r.name] = (total, ("_T",) + vd)
@@ -187,9 +190,19 @@ class ChunkCode:
                 v = self.fresh("r")
                 body.append(f"{I2}{v} = tl.sum(tl.where(_mask__1[None, :], {total}, 0.0), axis=1)")
                 out_env[r.name] = (v, ("_T",))
+            readouts.append((r, st, terms))
         oem = Emitter(m, out_env, indent=I2, prefix="_co", order=order)
-        o_var, o_dims = oem(self.plan.output.combine_ir)
+        o_val = oem(self.plan.output.combine_ir)
         body += oem.lines
+        return {"loads": loads, "body": body, "em": em, "per_state": per_state, "readouts": readouts,
+                "oem": oem, "o": o_val, "env": env}
+
+    def hooks(self) -> dict:
+        m, order = self.m, self.order
+        I3 = I2 + "    "
+        fb = self.forward_body()
+        loads, body, per_state = fb["loads"], fb["body"], fb["per_state"]
+        o_var, o_dims = fb["o"]
         o_shape = canon(order, m.output.expr.shape)
         want = ("_T",) + o_shape
         offs = self._offsets(m.output.expr.shape, canonical=True)
