@@ -12,8 +12,8 @@ from .triton_expr import Emitter, canon, expand, number
 
 
 def leaf_key(e: ir.Expr) -> tuple[str, str] | None:
-    """Leaves whose gradients leave the expression: ('input'|'param'|'let'|'state'|'prev', name)."""
-    if isinstance(e, ir.Ref) and e.kind in ("input", "param", "let", "state"):
+    """Leaves whose gradients leave the expression: ('input'|'param'|'let'|'state'|'readout'|'prev', name)."""
+    if isinstance(e, ir.Ref) and e.kind in ("input", "param", "let", "state", "readout"):
         return e.kind, e.name
     if isinstance(e, ir.Prev):
         return "prev", e.state
@@ -34,7 +34,7 @@ class Adjoint:
     def __init__(self, fwd: Emitter, prefix: str):
         self.f = fwd
         self.order = fwd.order
-        self.out = Emitter(fwd.m, fwd.env, indent=fwd.indent, prefix=prefix)
+        self.out = Emitter(fwd.m, fwd.env, indent=fwd.indent, prefix=prefix, order=fwd.order)
         self.leaves: dict[tuple[str, str], list[tuple[str, tuple[str, ...]]]] = defaultdict(list)
 
     @property
@@ -58,7 +58,8 @@ class Adjoint:
         """Accumulate d(root) = seed into every leaf of root."""
         nodes = self._topo(root)
         grads: dict[ir.Expr, list[tuple[str, tuple[str, ...]]]] = defaultdict(list)
-        grads[root].append(seed)
+        # a seed may carry axes the value lacks (a unit axis, a broadcast): sum them away
+        grads[root].append(self.unbroadcast(seed, self.val(root)[1]))
         for node in reversed(nodes):
             if node not in grads:
                 continue
@@ -106,12 +107,14 @@ class Adjoint:
         if isinstance(node, ir.BinOp):
             return self._binop(node, g)
         if isinstance(node, ir.Contract):
+            # axes of the forward values (a chunk's values carry the token axis too)
             out = []
-            full = canon(self.order, set(node.left.shape) | set(node.right.shape))
-            for this, other in ((node.left, node.right), (node.right, node.left)):
+            ld, rd = self.val(node.left)[1], self.val(node.right)[1]
+            full = canon(self.order, set(ld) | set(rd) | set(gd))
+            for this, other, td in ((node.left, node.right, ld), (node.right, node.left, rd)):
                 ov, od = self.val(other)
                 prod = self.emit(f"{expand(gv, gd, full)} * {expand(ov, od, full)}", full)
-                out.append((this, self.unbroadcast(prod, canon(self.order, this.shape))))
+                out.append((this, self.unbroadcast(prod, td)))
             return out
         if isinstance(node, ir.Call):
             return self._call(node, g)

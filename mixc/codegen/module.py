@@ -12,6 +12,7 @@ import triton
 from .. import __version__
 from ..derive.plan import Plan
 from .chunk import chunk_fwd_hooks, chunk_supported
+from .chunk_bwd import chunk_bwd_hooks
 from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -46,7 +47,8 @@ def metadata(plan: Plan) -> dict:
         "output": {"name": m.output.name, "shape": list(m.output.expr.shape)},
         "kernels": {"recurrent_fwd": kernel_name(plan, "recurrent_fwd"),
                     "recurrent_bwd": kernel_name(plan, "recurrent_bwd")}
-        | ({"chunk_fwd": kernel_name(plan, "chunk_fwd")} if chunk_supported(plan) is None else {}),
+        | ({"chunk_fwd": kernel_name(plan, "chunk_fwd"), "chunk_bwd": kernel_name(plan, "chunk_bwd")}
+           if chunk_supported(plan) is None else {}),
         "chunk_unsupported": chunk_supported(plan),
     }
 
@@ -65,6 +67,8 @@ def generate(plan: Plan) -> str:
     if chunk_supported(plan) is None:
         body += "\n\n" + _env().get_template("chunk_fwd.py.j2").render(kernel=kernel_name(plan, "chunk_fwd"),
                                                                         **chunk_fwd_hooks(plan))
+        body += "\n\n" + _env().get_template("chunk_bwd.py.j2").render(kernel=kernel_name(plan, "chunk_bwd"),
+                                                                        **chunk_bwd_hooks(plan))
     # The spec text travels as a Python string literal (repr), never as code.
     trailer = (f"\n\n# The op: the same kernels through mixc's autograd.Function and argument checks.\n"
                f"SPEC_TEXT = {plan.ir.source.text!r}\n"

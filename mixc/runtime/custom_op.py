@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..derive.plan import Plan
-from .launch import checkpoint_slots, chunk_forward, recurrent_backward, recurrent_forward
+from .launch import checkpoint_slots, chunk_backward, chunk_forward, recurrent_backward, recurrent_forward
 from .signature import Bound
 
 _OPS: dict[tuple, object] = {}
@@ -16,7 +16,7 @@ _OPS: dict[tuple, object] = {}
 FWD_SCHEMA = ("(Tensor[] inputs, Tensor[] params, Tensor[] initial_state, float[] options, Tensor? cu_seqlens, "
               "bool output_final_state, bool save_for_backward, bool chunked, int CK) -> Tensor[]")
 BWD_SCHEMA = ("(Tensor[] inputs, Tensor[] params, Tensor[] checkpoints, Tensor[] dfinal, Tensor do, "
-              "float[] options, Tensor? cu_seqlens, int CK) -> Tensor[]")
+              "float[] options, Tensor? cu_seqlens, bool chunked, int CK) -> Tensor[]")
 
 
 def _bound(plan: Plan, inputs, params, initial_state, options, cu_seqlens) -> Bound:
@@ -77,16 +77,20 @@ def ops_for(plan: Plan):
         return [o] + finals + ckpts
 
     @torch.library.custom_op(base + "_bwd", mutates_args=(), schema=BWD_SCHEMA)
-    def bwd(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, CK):
+    def bwd(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, chunked, CK):
+        """The chunked backward (chunks of CK tokens) or the recurrent one."""
         bound = _bound(plan, inputs, params, [], options, cu_seqlens)
         ckpts = {s.name: c for s, c in zip(m.states, checkpoints)}
         dfin = {s.name: g for s, g in zip(m.states, dfinal)} if dfinal else None
-        dinputs, dparams, dinit = recurrent_backward(plan, bound, ckpts, do, dfin, CK=CK)
+        if chunked:
+            dinputs, dparams, dinit = chunk_backward(plan, bound, ckpts, do, dfin, C=CK)
+        else:
+            dinputs, dparams, dinit = recurrent_backward(plan, bound, ckpts, do, dfin, CK=CK)
         return ([dinputs[d.name] for d in m.inputs] + [dparams[d.name] for d in m.params]
                 + [dinit[s.name] for s in m.states])
 
     @bwd.register_fake
-    def _(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, CK):
+    def _(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, chunked, CK):
         bound = _bound(plan, inputs, params, [], options, cu_seqlens)
         n = bound.n_seqs
         return ([torch.empty_like(x) for x in inputs] + [torch.empty_like(x) for x in params]
@@ -98,11 +102,11 @@ def ops_for(plan: Plan):
         ckpts = output[1 + n_states:]
         ctx.save_for_backward(*ins, *params, *ckpts, *([cu] if cu is not None else []))
         ctx.meta = (len(ins), len(params), n_states, list(options), cu is not None, output_final_state,
-                    [x.dtype for x in init], bool(init), CK, tuple(output[0].shape),
+                    [x.dtype for x in init], bool(init), chunked, CK, tuple(output[0].shape),
                     cu.shape[0] - 1 if cu is not None else ins[0].shape[0])
 
     def backward(ctx, grads):
-        (n_in, n_par, n_states, options, has_cu, output_final_state, init_dtypes, has_init, CK, o_shape,
+        (n_in, n_par, n_states, options, has_cu, output_final_state, init_dtypes, has_init, chunked, CK, o_shape,
          n_seqs) = ctx.meta
         saved = ctx.saved_tensors
         ins, params = list(saved[:n_in]), list(saved[n_in:n_in + n_par])
@@ -115,7 +119,7 @@ def ops_for(plan: Plan):
         else:           # a final state whose gradient is None gets zeros
             dfinal = [g if g is not None else c.new_zeros((n_seqs,) + tuple(c.shape[1:]))
                       for g, c in zip(dfinal, ckpts)]
-        out = bwd(ins, params, ckpts, dfinal, do.contiguous(), options, cu, CK)
+        out = bwd(ins, params, ckpts, dfinal, do.contiguous(), options, cu, chunked, CK)
         dins, dpars = out[:n_in], out[n_in:n_in + n_par]
         dinit = [g.to(dt) for g, dt in zip(out[n_in + n_par:], init_dtypes)] if has_init else []
         # torch.library treats a non-empty list of floats as one leaf (an empty one as a list)

@@ -160,3 +160,35 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
                                   checkpoints=checkpoints, chunk_tokens=C, out_dtype=out_dtype, **blocks, _BLOCK__T=C,
                                   _BLOCK__1=16, DOT=_dot_code(x0.dtype))
     return out, finals, ckpts
+
+
+def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C: int):
+    """The chunked backward kernel: same returns as recurrent_backward, from the chunked
+    forward's checkpoints (chunks of C tokens)."""
+    m = plan.ir
+    x0 = next(iter(bound.inputs.values()))
+    device = x0.device
+    kernel = _kernel(plan, device, "chunk_bwd")
+    n, H, T = bound.n_seqs, bound.H, bound.T
+    inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
+    params = [bound.params[d.name].contiguous() for d in m.params]
+    opts = _options(m, bound)
+    state_args, dinit = [], {}
+    for s in m.states:
+        shape = tuple(bound.sizes[d] for d in s.shape)
+        dinit[s.name] = _empty((n, H) + shape, torch.float32, device)
+        dfin = dfinal[s.name].to(torch.float32).contiguous() if dfinal else dinit[s.name]
+        state_args += [ckpts[s.name], dfin, dinit[s.name]]
+    dinputs = {d.name: _empty(x.shape, x.dtype, device) for d, x in zip(m.inputs, inputs)}
+    dparams = {d.name: _empty((n,) + tuple(x.shape), torch.float32, device) for d, x in zip(m.params, params)}
+    dims = m.dim_names
+    blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
+    blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})
+    kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
+                     do.contiguous(), *dinputs.values(), *dparams.values(),
+                     bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do, T, H,
+                     *[float(bound.sizes[d]) for d in dims], **blocks, _BLOCK__T=C, _BLOCK__1=16,
+                     USE_FINAL_STATE_GRAD=dfinal is not None, IS_VARLEN=bound.cu_seqlens is not None,
+                     DOT=_dot_code(x0.dtype))
+    dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()}
+    return dinputs, dparams, dinit

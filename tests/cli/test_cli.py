@@ -112,5 +112,6 @@ def test_compile_report_lists_every_kernel():
     lines = p.stdout.splitlines()
     assert lines[0].split() == ["spec", "kernel", "arch", "regs", "spill", "B", "smem", "B", "tensor", "cores"]
     kernels = {(ln.split()[1], ln.split()[2]) for ln in lines[2:]}
-    assert kernels == {(k, a) for k in ("recurrent_fwd", "recurrent_bwd", "chunk_fwd") for a in ("sm_90", "sm_80")}
+    assert kernels == {(k, a) for k in ("recurrent_fwd", "recurrent_bwd", "chunk_fwd", "chunk_bwd")
+                       for a in ("sm_90", "sm_80")}
     assert any("chunk_fwd" in ln and "sm_90" in ln and "wgmma" in ln for ln in lines)

@@ -20,13 +20,13 @@ def test_every_kernel_compiles_for_sm90_and_sm80(tmp_path):
     chunked = {n for n in library_names() if chunk_supported(mixc.load(n).plan()) is None}
     want = {(n, k, a) for n in library_names() for k in ("recurrent_fwd", "recurrent_bwd")
             for a in ("sm_90", "sm_80")}
-    want |= {(n, "chunk_fwd", a) for n in chunked for a in ("sm_90", "sm_80")}
+    want |= {(n, k, a) for n in chunked for k in ("chunk_fwd", "chunk_bwd") for a in ("sm_90", "sm_80")}
     assert got == want
     assert len(chunked) == 12
     for r in reports:
         assert r["cubin_bytes"] > 0
         assert r["shared_bytes"] <= 227 * 1024, r
-        if r["kernel"] == "chunk_fwd":       # the matmuls run on tensor cores
+        if r["kernel"] in ("chunk_fwd", "chunk_bwd"):       # the matmuls run on tensor cores
             assert r["tensor_cores"] in (("wgmma", "mma.sync") if r["arch"] == "sm_90" else ("mma.sync",)), r
     # at least the scalar-decay and prefix-sum chunks reach Hopper's wgmma
     assert {r["spec"] for r in reports if r["tensor_cores"] == "wgmma"} >= {"simple_gla", "mamba2", "linear_attn"}

@@ -1,0 +1,310 @@
+"""The chunked backward kernel of the linear classes. One program per (sequence, head) walks
+the chunks from last to first, with dL/dS (a [key, value] matrix per state) in registers:
+
+1. recompute the chunk's forward (chunk.py's per-chunk body) from its checkpointed S0;
+2. the output's adjoint gives dR for every readout (codegen/adjoint.py on the combine);
+3. the matrix adjoints of the readouts and of the state update give dQ, dK, dV, db, dS0
+   (the formulas per class are below, in matmuls);
+4. db becomes the per-token log-decay gradient by a reverse cumulative sum;
+5. dQ, dK, dV, dg go back through the spec's own expressions (adjoint.py again) to the
+   inputs of the chunk's tokens, the params (summed) and the lets."""
+from __future__ import annotations
+
+from ..derive import plan as P
+from ..derive.plan import Plan
+from .adjoint import Adjoint, combine
+from .chunk import ChunkCode, g_is_vector
+from .recurrent import I1, I2, common_hooks, numel, zeros
+from .triton_expr import Emitter, canon, expand
+
+
+class ChunkBackward(ChunkCode):
+    def hooks(self) -> dict:
+        m, order = self.m, self.order
+        fb = self.forward_body()
+        em, per_state, readouts, oem = fb["em"], fb["per_state"], fb["readouts"], fb["oem"]
+        body = list(fb["body"])
+        L = body.append
+
+        # 2. the output's adjoint
+        o_shape = canon(order, m.output.expr.shape)
+        want = ("_T",) + o_shape
+        offs = self._offsets(m.output.expr.shape, canonical=True)
+        mask = " & ".join([expand("_mask__T", ("_T",), want)] + [expand(f"_mask_{x}", (x,), want) for x in o_shape])
+        rows = expand("_rows", ("_T",), want)
+        L(f"{I2}_do = tl.load(p_do + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
+          f"{' + ' + offs if offs else ''}, mask={mask}, other=0.0).to(tl.float32)")
+        adj_o = Adjoint(oem, "_bo")
+        adj_o.backward(self.plan.output.combine_ir, ("_do", want))
+        d_readout = {r.name: combine(adj_o.out, adj_o.leaf_parts(("readout", r.name))) for r, _, _ in readouts}
+        body += adj_o.lines
+
+        # 3. matrix adjoints, accumulated per state
+        grads = {}               # state -> dict of names of the gradient matrices
+        for st in self.plan.states:
+            n = st.name
+            K, V, g, kd, vd = per_state[n]
+            grads[n] = {"dK": [], "dV": [], "db": [], "dS0": []}
+        seeds = []               # (IR expr, gradient var, its dims) for step 5
+        for r, st, terms in readouts:
+            n = st.name
+            K, V, g, kd, vd = per_state[n]
+            if d_readout[r.name] is None:
+                continue
+            dr_var, dr_dims = d_readout[r.name]
+            dR = self.fresh("dR")
+            L(f"{I2}{dR} = {self._value_matrix(dr_var, dr_dims, vd)}")
+            for t, Q, sc, core in terms:
+                dcore = dR
+                if sc is not None:
+                    dsc = self.fresh("dsc")
+                    L(f"{I2}{dsc} = {dR} * {core}")
+                    seeds.append((t.scale, self._unflat(dsc, ("_T",) + vd), ("_T",) + vd))
+                    dcore = self.fresh("dR")
+                    L(f"{I2}{dcore} = {dR} * {sc}")
+                dQ = self.fresh("dQ")
+                body += self.readout_backward(st, dcore, Q, K, V, r.prev, dQ, grads[n])
+                if t.proj is not None:
+                    seeds.append((t.proj, self._unflat(dQ, ("_T",) + kd), ("_T",) + kd))
+        # the state updates (dL/dS_C is d_<state>)
+        for st in self.plan.states:
+            body += self.advance_backward(st, per_state[st.name], grads[st.name])
+
+        # 4. per-token log-decay gradients; the state gradient moves to the chunk start
+        for st in self.plan.states:
+            n = st.name
+            K, V, g, kd, vd = per_state[n]
+            G = grads[n]
+            if g is not None:
+                db = " + ".join(G["db"]) or "0.0"
+                last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
+                L(f"{I2}_db_{n} = {db} + tl.where({last}, _dbl_{n}, 0.0)")
+                L(f"{I2}_dg_{n} = tl.cumsum(_db_{n}, axis=0, reverse=True)")
+                gdims = ("_T",) if g_is_vector(st) else ("_T",) + (kd if st.transition == P.KEY_DIAG else vd)
+                seeds.append((st.ir_pieces.log_decay, self._unflat(f"_dg_{n}", gdims), gdims))
+            seeds.append((st.ir_pieces.key, self._unflat(" + ".join(G["dK"]), ("_T",) + kd), ("_T",) + kd))
+            if st.ir_pieces.value is not None:
+                seeds.append((st.ir_pieces.value, self._unflat(" + ".join(G["dV"]), ("_T",) + vd), ("_T",) + vd))
+
+        # 5. back through the spec's expressions to inputs, params and lets
+        adj = Adjoint(em, "_bi")
+        for expr, var, dims in seeds:
+            if var is None:
+                continue
+            name = self.fresh("seed")
+            L(f"{I2}{name} = {var}")
+            adj.backward(expr, (name, dims))
+        adj_l = Adjoint(em, "_bl")
+        adjs = (adj_o, adj, adj_l)
+        for let in reversed(m.lets):
+            parts = [g for a in adjs for g in a.leaf_parts(("let", let.name))]
+            if parts:
+                adj_l.backward(let.expr, combine(adj_l.out, parts))
+        body += adj.lines + adj_l.lines
+        sums = Emitter(m, {}, indent=I2, prefix="_bs", order=order)
+        tail = []
+        for d in m.inputs:
+            cd = ("_T",) + canon(order, d.shape)
+            g = combine(sums, [x for a in adjs for x in a.leaf_parts(("input", d.name))])
+            value = expand(g[0], g[1], cd) if g else "0.0"
+            if g is None or set(g[1]) != set(cd):
+                value = f"({value} + tl.zeros([{', '.join(f'_BLOCK_{x}' for x in cd)}], dtype=tl.float32))"
+            offs = self._offsets(d.shape)
+            mask = " & ".join([expand("_mask__T", ("_T",), cd)] + [expand(f"_mask_{x}", (x,), cd) for x in cd[1:]])
+            rows = expand("_rows", ("_T",), cd)
+            tail.append(f"{I2}tl.store(p_d{d.name} + ({rows} * H + i_h) * {numel(d.shape)}"
+                        f"{' + ' + offs if offs else ''}, {value}.to(p_d{d.name}.dtype.element_ty), mask={mask})")
+        for d in m.params:
+            g = combine(sums, [x for a in adjs for x in a.leaf_parts(("param", d.name))])
+            if g is not None:
+                pd = canon(order, d.shape)
+                extra = tuple(x for x in g[1] if x not in pd)
+                if extra:
+                    g = sums.reduce(g[0], g[1], extra)
+                tail.append(f"{I2}dp_{d.name} = dp_{d.name} + {expand(g[0], g[1], pd)}")
+        for st in self.plan.states:
+            tail.append(f"{I2}d_{st.name} = {' + '.join(grads[st.name]['dS0'])}")
+        body += sums.lines + tail
+
+        init, load_ckpt, final = [], [], []
+        for st in self.plan.states:
+            n = st.name
+            K, V, g, kd, vd = per_state[n]
+            init += self.state_io(st, I1)
+            init.append(f"{I1}d_{n} = tl.zeros([{self._blocks(kd)}, {self._blocks(vd)}], dtype=tl.float32)")
+            init.append(f"{I1}if USE_FINAL_STATE_GRAD:")
+            ptr, msk = self.state_ptr(st, f"p_dfinal_{n}", "(i_n * H + i_h)")
+            init.append(f"{I2}d_{n} = tl.load({ptr}, mask={msk}, other=0.0)")
+            ptr, msk = self.state_ptr(st, f"p_ckpt_{n}", "((bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
+            load_ckpt.append(f"{I2}s_{n} = tl.load({ptr}, mask={msk}, other=0.0)")
+            ptr, msk = self.state_ptr(st, f"p_dinit_{n}", "(i_n * H + i_h)")
+            final.append(f"{I1}tl.store({ptr}, d_{n}, mask={msk})")
+        for d in m.params:
+            init.append(f"{I1}dp_{d.name} = {zeros(canon(order, d.shape))}")
+            pd = canon(order, d.shape)
+            offs = " + ".join(f"{expand(f'_offs_{x}', (x,), pd)}" + "".join(f" * _size_{y}" for y in d.shape[i + 1:])
+                              for i, x in enumerate(d.shape)) or "0"
+            final.append(f"{I1}tl.store(p_dp_{d.name} + (i_n * H + i_h) * {numel(d.shape)} + {offs}, dp_{d.name}"
+                         + (f", mask={' & '.join(expand(f'_mask_{x}', (x,), pd) for x in pd)})" if pd else ")"))
+        return common_hooks(self.plan) | {
+            "init_grads": "\n".join(init),
+            "load_checkpoint": "\n".join(load_ckpt),
+            "load_inputs": "\n".join(fb["loads"]),
+            "chunk_backward": "\n".join(body),
+            "store_grads": "\n".join(final),
+        }
+
+    # ---- helpers ----
+    def _blocks(self, dims) -> str:
+        return " * ".join(f"_BLOCK_{d}" for d in dims)
+
+    def _value_matrix(self, var: str, dims, vd) -> str:
+        """A readout gradient [C, *value dims] (or [C]) as a [C, VF] matrix."""
+        want = ("_T",) + tuple(vd)
+        full = f"({expand(var, dims, want)} + tl.zeros([_BLOCK__T, {', '.join(f'_BLOCK_{d}' for d in vd)}], "\
+               f"dtype=tl.float32))"
+        mask = " & ".join([expand("_mask__T", ("_T",), want)] + [expand(f"_mask_{d}", (d,), want) for d in vd])
+        out = f"tl.where({mask}, {full}, 0.0)"
+        return out if len(vd) == 1 else f"tl.reshape({out}, [_BLOCK__T, {self._blocks(vd)}])"
+
+    def _unflat(self, var: str, dims) -> str | None:
+        """A [C, flat] gradient matrix back to the axes of `dims` (the key or value dims)."""
+        if not var:
+            return None
+        axes = dims[1:]
+        if len(axes) <= 1:
+            return var
+        return f"tl.reshape({var}, [_BLOCK__T, {', '.join(f'_BLOCK_{d}' for d in axes)}])"
+
+    def readout_backward(self, st: P.StatePlan, dR: str, Q: str, K: str, V: str, prev: bool, dQ: str,
+                         G: dict) -> list[str]:
+        """dQ (assigned), and contributions to dK, dV, db and dS0 of one readout term."""
+        n, I = st.name, I2
+        cmp = ">" if prev else ">="
+        causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
+        S = f"s_{n}"
+        t = self.fresh("t")
+        dK, dV, dS0 = f"_dK{t}", f"_dV{t}", f"_dS0{t}"
+        G["dK"].append(dK)
+        G["dV"].append(dV)
+        G["dS0"].append(dS0)
+        lines = []
+        if st.transition == P.PREFIX_SUM:
+            lines += [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
+                      f"{I}_dA = tl.where({causal}, _mixc_dot({dR}, tl.trans({V}), DOT), 0.0)",
+                      f"{I}{dQ} = _mixc_dot({dR}, tl.trans({S}), DOT) + _mixc_dot(_dA, {K}, DOT)",
+                      f"{I}{dK} = _mixc_dot(tl.trans(_dA), {Q}, DOT)",
+                      f"{I}{dV} = _mixc_dot(tl.trans(_A), {dR}, DOT)",
+                      f"{I}{dS0} = _mixc_dot(tl.trans({Q}), {dR}, DOT)"]
+            return lines
+        b = f"_b_{n}"
+        bq = b
+        db = f"_db{t}"
+        G["db"].append(db)
+        if prev:
+            shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
+            if g_is_vector(st):
+                lines.append(f"{I}_bp = tl.sum(tl.where({shift}, {b}[None, :], 0.0), axis=1)")
+            else:
+                lines.append(f"{I}_bp = tl.sum(tl.where({shift}[:, :, None], {b}[None, :, :], 0.0), axis=1)")
+            bq = "_bp"
+        if st.transition == P.SCALAR:
+            lines += [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
+                      f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
+                      f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
+                      f"{I}_dP = _dA * _D",
+                      f"{I}_E = _dA * _A",
+                      f"{I}_eb = tl.exp({bq})",
+                      f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
+                      f"{I}{dQ} = _mixc_dot(_dP, {K}, DOT) + _Gq * _eb[:, None]",
+                      f"{I}{dK} = _mixc_dot(tl.trans(_dP), {Q}, DOT)",
+                      f"{I}{dV} = _mixc_dot(tl.trans(_A), {dR}, DOT)",
+                      f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb[:, None]), {dR}, DOT)",
+                      f"{I}_dbq = tl.sum(_E, axis=1) + tl.sum(_Gq * {Q}, axis=1) * _eb",
+                      f"{I}{db} = -tl.sum(_E, axis=0)"]
+        elif st.transition == P.KEY_DIAG:
+            lines += [f"{I}_W = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], "
+                      "float('-inf')))",
+                      f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _W, axis=2)",
+                      f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
+                      f"{I}_X = _dA[:, :, None] * _W",
+                      f"{I}_E = _X * {Q}[:, None, :] * {K}[None, :, :]",
+                      f"{I}_eb = tl.exp({bq})",
+                      f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
+                      f"{I}{dQ} = tl.sum(_X * {K}[None, :, :], axis=1) + _Gq * _eb",
+                      f"{I}{dK} = tl.sum(_X * {Q}[:, None, :], axis=0)",
+                      f"{I}{dV} = _mixc_dot(tl.trans(_A), {dR}, DOT)",
+                      f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb), {dR}, DOT)",
+                      f"{I}_dbq = tl.sum(_E, axis=1) + _Gq * {Q} * _eb",
+                      f"{I}{db} = -tl.sum(_E, axis=0)"]
+        else:       # value-diagonal
+            lines += [f"{I}_P = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
+                      f"{I}_W = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], "
+                      "float('-inf')))",
+                      f"{I}_Y = {dR}[:, None, :] * _W",
+                      f"{I}_E = _P[:, :, None] * _Y * {V}[None, :, :]",
+                      f"{I}_dP = tl.where({causal}, tl.sum(_Y * {V}[None, :, :], axis=2), 0.0)",
+                      f"{I}_eb = tl.exp({bq})",
+                      f"{I}_Z = _mixc_dot({Q}, {S}, DOT)",
+                      f"{I}_dZ = {dR} * _eb",
+                      f"{I}{dQ} = _mixc_dot(_dP, {K}, DOT) + _mixc_dot(_dZ, tl.trans({S}), DOT)",
+                      f"{I}{dK} = _mixc_dot(tl.trans(_dP), {Q}, DOT)",
+                      f"{I}{dV} = tl.sum(_P[:, :, None] * _Y, axis=0)",
+                      f"{I}{dS0} = _mixc_dot(tl.trans({Q}), _dZ, DOT)",
+                      f"{I}_dbq = tl.sum(_E, axis=1) + {dR} * _Z * _eb",
+                      f"{I}{db} = -tl.sum(_E, axis=0)"]
+        if prev:     # b_{i-1} = b shifted: its gradient goes to row i - 1
+            back = "(_offs__T[None, :] - 1 == _offs__T[:, None])"
+            if g_is_vector(st):
+                lines.append(f"{I}{db} = {db} + tl.sum(tl.where({back}, _dbq[None, :], 0.0), axis=1)")
+            else:
+                lines.append(f"{I}{db} = {db} + tl.sum(tl.where({back}[:, :, None], _dbq[None, :, :], 0.0), axis=1)")
+        else:
+            lines.append(f"{I}{db} = {db} + _dbq")
+        return lines
+
+    def advance_backward(self, st: P.StatePlan, parts, G: dict) -> list[str]:
+        """Contributions of S_C = f(S0, K, V, b) given d_<state> = dL/dS_C."""
+        K, V, g, kd, vd = parts
+        n, I, S, dS = st.name, I2, f"s_{st.name}", f"d_{st.name}"
+        t = self.fresh("u")
+        dK, dV, dS0 = f"_dK{t}", f"_dV{t}", f"_dS0{t}"
+        G["dK"].append(dK)
+        G["dV"].append(dV)
+        G["dS0"].append(dS0)
+        if st.transition == P.PREFIX_SUM:
+            return [f"{I}{dS0} = {dS}",
+                    f"{I}{dK} = _mixc_dot({V}, tl.trans({dS}), DOT)",
+                    f"{I}{dV} = _mixc_dot({K}, {dS}, DOT)"]
+        b, bl, db = f"_b_{n}", f"_bl_{n}", f"_db{t}"
+        G["db"].append(db)
+        if st.transition == P.SCALAR:
+            return [f"{I}_w = tl.exp({bl} - {b})",
+                    f"{I}{dS0} = tl.exp({bl}) * {dS}",
+                    f"{I}{dV} = _mixc_dot({K} * _w[:, None], {dS}, DOT)",
+                    f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
+                    f"{I}{dK} = _dKw * _w[:, None]",
+                    f"{I}_F = tl.sum(_dKw * {K}, axis=1) * _w",
+                    f"{I}{db} = -_F",
+                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}) * tl.exp({bl})"]
+        if st.transition == P.KEY_DIAG:
+            return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
+                    f"{I}{dS0} = tl.exp({bl})[:, None] * {dS}",
+                    f"{I}{dV} = _mixc_dot({K} * _w, {dS}, DOT)",
+                    f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
+                    f"{I}{dK} = _dKw * _w",
+                    f"{I}_F = _dKw * {K} * _w",
+                    f"{I}{db} = -_F",
+                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=1) * tl.exp({bl})"]
+        return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
+                f"{I}{dS0} = {dS} * tl.exp({bl})[None, :]",
+                f"{I}{dK} = _mixc_dot({V} * _w, tl.trans({dS}), DOT)",
+                f"{I}_dVw = _mixc_dot({K}, {dS}, DOT)",
+                f"{I}{dV} = _dVw * _w",
+                f"{I}_F = _dVw * {V} * _w",
+                f"{I}{db} = -_F",
+                f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=0) * tl.exp({bl})"]
+
+
+def chunk_bwd_hooks(plan: Plan) -> dict:
+    return ChunkBackward(plan).hooks()
