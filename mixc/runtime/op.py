@@ -4,9 +4,9 @@
                   cu_seqlens=None, mode="auto")
     o, state = op.step(q=..., ..., state=state)          # one token per sequence
 
-Modes: "chunk" (the fused chunked forward kernel, for the linear classes), "recurrent" (the
-fused recurrent forward kernel, every class); both train through the recurrent backward
-kernel, which starts from the states the forward keeps at chunk starts. "torch" is plain torch
+Modes: "chunk" (the fused chunked forward and backward kernels, for the linear classes),
+"recurrent" (the fused recurrent forward and backward kernels, every class); the backward
+starts from the states the forward keeps at chunk starts. "torch" is plain torch
 with autograd in the inputs' dtype (float32 at least), the CPU backend: the chunked algorithm
 of the kernels where the spec has it (runtime/torch_chunk.py), the loop over t otherwise.
 "reference" is the loop over t in float64 (ground truth). "auto" takes the kernels (chunked where the spec has
@@ -80,7 +80,7 @@ class MixerOp:
 
     def _kernels(self, bound, output_final_state: bool, CK: int, chunked: bool):
         """The kernels through the registered custom op (autograd included): the chunked or the
-        recurrent forward, and the recurrent backward from the states at chunk starts."""
+        recurrent forward and backward."""
         m = self.ir
         inputs = [bound.inputs[d.name] for d in m.inputs]
         params = [bound.params[d.name] for d in m.params]
