@@ -237,7 +237,7 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     if all(s.time_invariant for s in states):
         forms.append("conv")
     return Plan(spec, tuple(sorted(values.items())), tuple(lets), tuple(nodes), tuple(states), out,
-                tuple(forms), tuple(notes), table)
+                tuple(forms), tuple(notes), table.freeze())
 
 
 def _combine_kind(combine: sp.Expr, readout_syms) -> str:

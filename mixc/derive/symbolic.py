@@ -70,6 +70,14 @@ class SymbolTable:
             self.kinds[s] = "node"
         return s
 
+    def freeze(self) -> "SymbolTable":
+        """Read-only from here on (the Plan that holds it is frozen)."""
+        from types import MappingProxyType
+        self.shapes = MappingProxyType(dict(self.shapes))
+        self.kinds = MappingProxyType(dict(self.kinds))
+        self.nodes = MappingProxyType(dict(self.nodes))
+        return self
+
     def leaves(self, expr: sp.Expr, kinds=("input", "param")) -> list[sp.Symbol]:
         """Tensor symbols of the given kinds that expr depends on, through nodes too."""
         out, seen, stack = [], set(), [expr]
