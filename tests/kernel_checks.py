@@ -18,12 +18,17 @@ def _loss(o, st, op, weights):
 
 
 def check_against_reference(op, flags, args, st, dtype, CK=4, factor=4.0, cu_seqlens=None, mode="recurrent",
-                            chunk=None):
-    """Forward, final states and every gradient of the kernels vs the float64 reference,
-    within `factor` times the torch backend's error (plus a floor for exact cases)."""
+                            chunk=None, formula=None):
+    """Forward, final states and every gradient of the kernels vs the float64 reference (or
+    vs formula(args, state) -> (o, states), an independent float64 formula), within `factor`
+    times the torch backend's error (plus a floor for exact cases)."""
     leaves = list(args.values()) + (list(st.values()) if st is not None else [])
     kw = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}
-    ref_o, ref_st = _run(op, "reference", args, flags, st, **kw)
+    if formula is None:
+        ref_o, ref_st = _run(op, "reference", args, flags, st, **kw)
+    else:
+        ref_o, ref_st = formula({k: v.double() for k, v in args.items()},
+                                {k: v.double() for k, v in st.items()} if st is not None else None)
     ker_o, ker_st = _run(op, mode, args, flags, st, CK=CK, chunk=chunk, **kw)
     eag_o, eag_st = _run(op, "torch", args, flags, st, **kw)
     assert ker_o.dtype == dtype and all(v.dtype == torch.float32 for v in ker_st.values())

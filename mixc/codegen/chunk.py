@@ -11,8 +11,8 @@ with b the cumulative log decay inside the chunk. Only exponents b_i - b_j (i >=
 b_C - b_j are formed, none positive for a decay <= 1, so strong decay cannot overflow. The
 state at each chunk start is kept as the recurrent backward's checkpoint (CK = C).
 
-Key dims of a state flatten into one matrix axis (based's S2[K, J, V] is a [K*J, V] matrix);
-a state without key (or value) dims gets a unit axis "_1"."""
+Key dims of a state flatten into one matrix axis (based's S2[K, J, V] is a [K*J, V] matrix),
+value dims too; a state without key (or value) dims gets a unit axis "_1"."""
 from __future__ import annotations
 
 from ..derive import plan as P
@@ -31,8 +31,6 @@ def chunk_supported(plan: Plan) -> str | None:
             return f"state {st.name} is a {st.transition}"
         if st.ir_pieces is None or st.ir_pieces.key is None:
             return f"the input term of state {st.name} is not an outer product key (x) value"
-        if len(st.value_dims) > 1:
-            return f"state {st.name} has more than one value dim"
     for r in plan.output.readouts:
         st = plan.state(r.state)
         for t in r.terms_ir:
@@ -184,7 +182,11 @@ class ChunkCode:
                     body.append(f"{I2}{R} = {core} * {sc}")
                 terms.append((t, Q, sc, core))
                 total = R if total is None else self._add(body, total, R)
-            if st.value_dims:
+            if len(vd) > 1:         # value dims flattened into one matrix axis: unflatten
+                v = self.fresh("r")
+                body.append(f"{I2}{v} = tl.reshape({total}, [_BLOCK__T, {', '.join(f'_BLOCK_{d}' for d in vd)}])")
+                out_env[r.name] = (v, ("_T",) + vd)
+            elif st.value_dims:
                 out_env[r.name] = (total, ("_T",) + vd)
             else:
                 v = self.fresh("r")
