@@ -126,9 +126,14 @@ def explain(plan: P.Plan) -> str:
 
 def _explain(plan: P.Plan) -> str:
     m = plan.ir
+    from ..codegen.chunk import chunk_supported
+    why = chunk_supported(plan)
+    kernels = "recurrent forward + backward, step" + (", chunked forward + backward" if why is None
+                                                     else f" (no chunked kernel: {why})")
     out = [f"mixer {m.name}    ({m.source.filename}, spec hash {m.spec_hash})",
            f"class: {plan.transition}",
-           f"forms: {', '.join(plan.forms)}"]
+           f"forms: {', '.join(plan.forms)}",
+           f"kernels: {kernels}"]
     if plan.flags:
         out.append("flags: " + ", ".join(f"{k}={str(v).lower()}" for k, v in plan.flags))
     out.append("")
