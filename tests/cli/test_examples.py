@@ -28,3 +28,16 @@ def test_readme_main_job(tmp_path):
     assert (tmp_path / "build" / "gla.py").is_file()
     err = float(re.search(r"max relative error vs the float64 reference (\S+)", p.stdout).group(1))
     assert err < 1e-4
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """bench/gpu_check runs end to end on the CPU (interpreter, tiny shapes) and writes its JSON."""
+    import json
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check"), "--dry-run", "--specs", "simple_gla",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["mode"], r["dtype"], r["ok"]) for r in res["correctness"]] == [
+        ("recurrent", "float32", True), ("recurrent", "bfloat16", True),
+        ("chunk", "float32", True), ("chunk", "bfloat16", True)]
+    assert res["timing"] and all("fwd_ms" in r for r in res["timing"])
