@@ -22,7 +22,7 @@ EXPECTED = {
     "rwkv6": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "w"),
     "hgrn": (P.VALUE_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "mamba": (P.ELEMENTWISE, ("scan", "recurrent", "step"), False, "A*dt"),
-    "s4d": (P.ELEMENTWISE, ("scan", "recurrent", "step", "conv"), True, "A*exp(log_dt)"),
+    "s4d": (P.KEY_DIAG, ("chunk", "recurrent", "step", "conv"), True, "A*exp(log_dt)"),
     "delta_rule": (P.RANK1, ("chunk", "recurrent", "step"), False, "0"),
     "gated_delta_rule": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "rwkv7": (P.RANK1, ("chunk", "recurrent", "step"), False, "w"),

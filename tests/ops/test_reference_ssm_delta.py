@@ -121,25 +121,25 @@ def mamba_selective_scan(a, opts, s0):
 
 
 def s4d_conv(a, opts, s0):
-    """S4D as a convolution: y_t = sum_{s<=t} K_{t-s} x_s + D x_t (+ the initial state's
-    free response sum_n C dA^{t+1} h0), with K_j = sum_n C dA^j B_bar, dA = exp(dt A),
-    B_bar = (dA - 1) / A * B (zero-order hold), dt = exp(log_dt)."""
-    x = a["x"]                                                    # [b, t, h, p]
-    A, Bp, C = a["A"], a["B"], a["C"]                             # [h, n, p]
-    b, T, H, P = x.shape
-    dt = torch.exp(a["log_dt"])[:, None, :]                       # [h, 1, p]
+    """S4D as a convolution, one channel per head: y_t = sum_{s<=t} K_{t-s} x_s + D x_t (+ the
+    initial state's free response sum_n C dA^{t+1} h0), with K_j = sum_n C dA^j B_bar,
+    dA = exp(dt A), B_bar = (dA - 1) / A * B (zero-order hold), dt = exp(log_dt)."""
+    x = a["x"]                                                    # [b, t, h]
+    A, Bp, C = a["A"], a["B"], a["C"]                             # [h, n]
+    b, T, H = x.shape
+    dt = torch.exp(a["log_dt"])[:, None]                          # [h, 1]
     dA = torch.exp(dt * A)
     B_bar = (dA - 1) / A * Bp
     j = torch.arange(T + 1, dtype=x.dtype)
-    powers = dA[None] ** j[:, None, None, None]                   # [T+1, h, n, p]: dA^j
-    kernel = (C[None] * powers[:T] * B_bar[None]).sum(2)          # [T, h, p]
+    powers = dA[None] ** j[:, None, None]                         # [T+1, h, n]: dA^j
+    kernel = (C[None] * powers[:T] * B_bar[None]).sum(2)          # [T, h]
     lag = torch.arange(T)[:, None] - torch.arange(T)[None, :]     # t - s
-    Kmat = kernel[lag.clamp(min=0)] * (lag >= 0)[:, :, None, None].to(x.dtype)   # [t, s, h, p]
-    y = torch.einsum("tshp,bshp->bthp", Kmat, x) + a["D"] * x
-    h0 = s0["h"] if s0 is not None else torch.zeros(b, H, A.shape[1], P, dtype=x.dtype)
-    y = y + torch.einsum("thnp,bhnp->bthp", C[None] * powers[1:], h0)
+    Kmat = kernel[lag.clamp(min=0)] * (lag >= 0)[:, :, None].to(x.dtype)   # [t, s, h]
+    y = torch.einsum("tsh,bsh->bth", Kmat, x) + a["D"] * x
+    h0 = s0["h"] if s0 is not None else torch.zeros(b, H, A.shape[1], dtype=x.dtype)
+    y = y + torch.einsum("thn,bhn->bth", C[None] * powers[1:], h0)
     rev = powers[:T].flip(0)                                      # dA^{T-1-s}
-    h = powers[T] * h0 + torch.einsum("shnp,bshp->bhnp", rev * B_bar[None], x)
+    h = powers[T] * h0 + torch.einsum("shn,bsh->bhn", rev * B_bar[None], x)
     return y, {"h": h}
 
 
@@ -405,6 +405,8 @@ def _sizes_for(sysname, small=None):
     dims = {d.name for d in _op(sysname).ir.dims}
     if "K" in dims:
         return [dict(K=5, V=3), dict(K=7, V=6)] if small is None else dict(K=small, V=small)
+    if "P" not in dims:                                           # s4d: one channel per head
+        return [dict(N=5), dict(N=7)] if small is None else dict(N=small)
     return [dict(N=5, P=3), dict(N=3, P=7)] if small is None else dict(N=small, P=small)
 
 
