@@ -103,10 +103,21 @@ def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, 
                        CK: int = 32):
     """Gradients of the inputs ([B, T, H, ...], their dtypes), the params ([H, ...]) and the
     initial states ([N, H, ...] float32) from the output's and the final states' gradients."""
+    def per_state(s, shape, dfin, dinit, device):
+        scratch = _empty((bound.n_seqs * bound.H * CK,) + shape, torch.float32, device)
+        return [ckpts[s.name], scratch, dfin if dfin is not None else scratch, dinit]
+
+    return _backward(plan, bound, "recurrent_bwd", per_state, do, dfinal, CK=CK, **dim_kwargs(plan, bound))
+
+
+def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, dfinal: dict | None, **launch):
+    """Launch a backward kernel (arguments: inputs, params, options, per_state(...) for each
+    state, the output's gradient, the inputs' and params' gradients, cu_seqlens, T, H, the dims
+    as floats); returns the gradients of the inputs, the params (summed over sequences) and the
+    initial states."""
     m = plan.ir
-    x0 = next(iter(bound.inputs.values()))
-    device = x0.device
-    kernel = _kernel(plan, device, "recurrent_bwd")
+    device = next(iter(bound.inputs.values())).device
+    kernel = _kernel(plan, device, form)
     n, H, T = bound.n_seqs, bound.H, bound.T
     inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
     params = [bound.params[d.name].contiguous() for d in m.params]
@@ -114,18 +125,16 @@ def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, 
     state_args, dinit = [], {}
     for s in m.states:
         shape = tuple(bound.sizes[d] for d in s.shape)
-        scratch = _empty((n * H * CK,) + shape, torch.float32, device)
-        dfin = dfinal[s.name].to(torch.float32).contiguous() if dfinal else scratch
         dinit[s.name] = _empty((n, H) + shape, torch.float32, device)
-        state_args += [ckpts[s.name], scratch, dfin, dinit[s.name]]
+        dfin = dfinal[s.name].to(torch.float32).contiguous() if dfinal else None
+        state_args += per_state(s, shape, dfin, dinit[s.name], device)
     dinputs = {d.name: _empty(x.shape, x.dtype, device) for d, x in zip(m.inputs, inputs)}
     dparams = {d.name: _empty((n,) + tuple(x.shape), torch.float32, device) for d, x in zip(m.params, params)}
-    cu = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do
-    fsizes = [float(bound.sizes[d]) for d in m.dim_names]
     kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
-                     do.contiguous(), *dinputs.values(), *dparams.values(), cu, T, H, *fsizes,
-                     **dim_kwargs(plan, bound), USE_FINAL_STATE_GRAD=dfinal is not None,
-                     IS_VARLEN=bound.cu_seqlens is not None, CK=CK)
+                     do.contiguous(), *dinputs.values(), *dparams.values(),
+                     bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do, T, H,
+                     *[float(bound.sizes[d]) for d in m.dim_names], USE_FINAL_STATE_GRAD=dfinal is not None,
+                     IS_VARLEN=bound.cu_seqlens is not None, **launch)
     dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()}
     return dinputs, dparams, dinit
 
@@ -165,30 +174,13 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
 def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C: int):
     """The chunked backward kernel: same returns as recurrent_backward, from the chunked
     forward's checkpoints (chunks of C tokens)."""
-    m = plan.ir
-    x0 = next(iter(bound.inputs.values()))
-    device = x0.device
-    kernel = _kernel(plan, device, "chunk_bwd")
-    n, H, T = bound.n_seqs, bound.H, bound.T
-    inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
-    params = [bound.params[d.name].contiguous() for d in m.params]
-    opts = _options(m, bound)
-    state_args, dinit = [], {}
-    for s in m.states:
-        shape = tuple(bound.sizes[d] for d in s.shape)
-        dinit[s.name] = _empty((n, H) + shape, torch.float32, device)
-        dfin = dfinal[s.name].to(torch.float32).contiguous() if dfinal else dinit[s.name]
-        state_args += [ckpts[s.name], dfin, dinit[s.name]]
-    dinputs = {d.name: _empty(x.shape, x.dtype, device) for d, x in zip(m.inputs, inputs)}
-    dparams = {d.name: _empty((n,) + tuple(x.shape), torch.float32, device) for d, x in zip(m.params, params)}
-    dims = m.dim_names
+    dims = plan.ir.dim_names
     blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
     blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})
-    kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
-                     do.contiguous(), *dinputs.values(), *dparams.values(),
-                     bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do, T, H,
-                     *[float(bound.sizes[d]) for d in dims], **blocks, _BLOCK__T=C, _BLOCK__1=16,
-                     USE_FINAL_STATE_GRAD=dfinal is not None, IS_VARLEN=bound.cu_seqlens is not None,
+
+    def per_state(s, shape, dfin, dinit, device):
+        return [ckpts[s.name], dfin if dfin is not None else dinit, dinit]
+
+    x0 = next(iter(bound.inputs.values()))
+    return _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, **blocks, _BLOCK__T=C, _BLOCK__1=16,
                      DOT=_dot_code(x0.dtype))
-    dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()}
-    return dinputs, dparams, dinit
