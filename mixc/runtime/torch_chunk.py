@@ -4,6 +4,8 @@ interpreter. Lets, keys, values, log decays and queries come from the Plan's IR 
 evaluated over the whole sequence; the chunks then run in order with einsum."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..derive import plan as P
@@ -31,7 +33,7 @@ def torch_chunked(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: 
         """[B, T, H, prod(axes)] (a unit axis when axes is empty)."""
         t = _align(v, axes, 3)
         t = t.expand((B, T, H) + tuple(size[d] for d in axes))
-        return t.reshape(B, T, H, -1) if axes else t.unsqueeze(-1)
+        return t.reshape(B, T, H, math.prod(size[d] for d in axes)) if axes else t.unsqueeze(-1)
 
     pieces = {}
     for st in plan.states:

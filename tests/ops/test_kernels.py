@@ -132,3 +132,16 @@ def test_modes_and_dispatch(monkeypatch):
     from mixc.runtime.launch import KernelUnavailable
     with pytest.raises(KernelUnavailable, match="TRITON_INTERPRET=1"):
         op(**args, mode="recurrent")
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent", "torch", "reference"])
+def test_empty_sequence(mode):
+    """T = 0: no output rows, the final state is the initial one, its gradient passes through."""
+    op = mixc.load("gla")
+    args, sizes = random_args(op.ir, B=2, T=0, H=2, dtype=torch.float32, requires_grad=True)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    o, fin = op(**args, initial_state=st, output_final_state=True, mode=mode)
+    assert o.shape == (2, 0, 2, 4)
+    torch.testing.assert_close(fin["S"].double(), st["S"].double())
+    (g,) = torch.autograd.grad(fin["S"].double().pow(2).sum(), [st["S"]])
+    torch.testing.assert_close(g.double(), 2 * st["S"].double())
