@@ -257,6 +257,26 @@ class ChunkCode:
         body.append(f"{I2}{v} = {a} + {b}")
         return v
 
+    def query_decay(self, st: P.StatePlan, prev: bool) -> tuple[list[str], str]:
+        """(lines, name) of the cumulative log decay at each query row: b itself, or for a
+        readout of S_{t-1} b_{i-1}: b shifted by one row, selected exactly (b_i - g_i would
+        round, and exp(b_{i-1} - b_{i-1}) weighs the newest token of the state)."""
+        b = f"_b_{st.name}"
+        if not prev:
+            return [], b
+        shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
+        if g_is_vector(st):
+            return [f"{I2}_bp = tl.sum(tl.where({shift}, {b}[None, :], 0.0), axis=1)"], "_bp"
+        return [f"{I2}_bp = tl.sum(tl.where({shift}[:, :, None], {b}[None, :, :], 0.0), axis=1)"], "_bp"
+
+    def grad_names(self, G: dict, stem: str, with_db: bool) -> tuple[str, ...]:
+        """Fresh names for one term's dK, dV, dS0 (and db), registered in the state's lists."""
+        t = self.fresh(stem)
+        names = {"dK": f"_dK{t}", "dV": f"_dV{t}", "dS0": f"_dS0{t}"} | ({"db": f"_db{t}"} if with_db else {})
+        for k, v in names.items():
+            G[k].append(v)
+        return tuple(names.values())
+
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (or S_{t-1}) for the C query rows Q."""
         n, I = st.name, I2
@@ -267,17 +287,7 @@ class ChunkCode:
             return [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
                     f"{I}{R} = _mixc_dot({Q}, {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
         b = f"_b_{n}"
-        pre = []
-        bq = b
-        if prev:
-            # b_{i-1} for a readout of S_{t-1}: b shifted by one row, selected exactly (b_i - g_i
-            # would round, and exp(b_{i-1} - b_{i-1}) weighs the newest token of the state)
-            shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
-            if g_is_vector(st):
-                pre = [f"{I}_bp = tl.sum(tl.where({shift}, {b}[None, :], 0.0), axis=1)"]
-            else:
-                pre = [f"{I}_bp = tl.sum(tl.where({shift}[:, :, None], {b}[None, :, :], 0.0), axis=1)"]
-            bq = "_bp"
+        pre, bq = self.query_decay(st, prev)
         if st.transition == P.SCALAR:
             return pre + [f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * "
                     f"tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",

@@ -183,13 +183,9 @@ class ChunkBackward(ChunkCode):
         cmp = ">" if prev else ">="
         causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
         S = f"s_{n}"
-        t = self.fresh("t")
-        dK, dV, dS0 = f"_dK{t}", f"_dV{t}", f"_dS0{t}"
-        G["dK"].append(dK)
-        G["dV"].append(dV)
-        G["dS0"].append(dS0)
         lines = []
         if st.transition == P.PREFIX_SUM:
+            dK, dV, dS0 = self.grad_names(G, "t", with_db=False)
             lines += [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
                       f"{I}_dA = tl.where({causal}, _mixc_dot({dR}, tl.trans({V}), DOT), 0.0)",
                       f"{I}{dQ} = _mixc_dot({dR}, tl.trans({S}), DOT) + _mixc_dot(_dA, {K}, DOT)",
@@ -198,16 +194,8 @@ class ChunkBackward(ChunkCode):
                       f"{I}{dS0} = _mixc_dot(tl.trans({Q}), {dR}, DOT)"]
             return lines
         b = f"_b_{n}"
-        bq = b
-        db = f"_db{t}"
-        G["db"].append(db)
-        if prev:
-            shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
-            if g_is_vector(st):
-                lines.append(f"{I}_bp = tl.sum(tl.where({shift}, {b}[None, :], 0.0), axis=1)")
-            else:
-                lines.append(f"{I}_bp = tl.sum(tl.where({shift}[:, :, None], {b}[None, :, :], 0.0), axis=1)")
-            bq = "_bp"
+        dK, dV, dS0, db = self.grad_names(G, "t", with_db=True)
+        lines, bq = self.query_decay(st, prev)
         if st.transition == P.SCALAR:
             lines += [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
                       f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
@@ -267,17 +255,13 @@ class ChunkBackward(ChunkCode):
         """Contributions of S_C = f(S0, K, V, b) given d_<state> = dL/dS_C."""
         K, V, g, kd, vd = parts
         n, I, S, dS = st.name, I2, f"s_{st.name}", f"d_{st.name}"
-        t = self.fresh("u")
-        dK, dV, dS0 = f"_dK{t}", f"_dV{t}", f"_dS0{t}"
-        G["dK"].append(dK)
-        G["dV"].append(dV)
-        G["dS0"].append(dS0)
         if st.transition == P.PREFIX_SUM:
+            dK, dV, dS0 = self.grad_names(G, "u", with_db=False)
             return [f"{I}{dS0} = {dS}",
                     f"{I}{dK} = _mixc_dot({V}, tl.trans({dS}), DOT)",
                     f"{I}{dV} = _mixc_dot({K}, {dS}, DOT)"]
-        b, bl, db = f"_b_{n}", f"_bl_{n}", f"_db{t}"
-        G["db"].append(db)
+        b, bl = f"_b_{n}", f"_bl_{n}"
+        dK, dV, dS0, db = self.grad_names(G, "u", with_db=True)
         if st.transition == P.SCALAR:
             return [f"{I}_w = tl.exp({bl} - {b})",
                     f"{I}{dS0} = tl.exp({bl}) * {dS}",

@@ -51,6 +51,12 @@ class MixerOp:
                  mode: str = "auto", CK: int = 32, chunk: int | None = None, **kwargs):
         if mode not in MODES:
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        if isinstance(CK, bool) or not isinstance(CK, int) or CK < 1:
+            raise ArgumentError(f"CK: expected a positive int (tokens per backward checkpoint), got {CK!r}")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+                                  or (mode != "torch" and (chunk < 16 or chunk & (chunk - 1)))):
+            want = "a positive int" if mode == "torch" else "a power of two >= 16 (a matmul block)"
+            raise ArgumentError(f"chunk: expected {want}, got {chunk!r}")
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         device = next(iter(bound.inputs.values())).device
         mode = self._resolve(mode, device)

@@ -120,6 +120,10 @@ def test_modes_and_dispatch(monkeypatch):
     args, _ = random_args(op.ir, B=1, T=3, H=2, dtype=torch.float32)
     with pytest.raises(ValueError, match="mode: expected one of"):
         op(**args, mode="fast")
+    with pytest.raises(ValueError, match=r"chunk: expected a power of two >= 16 \(a matmul block\), got 24"):
+        op(**args, mode="chunk", chunk=24)
+    with pytest.raises(ValueError, match="CK: expected a positive int .* got 0"):
+        op(**args, mode="recurrent", CK=0)
     o_auto, _ = op(**args)
     o_chunk, _ = op(**args, mode="chunk")
     o_rec, _ = op(**args, mode="recurrent")
