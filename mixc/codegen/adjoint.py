@@ -184,6 +184,8 @@ class Adjoint:
             pick = self.emit(f"{A} {cmp} {B}", full)
             return [(a, self.unbroadcast(self.emit(f"tl.where({pick[0]}, {G}, 0.0)", full), ad)),
                     (b, self.unbroadcast(self.emit(f"tl.where({pick[0]}, 0.0, {G})", full), bd))]
+        if node.fn == "detach":         # held constant: no gradient passes
+            return []
         x = node.args[0]
         xv, xd = self.val(x)
         ov, _ = self.val(node)

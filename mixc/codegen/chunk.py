@@ -15,6 +15,8 @@ Key dims of a state flatten into one matrix axis (based's S2[K, J, V] is a [K*J,
 value dims too; a state without key (or value) dims gets a unit axis "_1"."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..derive import plan as P
 from ..derive.plan import Plan
 from ..dsl import ir
@@ -60,6 +62,23 @@ class ChunkCode:
         self.dims = self.m.dim_names
         self.order = ("_T",) + self.dims + (UNIT,)
         self.n = 0
+        self.stab = plan.stabilizer
+        self.states = tuple(self._stabilized(st) for st in plan.states)
+
+    def _stabilized(self, st: P.StatePlan) -> P.StatePlan:
+        """A state of the stabilizer's group as the kernels see it: its key and value without
+        the gate, and a scalar decay (a prefix sum's log decay is 0)."""
+        if self.stab is None or st.name not in self.stab.states:
+            return st
+        key, value = self.stab.key_value(st.name)
+        pieces = replace(st.ir_pieces, key=key, value=value, log_decay=self.stab.log_decay)
+        return replace(st, transition=P.SCALAR, ir_pieces=pieces)
+
+    def state(self, name: str) -> P.StatePlan:
+        return next(s for s in self.states if s.name == name)
+
+    def stabilized(self, st: P.StatePlan) -> bool:
+        return self.stab is not None and st.name in self.stab.states
 
     def fresh(self, stem: str) -> str:
         self.n += 1
@@ -133,7 +152,7 @@ class ChunkCode:
         body = list(em.lines)
         mark = len(em.lines)
         per_state = {}
-        for st in self.plan.states:
+        for st in self.states:
             pieces = st.ir_pieces
             kd, vd = _axes(st, order)
             K = self.matrix(em, em(pieces.key), kd)
@@ -151,7 +170,7 @@ class ChunkCode:
         mark = len(em.lines)
 
         # cumulative log decays
-        for st in self.plan.states:
+        for st in self.states:
             K, V, g, kd, vd = per_state[st.name]
             if g is not None:
                 # b at the chunk's last token, read off b itself: a separate sum would round
@@ -159,12 +178,15 @@ class ChunkCode:
                 last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
                 body += [f"{I2}_b_{st.name} = tl.cumsum({g}, axis=0)",
                          f"{I2}_bl_{st.name} = tl.sum(tl.where({last}, _b_{st.name}, 0.0), axis=0)"]
+        if self.stab is not None:
+            body += self.stabilizer_rows(em)
+            mark = len(em.lines)
 
         # readouts: per term the query matrix, the scale and the unscaled value
         out_env = dict(env)
         readouts = []
         for r in self.plan.output.readouts:
-            st = self.plan.state(r.state)
+            st = self.state(r.state)
             K, V, g, kd, vd = per_state[st.name]
             total, terms = None, []
             for t in r.terms_ir:
@@ -193,8 +215,12 @@ class ChunkCode:
                 body.append(f"{I2}{v} = tl.sum(tl.where(_mask__1[None, :], {total}, 0.0), axis=1)")
                 out_env[r.name] = (v, ("_T",))
             readouts.append((r, st, terms))
+        combine = self.plan.output.combine_ir
+        if self.stab is not None:       # readouts of S~: the combine rewritten over them and m
+            out_env["_m"] = ("_mrow", ("_T",))
+            combine = self.stab.combine_ir
         oem = Emitter(m, out_env, indent=I2, prefix="_co", order=order)
-        o_val = oem(self.plan.output.combine_ir)
+        o_val = oem(combine)
         body += oem.lines
         return {"loads": loads, "body": body, "em": em, "per_state": per_state, "readouts": readouts,
                 "oem": oem, "o": o_val, "env": env}
@@ -217,11 +243,13 @@ class ChunkCode:
                     f"{' + ' + offs if offs else ''}, {value}.to(p_out.dtype.element_ty), mask={mask})")
 
         # state updates
-        for st in self.plan.states:
+        for st in self.states:
             body += self.advance(st, per_state[st.name])
+        if self.stab is not None:
+            body.append(f"{I2}s__m = _mnew")
 
         init, ckpt, final = [], [], []
-        for st in self.plan.states:
+        for st in self.states:
             kd, vd = _axes(st, order)
             init += self.state_io(st, I1)
             init.append(f"{I1}s_{st.name} = tl.zeros([{_block(kd)}, {_block(vd)}], dtype=tl.float32)")
@@ -232,6 +260,11 @@ class ChunkCode:
             ckpt.append(f"{I3}tl.store({ptr}, s_{st.name}, mask={msk})")
             ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
             final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
+        if self.stab is not None:       # the stabilizer m: a scalar per (sequence, head)
+            init += [f"{I1}s__m = _head_f * 0.0", f"{I1}if USE_INITIAL_STATE:",
+                     f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
+            ckpt.append(f"{I3}tl.store(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
+            final.append(f"{I2}tl.store(p_final__m + i_n * H + i_h, s__m)")
         return common_hooks(self.plan) | {
             "init_states": "\n".join(init),
             "load_inputs": "\n".join(loads),
@@ -277,6 +310,43 @@ class ChunkCode:
             G[k].append(v)
         return tuple(names.values())
 
+    # ---- the stabilizer (derive/stabilize.py) in a chunk ----
+    def stabilizer_rows(self, em: Emitter) -> list[str]:
+        """_gi: the gate's exponent per token; _mrow: m at each token, the largest log weight
+        of its readout; _mnew: m at the chunk's end. _M0: m at the chunk's start."""
+        n = self.stab.states[0]                  # the group shares its decay, so b
+        start = len(em.lines)
+        gv = em(self.stab.log_gate)
+        causal = "(_offs__T[:, None] >= _offs__T[None, :]) & _mask__T[None, :]"
+        return em.lines[start:] + [
+            f"{I2}_gi = tl.where(_mask__T, {expand(gv[0], gv[1], ('_T',))} + tl.zeros([_BLOCK__T], dtype=tl.float32), "
+            "0.0)",
+            f"{I2}_M0 = s__m",
+            # padded rows get m = 0: their readouts are 0, and the combine must not divide 0 by 0
+            f"{I2}_mrow = tl.where(_mask__T, tl.maximum(tl.max(tl.where({causal}, _b_{n}[:, None] - _b_{n}[None, :] "
+            f"+ _gi[None, :], float('-inf')), axis=1), _b_{n} + _M0), 0.0)",
+            f"{I2}_mnew = tl.maximum(_bl_{n} + _M0, tl.max(tl.where(_mask__T, _bl_{n} - _b_{n} + _gi, float('-inf')), "
+            "axis=0))",
+        ]
+
+    def scalar_logs(self, st: P.StatePlan, prev: bool) -> tuple[list[str], str, str, str]:
+        """(lines, bq, bk, b0) of a scalar-decay readout: the query rows' and the key columns'
+        log weights of the intra-chunk term, exp(bq_i - bk_j), and the query rows' log weight
+        of the inter-chunk term S0 (stabilized: m subtracted per row, the gate on the keys)."""
+        pre, bq = self.query_decay(st, prev)
+        if not self.stabilized(st):
+            return pre, bq, f"_b_{st.name}", bq
+        # padded query rows weigh nothing (their m is 0, so exp(b - m) could overflow there)
+        return pre + [f"{I2}_bq = tl.where(_mask__T, {bq} - _mrow, float('-inf'))", f"{I2}_bk = _b_{st.name} - _gi",
+                      f"{I2}_b0 = tl.where(_mask__T, {bq} + _M0 - _mrow, float('-inf'))"], "_bq", "_bk", "_b0"
+
+    def scalar_advance_logs(self, st: P.StatePlan) -> tuple[str, str]:
+        """(log weight of S0 in S_C, log weights of the chunk's keys in S_C)."""
+        b, bl = f"_b_{st.name}", f"_bl_{st.name}"
+        if not self.stabilized(st):
+            return bl, f"{bl} - {b}"
+        return f"({bl} + _M0 - _mnew)", f"({bl} - {b} + _gi - _mnew)"
+
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (or S_{t-1}) for the C query rows Q."""
         n, I = st.name, I2
@@ -289,9 +359,10 @@ class ChunkCode:
         b = f"_b_{n}"
         pre, bq = self.query_decay(st, prev)
         if st.transition == P.SCALAR:
+            pre, bq, bk, b0 = self.scalar_logs(st, prev)
             return pre + [f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * "
-                    f"tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
-                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq})[:, None], {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
+                    f"tl.exp(tl.where({causal}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
+                    f"{I}{R} = _mixc_dot({Q} * tl.exp({b0})[:, None], {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
         if st.transition == P.KEY_DIAG:
             return pre + [f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * tl.exp(tl.where({causal}[:, :, None], "
                     f"{bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=2)",
@@ -308,8 +379,9 @@ class ChunkCode:
             return [f"{I}{S} = {S} + _mixc_dot(tl.trans({K}), {V}, DOT)"]
         b, bl = f"_b_{n}", f"_bl_{n}"
         if st.transition == P.SCALAR:
-            return [f"{I}{S} = tl.exp({bl}) * {S} + "
-                    f"_mixc_dot(tl.trans({K} * tl.exp({bl} - {b})[:, None]), {V}, DOT)"]
+            bs, kw = self.scalar_advance_logs(st)
+            return [f"{I}{S} = tl.exp({bs}) * {S} + "
+                    f"_mixc_dot(tl.trans({K} * tl.exp({kw})[:, None]), {V}, DOT)"]
         if st.transition == P.KEY_DIAG:
             return [f"{I}{S} = tl.exp({bl})[:, None] * {S} + _mixc_dot(tl.trans({K} * tl.exp({bl}[None, :] - {b})), "
                     f"{V}, DOT)"]

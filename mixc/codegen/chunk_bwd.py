@@ -35,16 +35,17 @@ class ChunkBackward(ChunkCode):
         L(f"{I2}_do = tl.load(p_do + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
           f"{' + ' + offs if offs else ''}, mask={mask}, other=0.0).to(tl.float32)")
         adj_o = Adjoint(oem, "_bo")
-        adj_o.backward(self.plan.output.combine_ir, ("_do", want))
+        combine_ir = self.stab.combine_ir if self.stab is not None else self.plan.output.combine_ir
+        adj_o.backward(combine_ir, ("_do", want))
         d_readout = {r.name: combine(adj_o.out, adj_o.leaf_parts(("readout", r.name))) for r, _, _ in readouts}
         body += adj_o.lines
 
         # 3. matrix adjoints, accumulated per state
         grads = {}               # state -> dict of names of the gradient matrices
-        for st in self.plan.states:
+        for st in self.states:
             n = st.name
             K, V, g, kd, vd = per_state[n]
-            grads[n] = {"dK": [], "dV": [], "db": [], "dS0": []}
+            grads[n] = {"dK": [], "dV": [], "db": [], "dS0": [], "di": []}
         seeds = []               # (IR expr, gradient var, its dims) for step 5
         for r, st, terms in readouts:
             n = st.name
@@ -67,11 +68,11 @@ class ChunkBackward(ChunkCode):
                 if t.proj is not None:
                     seeds.append((t.proj, self._unflat(dQ, ("_T",) + kd), ("_T",) + kd))
         # the state updates (dL/dS_C is d_<state>)
-        for st in self.plan.states:
+        for st in self.states:
             body += self.advance_backward(st, per_state[st.name], grads[st.name])
 
         # 4. per-token log-decay gradients; the state gradient moves to the chunk start
-        for st in self.plan.states:
+        for st in self.states:
             n = st.name
             K, V, g, kd, vd = per_state[n]
             G = grads[n]
@@ -85,6 +86,12 @@ class ChunkBackward(ChunkCode):
             seeds.append((st.ir_pieces.key, self._unflat(" + ".join(G["dK"]), ("_T",) + kd), ("_T",) + kd))
             if st.ir_pieces.value is not None:
                 seeds.append((st.ir_pieces.value, self._unflat(" + ".join(G["dV"]), ("_T",) + vd), ("_T",) + vd))
+
+        if self.stab is not None:     # the gate's exponent: its key-side log weights
+            di = [x for n in self.stab.states for x in grads[n]["di"]]
+            if di:
+                L(f"{I2}_dgi = tl.where(_mask__T, {' + '.join(di)}, 0.0)")
+                seeds.append((self.stab.log_gate, "_dgi", ("_T",)))
 
         # 5. back through the spec's expressions to inputs, params and lets
         adj = Adjoint(em, "_bi")
@@ -122,12 +129,12 @@ class ChunkBackward(ChunkCode):
                 if extra:
                     g = sums.reduce(g[0], g[1], extra)
                 tail.append(f"{I2}dp_{d.name} = dp_{d.name} + {expand(g[0], g[1], pd)}")
-        for st in self.plan.states:
+        for st in self.states:
             tail.append(f"{I2}d_{st.name} = {' + '.join(grads[st.name]['dS0'])}")
         body += sums.lines + tail
 
         init, load_ckpt, final = [], [], []
-        for st in self.plan.states:
+        for st in self.states:
             n = st.name
             K, V, g, kd, vd = per_state[n]
             init += self.state_io(st, I1)
@@ -146,6 +153,9 @@ class ChunkBackward(ChunkCode):
                               for i, x in enumerate(d.shape)) or "0"
             final.append(f"{I1}tl.store(p_dp_{d.name} + (i_n * H + i_h) * {numel(d.shape)} + {offs}, dp_{d.name}"
                          + (f", mask={' & '.join(expand(f'_mask_{x}', (x,), pd) for x in pd)})" if pd else ")"))
+        if self.stab is not None:     # m is held constant: no gradient of its own
+            load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
+            final.append(f"{I1}tl.store(p_dinit__m + i_n * H + i_h, _head_f * 0.0)")
         return common_hooks(self.plan) | {
             "init_grads": "\n".join(init),
             "load_checkpoint": "\n".join(load_ckpt),
@@ -197,12 +207,13 @@ class ChunkBackward(ChunkCode):
         dK, dV, dS0, db = self.grad_names(G, "t", with_db=True)
         lines, bq = self.query_decay(st, prev)
         if st.transition == P.SCALAR:
-            lines += [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
+            lines, bq, bk, b0 = self.scalar_logs(st, prev)
+            lines += [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
                       f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
                       f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
                       f"{I}_dP = _dA * _D",
                       f"{I}_E = _dA * _A",
-                      f"{I}_eb = tl.exp({bq})",
+                      f"{I}_eb = tl.exp({b0})",
                       f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
                       f"{I}{dQ} = _mixc_dot(_dP, {K}, DOT) + _Gq * _eb[:, None]",
                       f"{I}{dK} = _mixc_dot(tl.trans(_dP), {Q}, DOT)",
@@ -210,6 +221,9 @@ class ChunkBackward(ChunkCode):
                       f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb[:, None]), {dR}, DOT)",
                       f"{I}_dbq = tl.sum(_E, axis=1) + tl.sum(_Gq * {Q}, axis=1) * _eb",
                       f"{I}{db} = -tl.sum(_E, axis=0)"]
+            if self.stabilized(st):       # exp(bq_i - b_j + i_j): the gate weighs like -b_j
+                G["di"].append(self.fresh("di"))
+                lines.append(f"{I}{G['di'][-1]} = -{db}")
         elif st.transition == P.KEY_DIAG:
             lines += [f"{I}_W = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], "
                       "float('-inf')))",
@@ -263,14 +277,19 @@ class ChunkBackward(ChunkCode):
         b, bl = f"_b_{n}", f"_bl_{n}"
         dK, dV, dS0, db = self.grad_names(G, "u", with_db=True)
         if st.transition == P.SCALAR:
-            return [f"{I}_w = tl.exp({bl} - {b})",
-                    f"{I}{dS0} = tl.exp({bl}) * {dS}",
-                    f"{I}{dV} = _mixc_dot({K} * _w[:, None], {dS}, DOT)",
-                    f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
-                    f"{I}{dK} = _dKw * _w[:, None]",
-                    f"{I}_F = tl.sum(_dKw * {K}, axis=1) * _w",
-                    f"{I}{db} = -_F",
-                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}) * tl.exp({bl})"]
+            bs, kw = self.scalar_advance_logs(st)
+            lines = [f"{I}_w = tl.exp({kw})",
+                     f"{I}{dS0} = tl.exp({bs}) * {dS}",
+                     f"{I}{dV} = _mixc_dot({K} * _w[:, None], {dS}, DOT)",
+                     f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
+                     f"{I}{dK} = _dKw * _w[:, None]",
+                     f"{I}_F = tl.sum(_dKw * {K}, axis=1) * _w",
+                     f"{I}{db} = -_F",
+                     f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}) * tl.exp({bs})"]
+            if self.stabilized(st):
+                G["di"].append(self.fresh("di"))
+                lines.append(f"{I}{G['di'][-1]} = _F")
+            return lines
         if st.transition == P.KEY_DIAG:
             return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
                     f"{I}{dS0} = tl.exp({bl})[:, None] * {dS}",

@@ -14,6 +14,7 @@ from ..derive.plan import Plan
 from .chunk import chunk_fwd_hooks, chunk_supported
 from .chunk_bwd import chunk_bwd_hooks
 from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
+from .torch_module import torch_hooks
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -50,6 +51,8 @@ def metadata(plan: Plan) -> dict:
         | ({"chunk_fwd": kernel_name(plan, "chunk_fwd"), "chunk_bwd": kernel_name(plan, "chunk_bwd")}
            if chunk_supported(plan) is None else {}),
         "chunk_unsupported": chunk_supported(plan),
+        # the torch backend (plain torch, CPU without the interpreter): with the chunked form
+        "torch_forward": "torch_forward" if chunk_supported(plan) is None else None,
     }
 
 
@@ -69,6 +72,7 @@ def generate(plan: Plan) -> str:
                                                                         **chunk_fwd_hooks(plan))
         body += "\n\n" + _env().get_template("chunk_bwd.py.j2").render(kernel=kernel_name(plan, "chunk_bwd"),
                                                                         **chunk_bwd_hooks(plan))
+        body += "\n\n" + _env().get_template("torch_chunk.py.j2").render(**torch_hooks(plan))
     # The spec text travels as a Python string literal (repr), never as code.
     trailer = (f"\n\n# The op: the same kernels through mixc's autograd.Function and argument checks.\n"
                f"SPEC_TEXT = {plan.ir.source.text!r}\n"

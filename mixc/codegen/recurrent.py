@@ -66,7 +66,7 @@ class Token:
     new: dict[str, str] = field(default_factory=dict)
 
     def build(self, with_output: bool = True) -> "Token":
-        m, order, ind = self.plan.ir, self.plan.ir.dim_names, self.indent
+        m, order, ind = self.plan.kernel_ir, self.plan.kernel_ir.dim_names, self.indent
         self.env = base_env(self.plan)
         for d in m.inputs:
             self.lines += load(f"p_{d.name}", "_row", d.shape, order, ind, f"v_{d.name}")
@@ -97,14 +97,14 @@ class Token:
 
 
 def base_env(plan: Plan) -> dict[str, Var]:
-    m, order = plan.ir, plan.ir.dim_names
+    m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     env = {d.name: (f"v_{d.name}", canon(order, d.shape)) for d in m.params}
     env.update({o.name: (f"v_{o.name}", ()) for o in m.options if o.kind == "float"})
     return env
 
 
 def common_hooks(plan: Plan) -> dict[str, object]:
-    m, order = plan.ir, plan.ir.dim_names
+    m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     params = []
     for d in m.params:
         params += load(f"p_{d.name}", "i_h", d.shape, order, I1, f"v_{d.name}")
@@ -127,7 +127,7 @@ def state_base(kind: str) -> str:
 
 
 def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
-    m, order = plan.ir, plan.ir.dim_names
+    m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     init = []
     for s in m.states:
         init.append(f"{I1}s_{s.name} = {zeros(canon(order, s.shape))}")
@@ -154,7 +154,7 @@ def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
 
 
 def recurrent_bwd_hooks(plan: Plan) -> dict[str, object]:
-    m, order = plan.ir, plan.ir.dim_names
+    m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     sdims = {s.name: canon(order, s.shape) for s in m.states}
     init = []
     for s in m.states:

@@ -142,6 +142,8 @@ class Emitter:
             fn = "tl.maximum" if e.fn == "max" else "tl.minimum"
             return self.emit(f"{fn}({expand(a, da, out)}, {expand(b, db, out)})", out)
         x, d = self(e.args[0])
+        if e.fn == "detach":            # a value the backward holds constant (the stabilizer)
+            return x, d
         code = {
             "exp": f"tl.exp({x})", "log": f"tl.log({x})", "sqrt": f"tl.sqrt({x})", "abs": f"tl.abs({x})",
             "sigmoid": f"tl.sigmoid({x})",

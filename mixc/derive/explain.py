@@ -179,12 +179,27 @@ def _explain(plan: P.Plan) -> str:
             queries = [s(proj) for r in plan.output.readouts if r.state == st.name for _, proj, _ in r.terms
                        if proj is not None]
             out += ["    " + line for line in _chunk_lines(st, queries)]
+    if plan.stabilizer is not None:
+        out.append("")
+        out += _stabilizer_lines(plan.stabilizer)
     out.append("")
     out += ["backward"] + ["  " + line for line in _backward_lines(plan)]
     if plan.notes:
         out.append("")
         out += [f"note: {n}" for n in plan.notes]
     return "\n".join(out)
+
+
+def _stabilizer_lines(st) -> list[str]:
+    names = ", ".join(st.states)
+    g, a = expr_text(st.log_gate), expr_text(st.log_decay)
+    return [f"max-stabilizer (the exponential input gate exp({g}) of {names}; derive/stabilize.py)",
+            f"  the kernels keep S~ = S exp(-m) for {names}, m_0 = 0:",
+            f"  m_t   = max({a} + m_{{t-1}}, {g})",
+            f"  S~_t  = exp({a} + m_{{t-1}} - m_t) S~_{{t-1}} + exp({g} - m_t) key (x) value",
+            f"  {expr_text(st.combine_ir)}    (the output over the readouts of S~)",
+            "  chunked: m_t is the largest log weight of row t (the state's and the intra-chunk ones);",
+            "  the backward holds m constant (the output does not depend on it); states in and out are S"]
 
 
 def _backward_lines(plan: P.Plan) -> list[str]:
@@ -246,6 +261,10 @@ def plan_dict(plan: P.Plan) -> dict:
                                             "over": list(c)} for a, b, c in r.terms]}
                                 for r in plan.output.readouts],
                    "partials": {p.wrt: s(p.expr) for p in plan.output.partials}},
+        "stabilizer": ({"states": list(plan.stabilizer.states), "log_gate": expr_text(plan.stabilizer.log_gate),
+                        "log_decay": expr_text(plan.stabilizer.log_decay),
+                        "combine": expr_text(plan.stabilizer.combine_ir)}
+                       if plan.stabilizer is not None else None),
         "notes": list(plan.notes),
     }
 

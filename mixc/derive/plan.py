@@ -9,7 +9,8 @@ import sympy as sp
 
 from ..dsl import ir
 from ..dsl.errors import SpecError
-from . import affine
+from . import affine, stabilize
+from .stabilize import Stabilizer
 from .functions import log_of
 from .logspace import log_ir
 from .symbolic import NodeDef, SymbolTable, ToSympy, node_partial
@@ -122,10 +123,16 @@ class Plan:
     forms: tuple[str, ...]             # recurrent, step, and chunk / scan / conv where they exist
     notes: tuple[str, ...]
     table: SymbolTable
+    stabilizer: "Stabilizer | None" = None   # exponential input gates (derive/stabilize.py)
 
     @property
     def name(self) -> str:
         return self.ir.name
+
+    @property
+    def kernel_ir(self) -> ir.MixerIR:
+        """The spec the recurrent kernels run: with a stabilizer, over S~ and the extra state _m."""
+        return self.stabilizer.kernel_ir if self.stabilizer is not None else self.ir
 
     @property
     def transition(self) -> str:
@@ -236,8 +243,9 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
                          "terms): no parallel form is known; the recurrent and step forms remain")
     if all(s.time_invariant for s in states):
         forms.append("conv")
+    stab = stabilize.find(spec, states, combine_ir, r_plans, notes)
     return Plan(spec, tuple(sorted(values.items())), tuple(lets), tuple(nodes), tuple(states), out,
-                tuple(forms), tuple(notes), table.freeze())
+                tuple(forms), tuple(notes), table.freeze(), stab)
 
 
 def _combine_kind(combine: sp.Expr, readout_syms) -> str:

@@ -20,7 +20,8 @@ BWD_SCHEMA = ("(Tensor[] inputs, Tensor[] params, Tensor[] checkpoints, Tensor[]
 
 
 def _bound(plan: Plan, inputs, params, initial_state, options, cu_seqlens) -> Bound:
-    """A Bound from tensors already checked by signature.bind (shapes only: no data read)."""
+    """A Bound from tensors already checked by signature.bind (shapes only: no data read).
+    States are the kernels' (plan.kernel_ir: a stabilizer's m after the spec's)."""
     m = plan.ir
     sizes = {}
     for d, x in zip(m.inputs, inputs):
@@ -33,7 +34,8 @@ def _bound(plan: Plan, inputs, params, initial_state, options, cu_seqlens) -> Bo
     opt_names = [o.name for o in m.options if o.kind == "float"]
     return Bound(B, T, H, sizes, {d.name: x for d, x in zip(m.inputs, inputs)},
                  {d.name: x for d, x in zip(m.params, params)}, dict(zip(opt_names, options)), dict(plan.flags),
-                 {s.name: x for s, x in zip(m.states, initial_state)} if initial_state else None, cu_seqlens)
+                 {s.name: x for s, x in zip(plan.kernel_ir.states, initial_state)} if initial_state else None,
+                 cu_seqlens)
 
 
 def ops_for(plan: Plan):
@@ -43,7 +45,7 @@ def ops_for(plan: Plan):
         return _OPS[key]
     flag_part = "".join(f"_{k}{int(v)}" for k, v in plan.flags)
     base = f"mixc::{plan.name}_{plan.ir.spec_hash[:10]}{flag_part}"
-    m = plan.ir
+    m = plan.kernel_ir        # its states: the spec's, and a stabilizer's m
 
     def state_shape(bound: Bound, s) -> tuple:
         return tuple(bound.sizes[d] for d in s.shape)

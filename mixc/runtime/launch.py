@@ -70,10 +70,12 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
     opts = _options(m, bound)
     out = _empty((bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape), out_dtype or x0.dtype, device)
     state_args, finals, ckpts = [], {}, {}
-    for s in m.states:
+    for s in plan.kernel_ir.states:          # the spec's, and a stabilizer's m (starts at 0)
         shape = tuple(bound.sizes[d] for d in s.shape)
-        init = (bound.initial_state[s.name].to(torch.float32).contiguous()
-                if bound.initial_state is not None else out)
+        init = out
+        if bound.initial_state is not None:
+            init = (bound.initial_state[s.name].to(torch.float32).contiguous() if s.name in bound.initial_state
+                    else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
         if output_final_state:
             finals[s.name] = _empty((n, H) + shape, torch.float32, device)
         if checkpoints:
@@ -123,10 +125,13 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     params = [bound.params[d.name].contiguous() for d in m.params]
     opts = _options(m, bound)
     state_args, dinit = [], {}
-    for s in m.states:
+    for s in plan.kernel_ir.states:
         shape = tuple(bound.sizes[d] for d in s.shape)
         dinit[s.name] = _empty((n, H) + shape, torch.float32, device)
-        dfin = dfinal[s.name].to(torch.float32).contiguous() if dfinal else None
+        dfin = None
+        if dfinal:
+            dfin = (dfinal[s.name].to(torch.float32).contiguous() if s.name in dfinal
+                    else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
         state_args += per_state(s, shape, dfin, dinit[s.name], device)
     dinputs = {d.name: _empty(x.shape, x.dtype, device) for d, x in zip(m.inputs, inputs)}
     dparams = {d.name: _empty((n,) + tuple(x.shape), torch.float32, device) for d, x in zip(m.params, params)}

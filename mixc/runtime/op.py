@@ -8,7 +8,8 @@ Modes: "chunk" (the fused chunked forward and backward kernels, for the linear c
 "recurrent" (the fused recurrent forward and backward kernels, every class); the backward
 starts from the states the forward keeps at chunk starts. "torch" is plain torch
 with autograd in the inputs' dtype (float32 at least), the CPU backend: the chunked algorithm
-of the kernels where the spec has it (runtime/torch_chunk.py), the loop over t otherwise.
+of the kernels where the spec has it (the generated module's torch code, driven by
+runtime/torch_chunk.py), the loop over t otherwise.
 "reference" is the loop over t in float64 (ground truth). "auto" takes the kernels (chunked where the spec has
 that form) on CUDA tensors and on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1), and "torch" otherwise."""
@@ -88,15 +89,28 @@ class MixerOp:
         """The kernels through the registered custom op (autograd included): the chunked or the
         recurrent forward and backward."""
         m = self.ir
+        plan = self._plan_for(bound.flags)
         inputs = [bound.inputs[d.name] for d in m.inputs]
         params = [bound.params[d.name] for d in m.params]
         init = [bound.initial_state[s.name] for s in m.states] if bound.initial_state is not None else []
         opts = option_values(m, bound)
         save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs + params + init)
+        kstates = plan.kernel_ir.states
+        if init and len(kstates) > len(m.states):       # a stabilizer's m starts at 0 with a given state
+            init = init + [init[0].new_zeros(init[0].shape[:2], dtype=torch.float32)]
         fwd, _ = self.prepare(**bound.flags)
         outs = fwd(inputs, params, init, [opts[o.name] for o in m.options if o.kind == "float"],
                    bound.cu_seqlens, output_final_state, save, chunked, CK)
-        st = {s.name: f for s, f in zip(m.states, outs[1:1 + len(m.states)])} if output_final_state else None
+        if not output_final_state:
+            return outs[0], None
+        st = {s.name: f for s, f in zip(kstates, outs[1:1 + len(kstates)])}
+        if plan.stabilizer is not None:
+            # the kernels keep S~ = S exp(-m); the spec's state is S (inf where it exceeds fp32).
+            # Autograd carries dS~ = dS exp(m) into the kernels' backward, which holds m constant.
+            mf = st.pop("_m")
+            for name in plan.stabilizer.states:
+                x = st[name]
+                st[name] = x * torch.exp(mf).reshape(mf.shape + (1,) * (x.dim() - 2))
         return outs[0], st
 
     def prepare(self, **flags):
@@ -124,6 +138,12 @@ class MixerOp:
         bound = bind(self.ir, dict(kwargs, initial_state=state), step=True)
         device = next(iter(bound.inputs.values())).device
         mode = self._resolve(mode, device)
+        names = {d.name for d in self.ir.inputs}
+        seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
+        if mode == "torch" and chunk_supported(self._plan_for(bound.flags)) is None:
+            # the torch backend's chunked form (stabilized where the spec has an exponential gate)
+            o, st = self(**seq, initial_state=state, output_final_state=True, mode="torch")
+            return o[:, 0], st
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
             o, st = _reference.reference_step(self.ir, state=state, dtype=dtype, **kwargs)
@@ -131,8 +151,6 @@ class MixerOp:
                 o = o.to(next(iter(bound.inputs.values())).dtype)
                 st = {k: v.float() for k, v in st.items()}
             return o, st
-        names = {d.name for d in self.ir.inputs}
-        seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
         o, st = self(**seq, initial_state=state, output_final_state=True, mode="recurrent")
         return o[:, 0], st
 

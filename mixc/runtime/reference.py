@@ -19,6 +19,7 @@ _FNS = {
     "exp": torch.exp, "log": torch.log, "sigmoid": torch.sigmoid, "logsigmoid": F.logsigmoid,
     "softplus": F.softplus, "tanh": torch.tanh, "elu": F.elu, "relu": torch.relu, "silu": F.silu,
     "sqrt": torch.sqrt, "abs": torch.abs,
+    "detach": torch.Tensor.detach,        # generated only (the stabilizer's m): held constant
 }
 
 

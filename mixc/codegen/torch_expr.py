@@ -1,0 +1,109 @@
+"""IR expressions -> torch statements, for the torch backend's generated module.
+
+Every value is a tensor [B, T, H, *dims] (size-1 axes where it does not vary: params are
+[1, 1, H, ...]) with its dims in the spec's `dims` order, or a scalar (a number, an option)
+with no axes at all. Broadcasting by name is indexing with None after the three leading
+axes; `@`, sum and norm reduce over the axes of their dims. Names follow triton_expr.py:
+temporaries start with '_', spec names appear only behind fixed prefixes (v_q ...)."""
+from __future__ import annotations
+
+import math
+
+from ..dsl import ir
+from .triton_expr import Emitter, canon, number
+
+LEAD = 3
+CALLS = {
+    "exp": "torch.exp({})", "log": "torch.log({})", "sqrt": "torch.sqrt({})", "abs": "torch.abs({})",
+    "sigmoid": "torch.sigmoid({})", "tanh": "torch.tanh({})", "logsigmoid": "_F.logsigmoid({})",
+    "softplus": "_F.softplus({})", "elu": "_F.elu({})", "relu": "torch.relu({})", "silu": "_F.silu({})",
+    "detach": "{}.detach()",
+}
+
+
+class TorchEmitter(Emitter):
+    """Emitter's walk and cache, with torch code. `scalars`: variables without leading axes."""
+
+    def __init__(self, mixer: ir.MixerIR, env, scalars=(), indent: str = "    ", prefix: str = "_t"):
+        super().__init__(mixer, env, indent=indent, prefix=prefix)
+        self.scalars = set(scalars)
+
+    def expand(self, var: str, have: tuple[str, ...], want: tuple[str, ...]) -> str:
+        if var in self.scalars or have == want or var[:1].isdigit() or var[:1] == "-":
+            return var
+        return f"{var}[:, :, :, {', '.join(':' if d in have else 'None' for d in want)}]" if want else var
+
+    def emit_as(self, code: str, dims, parts) -> tuple[str, tuple[str, ...]]:
+        """Emit code; its value is a scalar when every part is."""
+        name, d = self.emit(code, tuple(dims))
+        if all(p in self.scalars or p[:1].isdigit() or p[:1] == "-" for p in parts):
+            self.scalars.add(name)
+        return name, d
+
+    def reduce(self, var, dims, over, fn="sum", fill=None):
+        axes = tuple(LEAD + dims.index(d) for d in over)
+        rest = tuple(d for d in dims if d not in over)
+        code = {"sum": f"{var}.sum(dim={axes})", "max": f"{var}.amax(dim={axes})", "min": f"{var}.amin(dim={axes})",
+                "norm": f"torch.linalg.vector_norm({var}, dim={axes})"}[fn]
+        return self.emit(code, rest)
+
+    def x_Ref(self, e: ir.Ref):
+        if e.kind == "dim":
+            v = f"float(_sizes[{e.name!r}])"
+            self.scalars.add(v)
+            return v, ()
+        if e.kind == "head":
+            return "_head", ()
+        if e.kind == "let" and e.name not in self.env:
+            self.env[e.name] = self(self.m.let(e.name).expr)
+        return self.env[e.name]
+
+    def x_Neg(self, e: ir.Neg):
+        v, d = self(e.x)
+        return self.emit_as(f"-{v}", d, [v])
+
+    def x_BinOp(self, e: ir.BinOp):
+        if e.op == "**":
+            return self.power(e)
+        (a, da), (b, db) = self(e.left), self(e.right)
+        out = canon(self.order, set(da) | set(db))
+        return self.emit_as(f"{self.expand(a, da, out)} {e.op} {self.expand(b, db, out)}", out, [a, b])
+
+    def x_Contract(self, e: ir.Contract):
+        (a, da), (b, db) = self(e.left), self(e.right)
+        full = canon(self.order, set(da) | set(db))
+        prod, _ = self.emit(f"{self.expand(a, da, full)} * {self.expand(b, db, full)}", full)
+        return self.reduce(prod, full, e.over)
+
+    def x_Call(self, e: ir.Call):
+        if e.fn in ("max", "min"):
+            (a, da), (b, db) = self(e.args[0]), self(e.args[1])
+            out = canon(self.order, set(da) | set(db))
+            fn = "torch.maximum" if e.fn == "max" else "torch.minimum"
+            return self.emit_as(f"{fn}(_t({self.expand(a, da, out)}), _t({self.expand(b, db, out)}))", out, [a, b])
+        x, d = self(e.args[0])
+        arg = f"_t({x})" if x in self.scalars or x[:1].isdigit() or x[:1] == "-" else x
+        return self.emit_as(CALLS[e.fn].format(arg), d, [x])
+
+    def x_Reduce(self, e: ir.Reduce):
+        x, d = self(e.x)
+        return self.reduce(x, d, e.over, e.fn)
+
+    def x_Rename(self, e: ir.Rename):
+        x, d = self(e.x)
+        m = dict(e.mapping)
+        renamed = tuple(m.get(a, a) for a in d)
+        out = canon(self.order, renamed)
+        if renamed == out:
+            return x, out
+        perm = tuple(range(LEAD)) + tuple(LEAD + renamed.index(x) for x in out)
+        return self.emit(f"{x}.permute{perm}", out)
+
+    def power(self, e: ir.BinOp):
+        (a, da), (b, db) = self(e.left), self(e.right)
+        out = canon(self.order, set(da) | set(db))
+        if isinstance(e.right, ir.Num):
+            return self.emit_as(f"{self.expand(a, da, out)} ** {number(e.right.value)}", out, [a])
+        if isinstance(e.left, ir.Num) and e.left.value > 0:
+            return self.emit_as(f"torch.exp(_t({b}) * {number(math.log(e.left.value))})", out, [b])
+        return self.emit_as(f"_t({self.expand(a, da, out)}) ** {self.expand(b, db, out)}", out, [a, b])

@@ -1,0 +1,112 @@
+"""Plan -> the hooks of templates/torch_chunk.py.j2: the torch backend of a spec with a chunked
+form. The spec's expressions (lets, each state's key, value and log decay, each readout's
+query and scale, the stabilizer's gate, the output's combine) are printed as torch code by
+torch_expr.py; the chunk loop is the template's, the same for every spec."""
+from __future__ import annotations
+
+import pprint
+
+from ..derive import plan as P
+from ..derive.plan import Plan
+from .chunk import ChunkCode
+from .torch_expr import TorchEmitter
+from .triton_expr import canon
+
+I1 = "    "
+KIND = {P.PREFIX_SUM: "prefix", P.SCALAR: "scalar", P.KEY_DIAG: "key", P.VALUE_DIAG: "value"}
+
+
+def _env_lines(plan: Plan) -> tuple[list[str], dict, set]:
+    """Loads of the inputs [B, T, H, *canonical dims], params [1, 1, H, *dims] and options."""
+    m, order = plan.ir, plan.ir.dim_names
+    lines = [f"{I1}_x0 = next(iter(_x.values()))",
+             f"{I1}_head = torch.arange(_H, dtype=_x0.dtype, device=_x0.device).reshape(1, 1, _H)"]
+    env, scalars = {}, set()
+    for d in m.inputs:
+        cd = canon(order, d.shape)
+        perm = "" if cd == d.shape else f".permute(0, 1, 2, {', '.join(str(3 + d.shape.index(a)) for a in cd)})"
+        lines.append(f"{I1}v_{d.name} = _x[{d.name!r}]{perm}")
+        env[d.name] = (f"v_{d.name}", cd)
+    for d in m.params:
+        cd = canon(order, d.shape)
+        perm = "" if cd == d.shape else f".permute(0, 1, 2, {', '.join(str(3 + d.shape.index(a)) for a in cd)})"
+        lines.append(f"{I1}v_{d.name} = _p[{d.name!r}].reshape(1, 1, *_p[{d.name!r}].shape){perm}")
+        env[d.name] = (f"v_{d.name}", cd)
+    for o in m.options:
+        if o.kind == "float":
+            lines.append(f"{I1}v_{o.name} = _opt[{o.name!r}]")
+            env[o.name] = (f"v_{o.name}", ())
+            scalars.add(f"v_{o.name}")
+    return lines, env, scalars
+
+
+def _sizes(dims) -> str:
+    return "[" + ", ".join(f"_sizes[{d!r}]" for d in dims) + "]"
+
+
+def torch_hooks(plan: Plan) -> dict:
+    m, order = plan.ir, plan.ir.dim_names
+    chunk = ChunkCode(plan)                  # its states: the stabilizer's group as the kernels see it
+    lines, env, scalars = _env_lines(plan)
+    em = TorchEmitter(m, env, scalars, indent=I1, prefix="_p")
+
+    def full(expr, dims) -> str:
+        if expr is None:
+            return f"_full(1.0, _B, _T, _H, {_sizes(dims)}).to(_x0.dtype)"
+        var, have = em(expr)
+        return f"_full({em.expand(var, have, dims)}, _B, _T, _H, {_sizes(dims)}).to(_x0.dtype)"
+
+    out = [f"{I1}_K, _V, _g, _Q = {{}}, {{}}, {{}}, {{}}"]
+    states = {}
+    for st in chunk.states:
+        kd, vd = canon(order, st.key_dims), canon(order, st.value_dims)
+        p = st.ir_pieces
+        out.append(f"{I1}_K[{st.name!r}] = {full(p.key, kd)}")
+        out.append(f"{I1}_V[{st.name!r}] = {full(p.value, vd)}")
+        if st.transition == P.PREFIX_SUM:
+            out.append(f"{I1}_g[{st.name!r}] = None")
+        elif st.transition == P.SCALAR:
+            var, _ = em(p.log_decay)
+            out.append(f"{I1}_g[{st.name!r}] = _t({var}).to(_x0.dtype).expand(_B, _T, _H)")
+        else:
+            out.append(f"{I1}_g[{st.name!r}] = {full(p.log_decay, kd if st.transition == P.KEY_DIAG else vd)}")
+        states[st.name] = {"class": KIND[st.transition], "kd": list(kd), "vd": list(vd),
+                           "decl": list(m.state(st.name).shape)}
+    readouts = {}
+    for r in plan.output.readouts:
+        st = chunk.state(r.state)
+        kd, vd = canon(order, st.key_dims), canon(order, st.value_dims)
+        terms = [f"({full(t.proj, kd)}, {full(t.scale, vd) if t.scale is not None else 'None'})"
+                 for t in r.terms_ir]
+        out.append(f"{I1}_Q[{r.name!r}] = [{', '.join(terms)}]")
+        readouts[r.name] = {"state": r.state, "prev": r.prev}
+    gate = "None"
+    if plan.stabilizer is not None:
+        var, _ = em(plan.stabilizer.log_gate)
+        gate = f"_t({var}).to(_x0.dtype).expand(_B, _T, _H)"
+    out.append(f'{I1}return {{"K": _K, "V": _V, "g": _g, "Q": _Q, "gate": {gate}}}')
+    pieces = lines + em.lines + out
+
+    # the combine, over the readouts (and m)
+    lines, env, scalars = _env_lines(plan)
+    for r in plan.output.readouts:
+        vd = canon(order, chunk.state(r.state).value_dims)
+        env[r.name] = (f"_r[{r.name!r}]", vd)
+    combine_ir = plan.output.combine_ir
+    if plan.stabilizer is not None:
+        env["_m"] = ("_mstab", ())
+        combine_ir = plan.stabilizer.combine_ir
+    cem = TorchEmitter(m, env, scalars, indent=I1, prefix="_c")
+    var, have = cem(combine_ir)
+    want = canon(order, m.output.expr.shape)
+    value = cem.expand(var, have, want)
+    combine = lines + cem.lines + [
+        f"{I1}return _t({value}).to(_x0.dtype).expand(_B, _T, _H, {', '.join(f'_sizes[{d!r}]' for d in want)})"
+        if want else f"{I1}return _t({value}).to(_x0.dtype).expand(_B, _T, _H)"]
+    return {
+        "states": pprint.pformat(states, width=100, sort_dicts=False),
+        "readouts": pprint.pformat(readouts, width=100, sort_dicts=False),
+        "stabilized": repr(tuple(plan.stabilizer.states) if plan.stabilizer is not None else ()),
+        "pieces": "\n".join(pieces),
+        "combine": "\n".join(combine),
+    }
