@@ -29,7 +29,7 @@ UNIT = "_1"
 def chunk_supported(plan: Plan) -> str | None:
     """Why the chunked kernel cannot serve this plan, or None when it can."""
     for st in plan.states:
-        if st.transition not in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG, P.VALUE_DIAG):
+        if st.transition not in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG, P.VALUE_DIAG, P.RANK1):
             return f"state {st.name} is a {st.transition}"
         if st.ir_pieces is None or st.ir_pieces.key is None:
             return f"the input term of state {st.name} is not an outer product key (x) value"
@@ -40,6 +40,24 @@ def chunk_supported(plan: Plan) -> str | None:
                 return f"readout {r.name} contracts {t.over}, not the key dims of {r.state}"
             if t.proj is None and st.key_dims:
                 return f"readout {r.name} reads {r.state} without contracting its key dims"
+    return None
+
+
+def torch_chunk_supported(plan: Plan) -> str | None:
+    """Why the torch backend has no chunked form for this plan, or None: the kernels' classes
+    and the rank-1 class (the WY/UT form)."""
+    if all(st.transition != P.RANK1 for st in plan.states):
+        return chunk_supported(plan)
+    for st in plan.states:
+        if st.transition == P.RANK1 and (st.ir_pieces is None or st.ir_pieces.key is None):
+            return f"the input term of state {st.name} is not an outer product key (x) value"
+    others = [st for st in plan.states if st.transition != P.RANK1]
+    if others:
+        return "a rank-1 state next to states of other classes"
+    for r in plan.output.readouts:
+        for t in r.terms_ir:
+            if t.proj is None or set(t.over) != set(plan.state(r.state).key_dims):
+                return f"readout {r.name} does not contract the key dims of {r.state}"
     return None
 
 
@@ -64,6 +82,7 @@ class ChunkCode:
         self.n = 0
         self.stab = plan.stabilizer
         self.states = tuple(self._stabilized(st) for st in plan.states)
+        self.rank1_parts: dict[str, tuple[str, str]] = {}      # state -> (L, R) matrices
 
     def _stabilized(self, st: P.StatePlan) -> P.StatePlan:
         """A state of the stabilizer's group as the kernels see it: its key and value without
@@ -158,13 +177,15 @@ class ChunkCode:
             K = self.matrix(em, em(pieces.key), kd)
             V = self.matrix(em, em(pieces.value) if pieces.value is not None else ("1.0", ()), vd)
             g = None
+            if st.transition == P.RANK1:          # left * (right @ S): the WY/UT form (rank1_setup)
+                self.rank1_parts[st.name] = (self.matrix(em, em(pieces.left), kd), self.matrix(em, em(pieces.right), kd))
             if st.transition != P.PREFIX_SUM:
                 gv = em(pieces.log_decay)
-                if st.transition == P.SCALAR:
+                if g_is_vector(st):
                     g, _ = em.emit(f"tl.where(_mask__T, {expand(gv[0], gv[1], ('_T',))} + "
                                    "tl.zeros([_BLOCK__T], dtype=tl.float32), 0.0)", ("_T",))
                 else:
-                    g = self.matrix(em, gv, kd if st.transition == P.KEY_DIAG else vd)
+                    g = self.matrix(em, gv, kd if st.transition in (P.KEY_DIAG, P.RANK1) else vd)
             per_state[st.name] = (K, V, g, kd, vd)
         body += em.lines[mark:]
         mark = len(em.lines)
@@ -181,6 +202,9 @@ class ChunkCode:
         if self.stab is not None:
             body += self.stabilizer_rows(em)
             mark = len(em.lines)
+        for st in self.states:
+            if st.transition == P.RANK1:
+                body += self.rank1_setup(st, per_state[st.name])
 
         # readouts: per term the query matrix, the scale and the unscaled value
         out_env = dict(env)
@@ -347,8 +371,73 @@ class ChunkCode:
             return bl, f"{bl} - {b}"
         return f"({bl} + _M0 - _mnew)", f"({bl} - {b} + _gi - _mnew)"
 
+    # ---- the rank-1 class: the WY/UT form ----
+    def rank1_setup(self, st: P.StatePlan, parts) -> list[str]:
+        """U [C, VF]: with b the cumulative log decay, X_t = exp(-b_t) S_t gains l~_t u_t^T +
+        k~_t v_t^T per token, u_t = r~_t . X_{t-1}; over the chunk, by forward substitution,
+
+            (I - A_rl) U = (R * exp(b_{j-1})) S0 + A_rk V,
+            A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik)  (i < j)
+
+        (a scalar decay: A_xy = (X Y^T) * exp(b_{j-1} - b_i)). Also _bx_<S> = b_{j-1}."""
+        K, V, g, kd, vd = parts
+        L, R = self.rank1_parts[st.name]
+        n, I = st.name, I2
+        strict = "(_offs__T[:, None] > _offs__T[None, :])"
+        shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
+        b, bx = f"_b_{n}", f"_bx_{n}"
+        if g_is_vector(st):
+            lines = [f"{I}{bx} = tl.sum(tl.where({shift}, {b}[None, :], 0.0), axis=1)",
+                     f"{I}_E = tl.exp(tl.where({strict}, {bx}[:, None] - {b}[None, :], float('-inf')))",
+                     f"{I}_Arl_{n} = _mixc_dot({R}, tl.trans({L}), DOT) * _E",
+                     f"{I}_Ark_{n} = _mixc_dot({R}, tl.trans({K}), DOT) * _E",
+                     f"{I}_Rh_{n} = {R} * tl.exp({bx})[:, None]"]
+        else:
+            lines = [f"{I}{bx} = tl.sum(tl.where({shift}[:, :, None], {b}[None, :, :], 0.0), axis=1)",
+                     f"{I}_E = tl.exp(tl.where({strict}[:, :, None], {bx}[:, None, :] - {b}[None, :, :], "
+                     "float('-inf')))",
+                     f"{I}_Arl_{n} = tl.sum({R}[:, None, :] * {L}[None, :, :] * _E, axis=2)",
+                     f"{I}_Ark_{n} = tl.sum({R}[:, None, :] * {K}[None, :, :] * _E, axis=2)",
+                     f"{I}_Rh_{n} = {R} * tl.exp({bx})"]
+        lines += [f"{I}_Y_{n} = _mixc_dot(_Rh_{n}, s_{n}, DOT) + _mixc_dot(_Ark_{n}, {V}, DOT)",
+                  f"{I}_U_{n} = _mixc_solve_lower(_Arl_{n}, _Y_{n}, _offs__T, _BLOCK__T)"]
+        return lines
+
+    def rank1_readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
+        L, _ = self.rank1_parts[st.name]
+        n, I = st.name, I2
+        causal = f"(_offs__T[:, None] {'>' if prev else '>='} _offs__T[None, :])"
+        b = f"_b_{n}"
+        bq = f"_bx_{n}" if prev else b
+        if g_is_vector(st):
+            return [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
+                    f"{I}_Aql = _mixc_dot({Q}, tl.trans({L}), DOT) * _D",
+                    f"{I}_Aqk = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
+                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq})[:, None], s_{n}, DOT) + _mixc_dot(_Aql, _U_{n}, DOT) "
+                    f"+ _mixc_dot(_Aqk, {V}, DOT)"]
+        return [f"{I}_D = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], float('-inf')))",
+                f"{I}_Aql = tl.sum({Q}[:, None, :] * {L}[None, :, :] * _D, axis=2)",
+                f"{I}_Aqk = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _D, axis=2)",
+                f"{I}{R} = _mixc_dot({Q} * tl.exp({bq}), s_{n}, DOT) + _mixc_dot(_Aql, _U_{n}, DOT) "
+                f"+ _mixc_dot(_Aqk, {V}, DOT)"]
+
+    def rank1_advance(self, st: P.StatePlan, parts) -> list[str]:
+        K, V, g, kd, vd = parts
+        L, _ = self.rank1_parts[st.name]
+        n, I, S = st.name, I2, f"s_{st.name}"
+        b, bl = f"_b_{n}", f"_bl_{n}"
+        if g_is_vector(st):
+            return [f"{I}_w = tl.exp({bl} - {b})[:, None]",
+                    f"{I}{S} = tl.exp({bl}) * {S} + _mixc_dot(tl.trans({L} * _w), _U_{n}, DOT) + "
+                    f"_mixc_dot(tl.trans({K} * _w), {V}, DOT)"]
+        return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
+                f"{I}{S} = tl.exp({bl})[:, None] * {S} + _mixc_dot(tl.trans({L} * _w), _U_{n}, DOT) + "
+                f"_mixc_dot(tl.trans({K} * _w), {V}, DOT)"]
+
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (or S_{t-1}) for the C query rows Q."""
+        if st.transition == P.RANK1:
+            return self.rank1_readout(st, R, Q, K, V, prev)
         n, I = st.name, I2
         cmp = ">" if prev else ">="
         causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
@@ -373,6 +462,8 @@ class ChunkCode:
                 f"tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=1)"]
 
     def advance(self, st: P.StatePlan, parts) -> list[str]:
+        if st.transition == P.RANK1:
+            return self.rank1_advance(st, parts)
         K, V, g, kd, vd = parts
         n, I, S = st.name, I2, f"s_{st.name}"
         if st.transition == P.PREFIX_SUM:
@@ -391,7 +482,7 @@ class ChunkCode:
 
 def g_is_vector(st: P.StatePlan) -> bool:
     """A scalar decay's per-token log decay is a [C] vector; the diagonal ones are [C, dim]."""
-    return st.transition == P.SCALAR
+    return st.transition == P.SCALAR or (st.transition == P.RANK1 and not st.decay_dims)
 
 
 def chunk_fwd_hooks(plan: Plan) -> dict:

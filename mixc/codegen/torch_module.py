@@ -8,7 +8,7 @@ import pprint
 
 from ..derive import plan as P
 from ..derive.plan import Plan
-from .chunk import ChunkCode
+from .chunk import ChunkCode, torch_chunk_supported
 from .torch_expr import TorchEmitter
 from .triton_expr import canon
 
@@ -56,21 +56,27 @@ def torch_hooks(plan: Plan) -> dict:
         var, have = em(expr)
         return f"_full({em.expand(var, have, dims)}, _B, _T, _H, {_sizes(dims)}).to(_x0.dtype)"
 
-    out = [f"{I1}_K, _V, _g, _Q = {{}}, {{}}, {{}}, {{}}"]
+    out = [f"{I1}_K, _V, _g, _Q, _L, _R = {{}}, {{}}, {{}}, {{}}, {{}}, {{}}"]
     states = {}
     for st in chunk.states:
         kd, vd = canon(order, st.key_dims), canon(order, st.value_dims)
         p = st.ir_pieces
         out.append(f"{I1}_K[{st.name!r}] = {full(p.key, kd)}")
         out.append(f"{I1}_V[{st.name!r}] = {full(p.value, vd)}")
+        kind = KIND.get(st.transition)
+        if st.transition == P.RANK1:          # left * (right @ S): the WY/UT chunk (runtime/torch_chunk.py)
+            out.append(f"{I1}_L[{st.name!r}] = {full(p.left, kd)}")
+            out.append(f"{I1}_R[{st.name!r}] = {full(p.right, kd)}")
+            kind = "rank1-key" if st.decay_dims else "rank1"
         if st.transition == P.PREFIX_SUM:
             out.append(f"{I1}_g[{st.name!r}] = None")
-        elif st.transition == P.SCALAR:
+        elif st.transition == P.SCALAR or kind == "rank1":
             var, _ = em(p.log_decay)
             out.append(f"{I1}_g[{st.name!r}] = _t({var}).to(_x0.dtype).expand(_B, _T, _H)")
         else:
-            out.append(f"{I1}_g[{st.name!r}] = {full(p.log_decay, kd if st.transition == P.KEY_DIAG else vd)}")
-        states[st.name] = {"class": KIND[st.transition], "kd": list(kd), "vd": list(vd),
+            on_keys = st.transition in (P.KEY_DIAG, P.RANK1)
+            out.append(f"{I1}_g[{st.name!r}] = {full(p.log_decay, kd if on_keys else vd)}")
+        states[st.name] = {"class": kind, "kd": list(kd), "vd": list(vd),
                            "decl": list(m.state(st.name).shape)}
     readouts = {}
     for r in plan.output.readouts:
@@ -84,7 +90,7 @@ def torch_hooks(plan: Plan) -> dict:
     if plan.stabilizer is not None:
         var, _ = em(plan.stabilizer.log_gate)
         gate = f"_t({var}).to(_x0.dtype).expand(_B, _T, _H)"
-    out.append(f'{I1}return {{"K": _K, "V": _V, "g": _g, "Q": _Q, "gate": {gate}}}')
+    out.append(f'{I1}return {{"K": _K, "V": _V, "g": _g, "Q": _Q, "L": _L, "R": _R, "gate": {gate}}}')
     pieces = lines + em.lines + out
 
     # the combine, over the readouts (and m)

@@ -89,6 +89,8 @@ class StateIR:
     log_decay: ir.Expr
     key: ir.Expr | None
     value: ir.Expr | None
+    left: ir.Expr | None = None        # a rank-1 term left * (right @ S): left, right over the key dims
+    right: ir.Expr | None = None
 
 
 @dataclass(frozen=True)
@@ -315,7 +317,10 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
         forms = forms + ("conv",)
     decay_ir = functools.reduce(lambda a, b: affine.add(a, b), [t.scale or affine.num(1) for t in diag]) \
         if diag else affine.num(0)
-    pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value)
+    left = right = None
+    if transition == RANK1:
+        left, right = proj[0].scale or affine.num(1), proj[0].proj
+    pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value, left, right)
     return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,
                      rank1, input_term, conv(key) if key is not None else None,
                      conv(value) if value is not None else None, kdims, vdims, ti, forms, pieces)

@@ -148,7 +148,8 @@ def chunk_size(plan: Plan) -> int:
     """C: 16 where the intra-chunk term is a [C, C, dim] block (key- or value-diagonal decay),
     64 otherwise."""
     from ..derive import plan as P
-    diag = any(s.transition in (P.KEY_DIAG, P.VALUE_DIAG) for s in plan.states)
+    diag = any(s.transition in (P.KEY_DIAG, P.VALUE_DIAG) or (s.transition == P.RANK1 and s.decay_dims)
+               for s in plan.states)
     return 16 if diag else 64
 
 
@@ -178,7 +179,11 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
 
 def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C: int):
     """The chunked backward kernel: same returns as recurrent_backward, from the chunked
-    forward's checkpoints (chunks of C tokens)."""
+    forward's checkpoints (chunks of C tokens). A module without one (the rank-1 class, for
+    now) runs the recurrent backward from the same checkpoints (CK = C)."""
+    x0 = next(iter(bound.inputs.values()))
+    if "chunk_bwd" not in module_for(plan, x0.device).METADATA["kernels"]:
+        return recurrent_backward(plan, bound, ckpts, do, dfinal, CK=C)
     dims = plan.ir.dim_names
     blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
     blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})

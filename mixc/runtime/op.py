@@ -23,7 +23,7 @@ from ..derive.plan import Plan, derive
 from ..dsl import MixerIR, parse, read_spec
 from . import reference as _reference
 from .cache import interpreting
-from ..codegen.chunk import chunk_supported
+from ..codegen.chunk import chunk_supported, torch_chunk_supported
 from .launch import chunk_size
 from .signature import ArgumentError, bind, option_values
 
@@ -62,7 +62,7 @@ class MixerOp:
         device = next(iter(bound.inputs.values())).device
         mode = self._resolve(mode, device)
         plan = self._plan_for(bound.flags)
-        if mode == "torch" and chunk_supported(plan) is None:
+        if mode == "torch" and torch_chunk_supported(plan) is None:
             from .torch_chunk import torch_chunked
             o, st = torch_chunked(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound),
                                   C=chunk or 64)
@@ -140,7 +140,7 @@ class MixerOp:
         mode = self._resolve(mode, device)
         names = {d.name for d in self.ir.inputs}
         seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
-        if mode == "torch" and chunk_supported(self._plan_for(bound.flags)) is None:
+        if mode == "torch" and torch_chunk_supported(self._plan_for(bound.flags)) is None:
             # the torch backend's chunked form (stabilized where the spec has an exponential gate)
             o, st = self(**seq, initial_state=state, output_final_state=True, mode="torch")
             return o[:, 0], st

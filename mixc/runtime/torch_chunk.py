@@ -52,6 +52,49 @@ def _readout(kind, Q, K, V, S, bb, prev, logs):
     return torch.einsum("bihk,bhkv->bihv", Q, S) * bq.exp() + torch.einsum("bhij,bijhv,bjhv->bihv", A, w, V)
 
 
+def _rank1_setup(kind, L, R, K, V, S, bb):
+    """The WY/UT form of a chunk of S_t = D_t S_{t-1} + l_t (r_t . S_{t-1}) + k_t v_t^T (D_t =
+    exp(g_t), a scalar or per key). With b the cumulative log decay in the chunk, the state
+    divided by the decay, X_t = exp(-b_t) S_t, gains l~_t u_t^T + k~_t v_t^T per token, where
+    u_t = r~_t . X_{t-1}; over the chunk the u solve one unit lower-triangular system:
+
+        (I - A_rl) U = R^ S0 + A_rk V,   A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik), i < j
+
+    with R^ = R * exp(b_{j-1}). Returns (U [B, c, H, VF], b and b_{j-1} per key [B, c, H, KF])."""
+    b, _, b_excl = bb
+    if kind == "rank1":                     # a scalar decay: the same on every key
+        b, b_excl = b.unsqueeze(-1).expand(K.shape), b_excl.unsqueeze(-1).expand(K.shape)
+    c = K.shape[1]
+    strict = torch.ones(c, c, dtype=torch.bool, device=K.device).tril(-1)
+    E = torch.exp((b_excl.unsqueeze(2) - b.unsqueeze(1)).masked_fill(~strict[None, :, :, None, None], float("-inf")))
+    A_rl = torch.einsum("bjhk,bihk,bjihk->bhji", R, L, E)
+    A_rk = torch.einsum("bjhk,bihk,bjihk->bhji", R, K, E)
+    Y = torch.einsum("bjhk,bhkv->bhjv", R * b_excl.exp(), S) + torch.einsum("bhji,bihv->bhjv", A_rk, V)
+    eye = torch.eye(c, dtype=K.dtype, device=K.device)
+    U = torch.linalg.solve_triangular(eye - A_rl, Y, upper=False, unitriangular=True)
+    return U.permute(0, 2, 1, 3), b, b_excl
+
+
+def _rank1_readout(Q, L, K, V, S, U, b, b_excl, prev):
+    """q . S_t (or S_{t-1}) for the chunk's rows: X_0 = S0 and the l~ u, k~ v terms so far."""
+    c = Q.shape[1]
+    causal = torch.ones(c, c, dtype=torch.bool, device=Q.device).tril(-1 if prev else 0)
+    bq = b_excl if prev else b
+    w = torch.exp((bq.unsqueeze(2) - b.unsqueeze(1)).masked_fill(~causal[None, :, :, None, None], float("-inf")))
+    A_ql = torch.einsum("bthk,bjhk,btjhk->bhtj", Q, L, w)
+    A_qk = torch.einsum("bthk,bjhk,btjhk->bhtj", Q, K, w)
+    return (torch.einsum("bthk,bhkv->bthv", Q * bq.exp(), S) + torch.einsum("bhtj,bjhv->bthv", A_ql, U)
+            + torch.einsum("bhtj,bjhv->bthv", A_qk, V))
+
+
+def _rank1_advance(L, K, V, S, U, b):
+    """S_C = exp(b_C) S0 + (L * exp(b_C - b))^T U + (K * exp(b_C - b))^T V."""
+    bl = b[:, -1]
+    w = torch.exp(bl.unsqueeze(1) - b)
+    return (bl.exp().unsqueeze(-1) * S + torch.einsum("bjhk,bjhv->bhkv", L * w, U)
+            + torch.einsum("bjhk,bjhv->bhkv", K * w, V))
+
+
 def _advance(kind, K, V, S, bb, logs):
     """The state at the chunk's end."""
     if kind == "prefix":
@@ -120,16 +163,30 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
                 mnew = torch.maximum(bl + M, (bl.unsqueeze(1) - b + gi).amax(1)).detach()
                 logs = (mrow, gi, M, mnew)
                 m_rows.append(mrow)
+            wy = {}
+            for name, st in TORCH_STATES.items():
+                if st["class"].startswith("rank1"):
+                    wy[name] = _rank1_setup(st["class"], pc["L"][name][rows, c0:c1], pc["R"][name][rows, c0:c1],
+                                            pc["K"][name][rows, c0:c1], pc["V"][name][rows, c0:c1], states[name],
+                                            chunk_b[name])
             for r, rd in TORCH_READOUTS.items():
                 s = rd["state"]
                 Kc, Vc = pc["K"][s][rows, c0:c1], pc["V"][s][rows, c0:c1]
                 total = 0
                 for Q, sc in pc["Q"][r]:
-                    val = _readout(TORCH_STATES[s]["class"], Q[rows, c0:c1], Kc, Vc, states[s], chunk_b.get(s),
-                                   rd["prev"], logs if s in TORCH_STABILIZED else None)
+                    if s in wy:
+                        val = _rank1_readout(Q[rows, c0:c1], pc["L"][s][rows, c0:c1], Kc, Vc, states[s], *wy[s],
+                                             rd["prev"])
+                    else:
+                        val = _readout(TORCH_STATES[s]["class"], Q[rows, c0:c1], Kc, Vc, states[s], chunk_b.get(s),
+                                       rd["prev"], logs if s in TORCH_STABILIZED else None)
                     total = total + (val * sc[rows, c0:c1] if sc is not None else val)
                 outs[r].append(total)
             for name, st in TORCH_STATES.items():
+                if name in wy:
+                    states[name] = _rank1_advance(pc["L"][name][rows, c0:c1], pc["K"][name][rows, c0:c1],
+                                                  pc["V"][name][rows, c0:c1], states[name], wy[name][0], wy[name][1])
+                    continue
                 states[name] = _advance(st["class"], pc["K"][name][rows, c0:c1], pc["V"][name][rows, c0:c1],
                                         states[name], chunk_b.get(name), logs if name in TORCH_STABILIZED else None)
             if logs is not None:

@@ -4,13 +4,14 @@ import pytest
 import torch
 
 import mixc
-from mixc.codegen.chunk import chunk_supported
+from mixc.codegen.chunk import chunk_supported, torch_chunk_supported
 from mixc.dsl import library_names
 
 from helpers import random_args, random_state
 
-CASES = [(n, {}) for n in library_names()] + [("linear_attn", {"normalize": True}), ("based", {"use_norm": False})]
-CHUNKED = [(n, f) for n, f in CASES if chunk_supported(mixc.load(n).plan(**f)) is None]
+CASES = [(n, {}) for n in library_names()] + [("linear_attn", {"normalize": True}), ("based", {"use_norm": False}),
+                                              ("delta_rule", {"use_qk_l2norm_in_kernel": True})]
+CHUNKED = [(n, f) for n, f in CASES if torch_chunk_supported(mixc.load(n).plan(**f)) is None]
 
 
 @pytest.mark.parametrize("name,flags", CHUNKED, ids=[n + "".join(f"-{k}" for k in f) for n, f in CHUNKED])
