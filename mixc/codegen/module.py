@@ -10,19 +10,13 @@ import jinja2
 import triton
 
 from .. import __version__
-from ..derive.plan import RANK1, Plan
+from ..derive.plan import Plan
 from .chunk import chunk_fwd_hooks, chunk_supported, torch_chunk_supported
 from .chunk_bwd import chunk_bwd_hooks
 from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
 from .torch_module import torch_hooks
 
 TEMPLATES = Path(__file__).parent / "templates"
-
-
-def chunk_backward_supported(plan: Plan) -> bool:
-    """The chunked backward kernel exists for the chunked classes but the rank-1 one (whose
-    chunked forward is followed by the recurrent backward, from the same checkpoints)."""
-    return chunk_supported(plan) is None and all(st.transition != RANK1 for st in plan.states)
 
 
 @lru_cache(maxsize=1)
@@ -54,8 +48,8 @@ def metadata(plan: Plan) -> dict:
         "output": {"name": m.output.name, "shape": list(m.output.expr.shape)},
         "kernels": {"recurrent_fwd": kernel_name(plan, "recurrent_fwd"),
                     "recurrent_bwd": kernel_name(plan, "recurrent_bwd")}
-        | ({"chunk_fwd": kernel_name(plan, "chunk_fwd")} if chunk_supported(plan) is None else {})
-        | ({"chunk_bwd": kernel_name(plan, "chunk_bwd")} if chunk_backward_supported(plan) else {}),
+        | ({"chunk_fwd": kernel_name(plan, "chunk_fwd"), "chunk_bwd": kernel_name(plan, "chunk_bwd")}
+           if chunk_supported(plan) is None else {}),
         "chunk_unsupported": chunk_supported(plan),
         # the torch backend (plain torch, CPU without the interpreter): with the chunked form
         "torch_forward": "torch_forward" if torch_chunk_supported(plan) is None else None,
@@ -76,9 +70,8 @@ def generate(plan: Plan) -> str:
     if chunk_supported(plan) is None:
         body += "\n\n" + _env().get_template("chunk_fwd.py.j2").render(kernel=kernel_name(plan, "chunk_fwd"),
                                                                         **chunk_fwd_hooks(plan))
-        if chunk_backward_supported(plan):
-            body += "\n\n" + _env().get_template("chunk_bwd.py.j2").render(kernel=kernel_name(plan, "chunk_bwd"),
-                                                                            **chunk_bwd_hooks(plan))
+        body += "\n\n" + _env().get_template("chunk_bwd.py.j2").render(kernel=kernel_name(plan, "chunk_bwd"),
+                                                                        **chunk_bwd_hooks(plan))
 
     if torch_chunk_supported(plan) is None:
         body += "\n\n" + _env().get_template("torch_chunk.py.j2").render(**torch_hooks(plan))

@@ -114,8 +114,35 @@ def common_hooks(plan: Plan) -> dict[str, object]:
         "options": [o.name for o in m.options if o.kind == "float"],
         "states": [s.name for s in m.states],
         "dims": list(order),
+        "tile": tile_dim(m),
         "load_params": "\n".join(params) or f"{I1}pass",
     }
+
+
+def tile_dim(m: ir.MixerIR) -> str | None:
+    """A dim of the output that every expression treats pointwise (no contraction, reduction
+    or rename touches it, no alias names it): the recurrent kernels split it into blocks, one
+    program each (fla's BV blocks; Mamba's P). None where no dim qualifies."""
+    touched = {d.alias_of for d in m.dims if d.alias_of} | {d.name for d in m.dims if d.alias_of}
+    exprs = [x.expr for x in m.lets] + [u.expr for u in m.updates] + [m.output.expr]
+    for e in exprs:
+        for node in ir.walk(e):
+            if isinstance(node, (ir.Contract, ir.Reduce)):
+                touched |= set(node.over)
+            elif isinstance(node, ir.Rename):
+                touched |= {x for pair in node.mapping for x in pair}
+    free = [d for d in m.output.expr.shape if d not in touched]
+    return free[-1] if free else None
+
+
+def tile_base(plan: Plan, shape: tuple[str, ...], base: str) -> str:
+    """The row of a gradient of something without the tile dim: each tile writes its own
+    partial (summed on the host), rows offset by tile * rows."""
+    t = tile_dim(plan.kernel_ir)
+    if t is None or t in shape:
+        return base
+    rows = "_ntok * H" if base == "_row" else "_nseq * H"
+    return f"(tl.program_id(1).to(tl.int64) * {rows} + {base})"
 
 
 def state_base(kind: str) -> str:
@@ -123,7 +150,7 @@ def state_base(kind: str) -> str:
     # checkpoint slots: sequence i's chunks start at bos // CK + i, which never overlaps sequence
     # i - 1's, so packed sequences need at most (total tokens) // CK + N + 1 slots
     return {"seq": "(i_n * H + i_h)", "ckpt": "((bos // CK + i_n + _chunk) * H + i_h)",
-            "scratch": "(tl.program_id(0).to(tl.int64) * CK + _slot)"}[kind]
+            "scratch": "((tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * CK + _slot)"}[kind]
 
 
 def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
@@ -157,9 +184,13 @@ def recurrent_bwd_hooks(plan: Plan) -> dict[str, object]:
     m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     sdims = {s.name: canon(order, s.shape) for s in m.states}
     init = []
+    tile = tile_dim(m)
     for s in m.states:
         init.append(f"{I1}d_{s.name} = {zeros(sdims[s.name])}")
-        init.append(f"{I1}if USE_FINAL_STATE_GRAD:")
+        if tile is None or tile in s.shape:
+            init.append(f"{I1}if USE_FINAL_STATE_GRAD:")
+        else:       # a state every tile keeps whole: its final gradient enters once, in tile 0
+            init.append(f"{I1}if USE_FINAL_STATE_GRAD and tl.program_id(1) == 0:")
         init += load(f"p_dfinal_{s.name}", state_base("seq"), s.shape, order, I2, f"d_{s.name}")
     for d in m.params:
         init.append(f"{I1}dp_{d.name} = {zeros(canon(order, d.shape))}")
@@ -208,7 +239,8 @@ def recurrent_bwd_hooks(plan: Plan) -> dict[str, object]:
     for d in m.inputs:
         cd = canon(order, d.shape)
         g = combine(sums, [g for a in adjs for g in a.leaf_parts(("input", d.name))])
-        tail += store(f"p_d{d.name}", "_row", d.shape, order, I3, expand(g[0], g[1], cd) if g else zeros(cd),
+        tail += store(f"p_d{d.name}", tile_base(plan, d.shape, "_row"), d.shape, order, I3,
+                      expand(g[0], g[1], cd) if g else zeros(cd),
                       cast=True)
     for d in m.params:
         if (g := combine(sums, [g for a in adjs for g in a.leaf_parts(("param", d.name))])) is not None:
@@ -223,9 +255,11 @@ def recurrent_bwd_hooks(plan: Plan) -> dict[str, object]:
 
     final = []
     for s in m.states:
-        final += store(f"p_dinit_{s.name}", state_base("seq"), s.shape, order, I1, f"d_{s.name}")
+        final += store(f"p_dinit_{s.name}", tile_base(plan, s.shape, state_base("seq")), s.shape, order, I1,
+                       f"d_{s.name}")
     for d in m.params:
-        final += store(f"p_dp_{d.name}", state_base("seq"), d.shape, order, I1, f"dp_{d.name}")
+        final += store(f"p_dp_{d.name}", tile_base(plan, d.shape, state_base("seq")), d.shape, order, I1,
+                       f"dp_{d.name}")
     return common_hooks(plan) | {
         "init_grads": "\n".join(init),
         "load_checkpoint": "\n".join(load_ckpt),

@@ -93,16 +93,17 @@ def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
                  f"{S}_C = {S}0 * exp(b_C) + K^T (V * exp(b_C - b))"]
     elif st.transition == P.RANK1:
         r = st.rank1[0]
-        rows += [f"transition: A_t(S) = a_t * S + l_t (r_t^T S) with a = {s(st.decay)}, l = {s(r.left)}, "
-                 f"r = {s(r.right)}",
-                 "L, R = rows of l and r in the chunk",
-                 "T   = (I - tril(R L^T, -1))^-1            unit lower triangular: a forward substitution",
-                 f"X   = T (R {S}0 + tril(R K^T, -1) V)       the rows r_t^T S_{{t-1}}  (W = T R, U = T tril(R K^T, -1) V)",
-                 f"{S}_C = {S}0 + L^T X + K^T V",
-                 f"O   = Q {S}0 + [(Q L^T) masked i >= j] X + [(Q K^T) masked i >= j] V"]
-        if st.gated:
-            rows.append(f"with the decay a_t: b = cumulative sum of {s(st.log_decay)}; every masked product takes "
-                        f"exp(b_i - b_j), every {S}0 term exp(b_i), {S}_C's terms exp(b_C - b_j)")
+        per_key = f" (a vector over {', '.join(st.decay_dims)})" if st.decay_dims else ""
+        rows += [f"transition: {S}_t = a_t {S}_{{t-1}} + l_t (r_t . {S}_{{t-1}}) + B_t with a = {s(st.decay)}, "
+                 f"l = {s(r.left)}, r = {s(r.right)}",
+                 f"b_t = cumulative sum of log a = {s(st.log_decay)} inside the chunk{per_key}; L, R = rows of l, r",
+                 f"X_t = exp(-b_t) {S}_t gains l~_t u_t^T + k~_t v_t^T per token, u_t = r~_t . X_{{t-1}}:",
+                 "A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik) for i < j   (A_rl from R, L; A_rk from R, K)",
+                 f"U   = (I - A_rl)^-1 ((R * exp(b_{{j-1}})) {S}0 + A_rk V)   the triangular solve: forward "
+                 "substitution (W = (I - A_rl)^-1 R^ and U' = (I - A_rl)^-1 A_rk V, U = W S0 + U')",
+                 f"O   = (Q * exp(b)) {S}0 + [A_ql]_(i >= j) U + [A_qk]_(i >= j) V    (A_q. with exp(b_i - b_j))",
+                 f"{S}_C = exp(b_C) {S}0 + (L * exp(b_C - b))^T U + (K * exp(b_C - b))^T V",
+                 "only exponents b_{j-1} - b_i (i < j), b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
     elif st.transition == P.ELEMENTWISE:
         rows = [f"no matmul form: {S}_t = a_t * {S}_{{t-1}} + B_t is a first-order recurrence per element of "
                 f"{_shape(st.shape)} with a = {s(st.decay)}",

@@ -6,6 +6,7 @@ import os
 import torch
 import triton
 
+from ..codegen.recurrent import tile_dim
 from ..derive.plan import Plan
 from .cache import interpreting, load_module
 from .reference import _options
@@ -25,12 +26,25 @@ def block(size: int) -> int:
     return max(triton.next_power_of_2(size), 1)
 
 
+# Block of the recurrent kernels' tile dim (codegen.recurrent.tile_dim): one program per block.
+RECURRENT_TILE = 32
+
+
 def dim_kwargs(plan: Plan, bound: Bound) -> dict:
     kw = {}
+    tile = tile_dim(plan.kernel_ir)
     for d in plan.ir.dim_names:
         kw[f"_size_{d}"] = bound.sizes[d]
-        kw[f"_BLOCK_{d}"] = block(bound.sizes[d])
+        kw[f"_BLOCK_{d}"] = block(bound.sizes[d]) if d != tile else min(block(bound.sizes[d]), RECURRENT_TILE)
     return kw
+
+
+def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
+    """Programs along the tile dim: 1 for the chunked kernels and specs without a tile dim."""
+    tile = tile_dim(plan.kernel_ir)
+    if tile is None or "_BLOCK__T" in blocks:
+        return 1
+    return -(-bound.sizes[tile] // blocks[f"_BLOCK_{tile}"])
 
 
 class KernelUnavailable(RuntimeError):
@@ -81,7 +95,7 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
         if checkpoints:
             ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
         state_args += [init, finals.get(s.name, out), ckpts.get(s.name, out)]
-    kernel[(n * H,)](*[bound.inputs[d.name].contiguous() for d in m.inputs],
+    kernel[(n * H, n_tiles(plan, bound, launch))](*[bound.inputs[d.name].contiguous() for d in m.inputs],
                      *[bound.params[d.name].contiguous() for d in m.params],
                      *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
                      out, bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out, T, H,
@@ -105,11 +119,14 @@ def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, 
                        CK: int = 32):
     """Gradients of the inputs ([B, T, H, ...], their dtypes), the params ([H, ...]) and the
     initial states ([N, H, ...] float32) from the output's and the final states' gradients."""
+    kw = dim_kwargs(plan, bound)
+    tiles = n_tiles(plan, bound, kw)
+
     def per_state(s, shape, dfin, dinit, device):
-        scratch = _empty((bound.n_seqs * bound.H * CK,) + shape, torch.float32, device)
+        scratch = _empty((bound.n_seqs * bound.H * tiles * CK,) + shape, torch.float32, device)
         return [ckpts[s.name], scratch, dfin if dfin is not None else scratch, dinit]
 
-    return _backward(plan, bound, "recurrent_bwd", per_state, do, dfinal, CK=CK, **dim_kwargs(plan, bound))
+    return _backward(plan, bound, "recurrent_bwd", per_state, do, dfinal, CK=CK, **kw)
 
 
 def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, dfinal: dict | None, **launch):
@@ -124,33 +141,48 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
     params = [bound.params[d.name].contiguous() for d in m.params]
     opts = _options(m, bound)
+    # what lacks the tile dim gets one gradient partial per tile, summed below
+    tiles = n_tiles(plan, bound, launch)
+    tile = tile_dim(plan.kernel_ir)
+
+    def parts(dims) -> int:
+        return tiles if tile is not None and tile not in dims else 1
+
     state_args, dinit = [], {}
     for s in plan.kernel_ir.states:
         shape = tuple(bound.sizes[d] for d in s.shape)
-        dinit[s.name] = _empty((n, H) + shape, torch.float32, device)
+        dinit[s.name] = _empty((parts(s.shape) * n, H) + shape, torch.float32, device)
         dfin = None
         if dfinal:
             dfin = (dfinal[s.name].to(torch.float32).contiguous() if s.name in dfinal
                     else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
         state_args += per_state(s, shape, dfin, dinit[s.name], device)
-    dinputs = {d.name: _empty(x.shape, x.dtype, device) for d, x in zip(m.inputs, inputs)}
-    dparams = {d.name: _empty((n,) + tuple(x.shape), torch.float32, device) for d, x in zip(m.params, params)}
-    kernel[(n * H,)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
+    dinputs = {d.name: _empty(x.shape, x.dtype, device) if parts(d.shape) == 1
+               else _empty((parts(d.shape),) + tuple(x.shape), torch.float32, device) for d, x in zip(m.inputs, inputs)}
+    dparams = {d.name: _empty((parts(d.shape) * n,) + tuple(x.shape), torch.float32, device)
+               for d, x in zip(m.params, params)}
+    kernel[(n * H, tiles)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
                      do.contiguous(), *dinputs.values(), *dparams.values(),
                      bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do, T, H,
                      *[float(bound.sizes[d]) for d in m.dim_names], USE_FINAL_STATE_GRAD=dfinal is not None,
                      IS_VARLEN=bound.cu_seqlens is not None, **launch)
     dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()}
+    dinputs = {k: v if v.shape == bound.inputs[k].shape else v.sum(0).to(bound.inputs[k].dtype)
+               for k, v in dinputs.items()}
+    dinit = {k: v if v.shape[0] == n else v.reshape((-1, n) + tuple(v.shape[1:])).sum(0) for k, v in dinit.items()}
     return dinputs, dparams, dinit
 
 
 def chunk_size(plan: Plan) -> int:
-    """C: 16 where the intra-chunk term is a [C, C, dim] block (key- or value-diagonal decay),
-    64 otherwise."""
+    """C: 16 where the intra-chunk term is a [C, C, dim] block (key- or value-diagonal decay,
+    rank-1 with a per-key decay), 32 for the rank-1 class, 64 otherwise."""
     from ..derive import plan as P
     diag = any(s.transition in (P.KEY_DIAG, P.VALUE_DIAG) or (s.transition == P.RANK1 and s.decay_dims)
                for s in plan.states)
-    return 16 if diag else 64
+    if diag:
+        return 16
+    # the rank-1 class keeps U, the [C, C] solve and its adjoint live: 64 spills on sm_90
+    return 32 if any(s.transition == P.RANK1 for s in plan.states) else 64
 
 
 def _dot_code(dtype: torch.dtype) -> int:
@@ -179,11 +211,7 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
 
 def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C: int):
     """The chunked backward kernel: same returns as recurrent_backward, from the chunked
-    forward's checkpoints (chunks of C tokens). A module without one (the rank-1 class, for
-    now) runs the recurrent backward from the same checkpoints (CK = C)."""
-    x0 = next(iter(bound.inputs.values()))
-    if "chunk_bwd" not in module_for(plan, x0.device).METADATA["kernels"]:
-        return recurrent_backward(plan, bound, ckpts, do, dfinal, CK=C)
+    forward's checkpoints (chunks of C tokens)."""
     dims = plan.ir.dim_names
     blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
     blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})

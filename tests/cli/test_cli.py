@@ -36,7 +36,8 @@ def test_explain_gla(capsys):
 def test_explain_delta_shows_the_triangular_solve(capsys):
     code, out, _ = run(capsys, "explain", "delta_rule")
     assert code == 0
-    assert "T   = (I - tril(R L^T, -1))^-1" in out and "l = -beta*k, r = k" in out
+    assert "U   = (I - A_rl)^-1 ((R * exp(b_{j-1})) S0 + A_rk V)" in out and "l = -beta*k, r = k" in out
+    assert "kernels: recurrent forward + backward, step, chunked forward + backward" in out
 
 
 @pytest.mark.parametrize("name", library_names())

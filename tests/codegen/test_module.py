@@ -111,3 +111,20 @@ def test_interpreter_bf16_dot():
     a, b, o = torch.randn(16, 16), torch.randn(16, 16), torch.empty(16, 16)
     dot16[(1,)](a, b, o)
     torch.testing.assert_close(o, a.bfloat16().float() @ b.bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name,tile", [("gla", "V"), ("mamba", "P"), ("delta_rule", "V"), ("rwkv7", "V"),
+                                       ("hgrn", "D"), ("mlstm", "V")])
+def test_tile_dim_is_a_pointwise_dim_of_the_output(name, tile):
+    from mixc.codegen.recurrent import tile_dim
+    assert tile_dim(mixc.load(name).plan().kernel_ir) == tile
+
+
+def test_no_tile_dim_where_the_output_dim_is_contracted_or_renamed():
+    from mixc.codegen.recurrent import tile_dim
+    text = ("mixer m\n  dims K, V\n  input q[K], k[K], v[V]\n  state S[K, V]\n  update S = S + k * v\n"
+            "  output o = q * sum(q @ S, V)\n")
+    assert tile_dim(from_text(text).plan().kernel_ir) is None
+    renamed = ("mixer m\n  dims K, J = K\n  input q[K], k[K]\n  state S[K, J]\n"
+               "  update S = S + k * rename(k, K -> J)\n  output o = q @ S\n")
+    assert tile_dim(from_text(renamed).plan().kernel_ir) is None

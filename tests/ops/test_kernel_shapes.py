@@ -71,3 +71,36 @@ def test_prefill_chunked_then_decode(name):
     torch.testing.assert_close(torch.cat(outs, 1).double(), full, rtol=1e-4, atol=1e-4)
     for k in full_st:
         torch.testing.assert_close(st[k].double(), full_st[k], rtol=1e-4, atol=1e-4)
+
+
+TILED = [("gla", {}), ("mamba", {}), ("delta_rule", {}), ("linear_attn", {"normalize": True}), ("mlstm", {}),
+         ("rwkv7", {})]
+
+
+@pytest.mark.parametrize("name,flags", TILED, ids=[n + "".join(f"-{k}" for k in f) for n, f in TILED])
+def test_recurrent_kernels_split_the_tile_dim(name, flags, monkeypatch):
+    """Blocks of 4 along the tile dim (V, or Mamba's P): several programs per (sequence, head);
+    what lacks the tile dim (q, k, z[K], mlstm's n[K], Mamba's B and C) gets its gradient as a
+    sum of per-tile partials, and a final-state gradient of a state without it enters once."""
+    from mixc.codegen.recurrent import tile_dim
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "RECURRENT_TILE", 4)
+    op = mixc.load(name)
+    tile = tile_dim(op.plan(**flags).kernel_ir)
+    assert tile is not None
+    sizes = {d.name: 5 + 2 * i for i, d in enumerate(op.ir.dims) if not d.alias_of}
+    assert sizes[tile] > 4                                     # two blocks at least
+    args, sizes = random_args(op.ir, B=2, T=9, H=2, sizes=sizes, dtype=torch.float32, requires_grad=True, seed=6)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, flags, args, st, torch.float32, mode="recurrent", CK=4)
+
+
+def test_tiled_recurrent_kernels_with_varlen(monkeypatch):
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "RECURRENT_TILE", 4)
+    op = mixc.load("mamba")
+    args, sizes = random_args(op.ir, B=1, T=12, H=2, sizes={"N": 5, "P": 9}, dtype=torch.float32, requires_grad=True,
+                              seed=3)
+    st = random_state(op.ir, 3, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode="recurrent", CK=4,
+                            cu_seqlens=torch.tensor([0, 5, 5, 12]))

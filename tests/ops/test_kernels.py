@@ -59,9 +59,9 @@ def test_chunk_matches_reference(name, flags):
 
 
 def test_specs_without_a_chunked_kernel_say_why():
-    op = mixc.load("delta_rule")
+    op = mixc.load("mamba")
     args, _ = random_args(op.ir, B=1, T=3, H=2, dtype=torch.float32)
-    with pytest.raises(ValueError, match="mode='chunk': mixer 'delta_rule' has no chunked kernel .*rank-1"):
+    with pytest.raises(ValueError, match="mode='chunk': mixer 'mamba' has no chunked kernel .*elementwise decay"):
         op(**args, mode="chunk")
 
 

@@ -14,7 +14,8 @@ from tests.ops import test_reference_ssm_delta as ssm
 
 LINEAR = [(c.id, m) for c in lin.CASES for m in ("recurrent", "chunk")]
 SSM = [(n, "recurrent") for n in ssm.SYSTEMS if "beta2" not in n] + [
-    (n, "chunk") for n in ("mamba2", "mlstm", "rwkv6")]
+    (n, "chunk") for n in ("mamba2", "mlstm", "rwkv6", "rwkv7", "delta_rule", "delta_rule-l2norm",
+                           "gated_delta_rule", "gated_delta_rule-l2norm")]
 
 
 def _to32(d):
