@@ -6,8 +6,10 @@ Needs compiled (not interpreted) kernels: run it in a process without TRITON_INT
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import inspect
 import json
+import os
 import sys
 import time
 
@@ -93,7 +95,6 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
 
 def ptxas_usage(ptx: str, arch: int) -> dict:
     """Registers and spills as ptxas reports them (-v), with the ptxas that Triton ships."""
-    import os
     import re
     import subprocess
     import tempfile
@@ -132,10 +133,18 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, action="append")
     p.add_argument("--size", type=int, default=16)
     p.add_argument("--table", action="store_true", help="a table instead of JSON")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)
-    reports = []
-    for name in args.specs:
-        reports += compile_spec(name, tuple(args.arch or (90, 80)), args.size)
+    archs = tuple(args.arch or (90, 80))
+    if args.jobs > 1 and len(args.specs) > 1:
+        # the Triton compiler and ptxas are CPU-bound: processes, one spec each
+        with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            per_spec = list(pool.map(compile_spec, args.specs, [archs] * len(args.specs),
+                                     [args.size] * len(args.specs)))
+    else:
+        per_spec = [compile_spec(name, archs, args.size) for name in args.specs]
+    reports = [r for rs in per_spec for r in rs]
     if args.table:
         print(report_table(reports))
     else:
