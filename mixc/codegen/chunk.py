@@ -45,15 +45,14 @@ def chunk_supported(plan: Plan) -> str | None:
 
 def torch_chunk_supported(plan: Plan) -> str | None:
     """Why the torch backend has no chunked form for this plan, or None: the kernels' classes
-    and the rank-1 class (the WY/UT form)."""
-    if all(st.transition != P.RANK1 for st in plan.states):
+    and the elementwise one (Mamba: exp(b_i - b_j) per element of the state)."""
+    if all(st.transition != P.ELEMENTWISE for st in plan.states):
         return chunk_supported(plan)
-    for st in plan.states:
-        if st.transition == P.RANK1 and (st.ir_pieces is None or st.ir_pieces.key is None):
+    for st in plan.states:      # the elementwise class: exp(b_i - b_j) per state element
+        if st.transition not in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG, P.VALUE_DIAG, P.RANK1, P.ELEMENTWISE):
+            return f"state {st.name} is a {st.transition}"
+        if st.ir_pieces is None or st.ir_pieces.key is None:
             return f"the input term of state {st.name} is not an outer product key (x) value"
-    others = [st for st in plan.states if st.transition != P.RANK1]
-    if others:
-        return "a rank-1 state next to states of other classes"
     for r in plan.output.readouts:
         for t in r.terms_ir:
             if t.proj is None or set(t.over) != set(plan.state(r.state).key_dims):

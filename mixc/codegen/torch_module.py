@@ -68,7 +68,18 @@ def torch_hooks(plan: Plan) -> dict:
             out.append(f"{I1}_L[{st.name!r}] = {full(p.left, kd)}")
             out.append(f"{I1}_R[{st.name!r}] = {full(p.right, kd)}")
             kind = "rank1-key" if st.decay_dims else "rank1"
-        if st.transition == P.PREFIX_SUM:
+        if st.transition == P.ELEMENTWISE:     # a log decay per state element: [B, T, H, KF, VF]
+            kind = "elementwise"
+            kv = canon(order, kd + vd)
+            var, have = em(p.log_decay)
+            ksz = " * ".join(f"_sizes[{d!r}]" for d in kd) or "1"
+            vsz = " * ".join(f"_sizes[{d!r}]" for d in vd) or "1"
+            perm = ""
+            if kv != kd + vd:                     # the flat layout is key dims first, then value dims
+                perm = f".permute(0, 1, 2, {', '.join(str(3 + kv.index(d)) for d in kd + vd)})"
+            out.append(f"{I1}_g[{st.name!r}] = _t({em.expand(var, have, kv)}).to(_x0.dtype).expand(_B, _T, _H, "
+                       f"{', '.join(f'_sizes[{d!r}]' for d in kv)}){perm}.reshape(_B, _T, _H, {ksz}, {vsz})")
+        elif st.transition == P.PREFIX_SUM:
             out.append(f"{I1}_g[{st.name!r}] = None")
         elif st.transition == P.SCALAR or kind == "rank1":
             var, _ = em(p.log_decay)

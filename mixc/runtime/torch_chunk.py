@@ -41,6 +41,11 @@ def _readout(kind, Q, K, V, S, bb, prev, logs):
         A = torch.einsum("bihk,bjhk->bhij", Q, K) * torch.exp(diff.masked_fill(~causal, float("-inf")))
         return (torch.einsum("bihk,bhkv->bihv", Q * b0.exp().unsqueeze(-1), S)
                 + torch.einsum("bhij,bjhv->bihv", A, V))
+    if kind == "elementwise":                                                # b: [B, c, H, K, V]
+        w = torch.exp((bq.unsqueeze(2) - b.unsqueeze(1)).masked_fill(~causal[None, :, :, None, None, None],
+                                                                     float("-inf")))
+        return (torch.einsum("bthk,bhkv,bthkv->bthv", Q, S, bq.exp())
+                + torch.einsum("bthk,bjhk,bjhv,btjhkv->bthv", Q, K, V, w))
     if kind == "key":                                                        # b: [B, c, H, K]
         diff = bq.unsqueeze(2) - b.unsqueeze(1)                               # [B, i, j, H, K]
         w = torch.exp(diff.masked_fill(~causal[None, :, :, None, None], float("-inf")))
@@ -108,6 +113,8 @@ def _advance(kind, K, V, S, bb, logs):
         w = torch.exp(bl.unsqueeze(1) - b)                                    # [B, c, H]
         return bl.exp()[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
     w = torch.exp(bl.unsqueeze(1) - b)
+    if kind == "elementwise":                                                # [B, c, H, K, V]
+        return bl.exp() * S + torch.einsum("bjhk,bjhv,bjhkv->bhkv", K, V, w)
     if kind == "key":                                                        # [B, c, H, K]
         return bl.exp().unsqueeze(-1) * S + torch.einsum("bjhk,bjhv->bhkv", K * w, V)
     return S * bl.exp().unsqueeze(-2) + torch.einsum("bjhk,bjhv->bhkv", K, V * w)
