@@ -66,7 +66,8 @@ def test_specs_without_a_chunked_kernel_say_why():
 
 
 @pytest.mark.parametrize("name,mode", [("gla", "chunk"), ("mamba2", "chunk"), ("delta_rule", "recurrent"),
-                                       ("mlstm", "chunk"), ("mlstm", "recurrent")])
+                                       ("mlstm", "chunk"), ("mlstm", "recurrent"), ("gated_delta_rule", "chunk"),
+                                       ("rwkv7", "chunk"), ("mamba", "recurrent")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_precision_inputs(name, mode, dtype):
     op = mixc.load(name)
@@ -85,7 +86,8 @@ def test_chunk_boundaries(T, CK):
 
 
 @pytest.mark.parametrize("name,mode", [("gla", "chunk"), ("gla", "recurrent"), ("delta_rule", "recurrent"),
-                                       ("based", "chunk"), ("rwkv6", "chunk")])
+                                       ("based", "chunk"), ("rwkv6", "chunk"), ("gated_delta_rule", "chunk"),
+                                       ("rwkv7", "chunk"), ("mamba", "recurrent")])
 def test_cu_seqlens(name, mode):
     op = mixc.load(name)
     lens = [3, 0, 6, 2]
