@@ -68,6 +68,9 @@ def cmd_check(args) -> int:
     print(f"ok: {mixer.name} ({mixer.source.filename}): {plan.transition}; forms: {', '.join(plan.forms)}")
     for note in plan.notes:
         print(f"note: {note}")
+    from .derive.lint import lint        # numerical risks, at their line: warnings, not errors
+    for warning in lint(plan):
+        print(warning.render(mixer.source))
     return 0
 
 

@@ -25,6 +25,9 @@ class logsigmoid(sp.Function):
     def fdiff(self, argindex=1):
         return sigmoid(-self.args[0])
 
+    def _eval_is_nonpositive(self):
+        return True if self.args[0].is_real else None
+
     def _eval_rewrite_as_exp(self, x, **kw):
         return -sp.log(1 + sp.exp(-x))
 
@@ -80,6 +83,9 @@ class maximum(sp.Function):
     def fdiff(self, argindex=1):
         a, b = self.args
         return geq(a, b) if argindex == 1 else 1 - geq(a, b)
+
+    def _eval_is_positive(self):        # max(a, b) > 0 when either is (the lint's normalizers)
+        return True if any(x.is_positive for x in self.args) else None
 
 
 class minimum(sp.Function):

@@ -1,0 +1,92 @@
+"""A stability lint over a Plan: the places where a spec can overflow or divide by zero on
+inputs it accepts, reported at the spec's line (`mixc check` prints them as warnings).
+
+1. A log decay that is not provably <= 0 (a decay that can exceed 1): the recurrence then
+   grows like exp(sum of log decays), and the chunked kernels' exp(b_i - b_j) of the
+   cumulative sums overflows with it. fla's ops leave this to the caller (g = logsigmoid(..)
+   in the model); the warning says so.
+2. An exponential in a state's input term that the max-stabilizer does not cover
+   (derive/stabilize.py handles a scalar exp(x) gate shared by its states).
+3. A division in the output whose denominator is not provably nonzero (a normalizer
+   q . z + eps with a feature map that can go negative)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from ..dsl import ir
+from ..dsl.errors import Span, SpecError
+from . import plan as P
+
+
+@dataclass(frozen=True)
+class LintWarning:
+    message: str
+    span: Span | None
+
+    def render(self, source) -> str:
+        return SpecError(self.message, source, self.span).render().replace("error: ", "warning: ", 1)
+
+
+def _nonpositive(expr: sp.Expr, table) -> bool:
+    """expr <= 0 for every value of its inputs and params: by sympy's assumptions, or, for an
+    expression of the head index and dims only, at heads 0..63 and the dims at 1..4096."""
+    if expr.is_nonpositive:
+        return True
+    free = expr.free_symbols
+    if free and all(table.kinds.get(s) in ("head", "dim") for s in free):
+        for value in (0, 1, 2, 7, 31, 63, 4096):
+            v = expr.subs({s: value for s in free})
+            if not v.is_number or not (v <= 0):
+                return False
+        return True
+    return expr.is_number and bool(expr <= 0)
+
+
+def _exp_calls(e: ir.Expr | None) -> list[ir.Call]:
+    if e is None:
+        return []
+    return [n for n in ir.walk(e) if isinstance(n, ir.Call) and n.fn == "exp"]
+
+
+def lint(plan: P.Plan) -> list[LintWarning]:
+    spec = plan.ir
+    out = []
+    stabilized = set(plan.stabilizer.states) if plan.stabilizer is not None else set()
+    for st in plan.states:
+        upd = spec.update(st.name)
+        if st.decay != 0 and not _nonpositive(st.log_decay, plan.table):
+            out.append(LintWarning(
+                f"the decay of {st.name} can exceed 1: its log, {sp.sstr(st.log_decay)}, is not provably <= 0, so "
+                f"{st.name} can grow like exp(sum of log decays) and the chunked form's exp of cumulative sums "
+                "overflows with it; pass log decays <= 0 (e.g. logsigmoid(x), -softplus(x), -exp(x) * dt), as "
+                "fla's models do", upd.span))
+        if st.name not in stabilized and st.ir_pieces is not None:
+            calls = _exp_calls(st.ir_pieces.key) + _exp_calls(st.ir_pieces.value)
+            if st.ir_pieces.key is None:
+                calls = _exp_calls(upd.expr)
+                calls = [c for c in calls if c not in _exp_calls(st.ir_pieces.decay)]
+            if calls:
+                out.append(LintWarning(
+                    f"the input term of {st.name} takes an exponential that the max-stabilizer does not cover "
+                    "(it covers one scalar exp(x) gate shared by its states): it overflows fp32 for arguments "
+                    "above ~88", calls[0].span or upd.span))
+    _, den = sp.fraction(sp.together(plan.output.combine))
+    if den.free_symbols and not (den.is_positive or den.is_negative):
+        names = {str(s) for s in den.free_symbols}
+        where = "; ".join(f"{r.name} = {_readout_text(r)}" for r in plan.output.readouts if r.name in names)
+        out.append(LintWarning(
+            f"the output divides by {sp.sstr(den)}{f' (where {where})' if where else ''}, which is not provably "
+            "nonzero: keep it away from 0 (positive feature maps, an eps, or max(|.|, 1) as mLSTM does)",
+            spec.output.span))
+    return out
+
+
+def _readout_text(r: P.ReadoutPlan) -> str:
+    parts = []
+    for scale, proj, over in r.terms:
+        read = f"prev({r.state})" if r.prev else r.state
+        term = f"{sp.sstr(proj)} @ {read}" if proj is not None else read
+        parts.append(term if scale == 1 else f"{sp.sstr(scale)} * ({term})")
+    return " + ".join(parts)

@@ -1,0 +1,53 @@
+"""The stability lint (derive/lint.py): warnings at the spec's line for a decay that can
+exceed 1, an exponential the stabilizer does not cover, and a normalizer that can reach 0."""
+import pytest
+
+import mixc
+from mixc.derive.lint import lint
+from mixc.runtime.op import from_text
+
+BASE = """mixer m
+  dims   K, V
+  input  q[K], k[K], v[V], g[K]
+  state  S[K, V]
+  update S = {decay} * S + k * v
+  output o = q @ S
+"""
+
+
+@pytest.mark.parametrize("decay", ["exp(logsigmoid(g))", "exp(-softplus(g))", "sigmoid(g)", "exp(-exp(g))"])
+def test_a_decay_kept_below_one_gives_no_warning(decay):
+    assert lint(from_text(BASE.format(decay=decay)).plan()) == []
+
+
+@pytest.mark.parametrize("decay", ["exp(g)", "exp(2 * g)", "(1 + sigmoid(g))"])
+def test_a_decay_that_can_exceed_one_is_warned_at_its_update(decay):
+    op = from_text(BASE.format(decay=decay), "m.mix")
+    (w,) = lint(op.plan())
+    assert "the decay of S can exceed 1" in w.message
+    text = w.render(op.ir.source)
+    assert text.startswith("m.mix:5:10: warning: ") and "update S =" in text
+
+
+def test_per_head_constant_decays_are_checked_numerically():
+    assert lint(mixc.load("retention").plan()) == []        # log(1 - 2^(-5 - head)) < 0 at every head
+
+
+def test_an_unstabilized_exponential_input_is_warned():
+    ws = lint(mixc.load("aft_simple").plan())
+    assert sum("max-stabilizer does not cover" in w.message for w in ws) == 2
+    assert lint(mixc.load("mlstm").plan()) == []              # its scalar gate is stabilized
+
+
+def test_a_normalizer_that_can_reach_zero_is_warned_with_its_readout():
+    plan = mixc.load("linear_attn").plan(normalize=True)
+    (w,) = lint(plan)
+    assert "the output divides by _r1 + 1.0e-10 (where _r1 = q*scale @ z)" in w.message
+    assert lint(mixc.load("linear_attn").plan()) == []
+
+
+def test_check_prints_the_warnings(capsys):
+    from mixc.cli import main
+    assert main(["check", "gla"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok: gla") and "gla.mix:8:10: warning: the decay of S can exceed 1" in out
