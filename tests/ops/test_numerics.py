@@ -1,0 +1,75 @@
+"""Numerics the op promises (docs/reliability.md): a long sequence through the torch backend,
+log decays from 0 to -20 per token, bf16 inputs of magnitude 1e3, beta near 0 and near 2.
+Exponential gates near and beyond overflow are tests/ops/test_stabilizer.py."""
+import pytest
+import torch
+
+import mixc
+
+from helpers import random_args, random_state
+from kernel_checks import check_against_reference
+
+
+def test_long_sequence_through_the_torch_backend():
+    """T = 65536 (1024 chunks) in fp32 against a float64 loop written here."""
+    op = mixc.load("gla")
+    T, K, V = 65536, 4, 4
+    args, _ = random_args(op.ir, B=1, T=T, H=1, sizes={"K": K, "V": V}, dtype=torch.float32, seed=1)
+    args["g"] = -torch.rand(1, T, 1, K, generator=torch.Generator().manual_seed(2)) * 0.1
+    o, st = op(**args, mode="torch", output_final_state=True)
+    q, k, v, g = (args[n][0, :, 0].double() for n in ("q", "k", "v", "g"))
+    S, want = torch.zeros(K, V, dtype=torch.float64), torch.empty(T, V, dtype=torch.float64)
+    for t in range(T):
+        S = torch.exp(g[t])[:, None] * S + k[t][:, None] * v[t][None, :]
+        want[t] = (q[t] * K ** -0.5) @ S
+    assert torch.isfinite(o).all()
+    err = (o[0, :, 0].double() - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), err        # fp32 over 65536 tokens: no drift
+    torch.testing.assert_close(st["S"][0, 0].double(), S, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("low", [0.0, -1e-3, -1.0, -8.0, -20.0], ids=lambda x: f"g{x:g}")
+@pytest.mark.parametrize("name,mode", [("gla", "chunk"), ("gated_delta_rule", "chunk"), ("simple_gla", "chunk"),
+                                       ("gla", "recurrent")])
+def test_log_decays_from_zero_to_minus_twenty(name, mode, low):
+    """Log decays in [low - 0.5, low] per token (a decay of 1 at low = 0): finite, and within the
+    kernels' usual tolerance of the float64 loop."""
+    op = mixc.load(name)
+    gate = "g"                  # each takes its log decay as the input g
+
+    def draw(shape, gen):
+        return torch.clamp(low - 0.5 * torch.rand(shape, generator=gen, dtype=torch.float64), max=0.0)
+    args, sizes = random_args(op.ir, B=1, T=37, H=2, sizes={"K": 8, "V": 8, "P": 8, "N": 8}, dtype=torch.float32,
+                              requires_grad=True, seed=5, draw={gate: draw})
+    st = random_state(op.ir, 1, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode=mode, CK=8, chunk=16)
+
+
+def test_bf16_inputs_of_magnitude_1e3():
+    """q, k, v ~ 1e3 in bf16: outputs ~ 1e7 stay finite and as close to float64 as the eager
+    bf16 computation (fp32 accumulation and fp32 states)."""
+    op = mixc.load("gla")
+    big = {n: (lambda shape, gen: 1e3 * torch.randn(shape, generator=gen, dtype=torch.float64)) for n in "qkv"}
+    args, sizes = random_args(op.ir, B=1, T=21, H=2, sizes={"K": 8, "V": 8}, dtype=torch.bfloat16, requires_grad=True,
+                              seed=7, draw=big)
+    assert max(args[n].abs().max().item() for n in "qkv") > 1e3
+    st = random_state(op.ir, 1, 2, sizes, requires_grad=True)
+    for mode in ("chunk", "recurrent"):
+        check_against_reference(op, {}, args, st, torch.bfloat16, mode=mode, chunk=16)
+
+
+@pytest.mark.parametrize("beta", [(1e-4, 1e-3), (1.99, 1.999)], ids=["beta~0", "beta~2"])
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_beta_near_the_ends_of_its_range(beta, mode):
+    """The delta rule with unit keys (the in-kernel L2 norm): beta in (0, 2) keeps the
+    transition I - beta k k^T a contraction; at its ends nothing blows up."""
+    op = mixc.load("gated_delta_rule")
+    lo, hi = beta
+
+    def draw(shape, gen):
+        return lo + (hi - lo) * torch.rand(shape, generator=gen, dtype=torch.float64)
+    args, sizes = random_args(op.ir, B=1, T=29, H=2, sizes={"K": 8, "V": 8}, dtype=torch.float32, requires_grad=True,
+                              seed=11, draw={"beta": draw})
+    st = random_state(op.ir, 1, 2, sizes, requires_grad=True)
+    check_against_reference(op, {"use_qk_l2norm_in_kernel": True}, args, st, torch.float32, mode=mode, CK=8,
+                            chunk=16)
