@@ -2,6 +2,7 @@
 from validated names, importable; and the cache that holds them."""
 import io
 import tokenize
+from pathlib import Path
 
 import pytest
 import triton
@@ -128,3 +129,24 @@ def test_no_tile_dim_where_the_output_dim_is_contracted_or_renamed():
     renamed = ("mixer m\n  dims K, J = K\n  input q[K], k[K]\n  state S[K, J]\n"
                "  update S = S + k * rename(k, K -> J)\n  output o = q @ S\n")
     assert tile_dim(from_text(renamed).plan().kernel_ir) is None
+
+
+def _compile_in_child(args):
+    import os as _os
+    cache_dir, name = args
+    _os.environ["MIXC_CACHE_DIR"] = cache_dir
+    from mixc.runtime import cache as _cache
+    path = _cache.ensure_source(mixc.load(name).plan())
+    return str(path), _cache.is_intact(path)
+
+
+def test_eight_processes_compiling_one_spec_leave_one_valid_entry(tmp_path):
+    """Writes are atomic (temporary file, then os.replace): 8 processes racing on the same
+    spec all get the same path, the entry is intact, and no temporary file is left."""
+    import multiprocessing
+    with multiprocessing.get_context("fork").Pool(8) as pool:
+        results = pool.map(_compile_in_child, [(str(tmp_path), "linear_attn")] * 8)
+    paths = {p for p, _ in results}
+    assert len(paths) == 1 and all(ok for _, ok in results)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [Path(next(iter(paths))).name], files
