@@ -133,6 +133,10 @@ class MixerOp:
         """One token per sequence: inputs [B, H, *dims] (a scalar per head [B, H]), params as
         usual, state the dict from output_final_state (or a previous step). Returns (o [B, H,
         *dims], new state)."""
+        if mode not in MODES:
+            raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        if "initial_state" in kwargs:
+            raise ArgumentError("initial_state: step() takes the state as state=..., not initial_state=")
         if not isinstance(state, (dict, torch.Tensor)):
             raise ArgumentError("state: step() needs the state dict that output_final_state=True returns")
         bound = bind(self.ir, dict(kwargs, initial_state=state), step=True)

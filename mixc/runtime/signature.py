@@ -2,7 +2,15 @@
 
 Shared by every backend: the reference now, the kernels later. Layout (fla's):
 inputs [B, T, H, *dims] (a scalar per head is [B, T, H]), params [H, *dims], states
-[B, H, *state dims] (N sequences instead of B with cu_seqlens)."""
+[B, H, *state dims] (N sequences instead of B with cu_seqlens).
+
+Dtypes: every tensor is floating point (float16, bfloat16, float32 or float64); inputs and
+params may mix them. Each is read in its own dtype, the output takes the first input's dtype
+and every gradient its tensor's dtype; the kernels compute in float32, the torch backend in
+float32 (float64 when every input is float64), the reference in float64.
+Devices: inputs, params and states on one device; cu_seqlens on that device or the CPU (its
+offsets are read on the host to check them). Strides are free: the kernels read contiguous
+copies."""
 from __future__ import annotations
 
 import math
@@ -44,7 +52,14 @@ class Bound:
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_tensor(name: str, x, expected_names, sizes, what: str) -> None:
+def _shape(names, sizes) -> str:
+    """An expected shape with the sizes bound so far: [B=2, T=5, H=3, K]."""
+    return "[" + ", ".join(f"{n}={sizes[n][0]}" if n in sizes else n for n in names) + "]"
+
+
+def _check_tensor(name: str, x, expected_names, sizes, what: str, devices: dict, hint: str = "") -> None:
+    """dtype, rank, dim sizes against those bound so far (sizes: dim -> (size, source)), and
+    the device against the first tensor's (devices: {"device": (device, source)})."""
     if not isinstance(x, torch.Tensor):
         raise ArgumentError(f"{name}: expected a tensor of shape {_fmt(expected_names)}, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -52,13 +67,21 @@ def _check_tensor(name: str, x, expected_names, sizes, what: str) -> None:
                             f"float64), got dtype {x.dtype}")
     if x.dim() != len(expected_names):
         raise ArgumentError(f"{name}: {what} of shape {_fmt(expected_names)} (rank {len(expected_names)}), "
-                            f"got shape {list(x.shape)} (rank {x.dim()})")
+                            f"got shape {list(x.shape)} (rank {x.dim()}){hint}")
     for axis, (dim, size) in enumerate(zip(expected_names, x.shape)):
         if dim in sizes and sizes[dim][0] != size:
             have, src = sizes[dim]
             raise ArgumentError(f"{name}: dim {dim} (axis {axis}) is {size}, but {src} gives {dim} = {have}; "
-                                f"expected shape {_fmt(expected_names)}")
+                                f"expected shape {_shape(expected_names, sizes)}, got {list(x.shape)}")
         sizes.setdefault(dim, (size, name))
+    _check_device(name, x, devices)
+
+
+def _check_device(name: str, x: torch.Tensor, devices: dict) -> None:
+    have, src = devices.setdefault("device", (x.device, name))
+    if x.device != have:
+        raise ArgumentError(f"{name}: on device {x.device}, but {src} is on {have}; "
+                            "inputs, params and states must be on one device")
 
 
 def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
@@ -69,19 +92,23 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
     initial_state = kwargs.pop("initial_state", None)
     cu_seqlens = kwargs.pop("cu_seqlens", None)
     sizes: dict[str, tuple[int, str]] = {}
+    devices: dict[str, tuple[torch.device, str]] = {}
     inputs, params, options, flags = {}, {}, {}, {}
     lead = ("B", "H") if step else ("B", "T", "H")
+    # an input of the sequence's rank given to step(): say what step() wants
+    hint = "; step() takes one token per sequence, without the T axis" if step else ""
     for decl in mixer.inputs:
         if decl.name not in kwargs:
             raise ArgumentError(f"missing input '{decl.name}' of shape {_fmt(lead + decl.shape)}")
         x = kwargs.pop(decl.name)
-        _check_tensor(decl.name, x, lead + decl.shape, sizes, "expected an input")
+        _check_tensor(decl.name, x, lead + decl.shape, sizes, "expected an input", devices,
+                      hint if isinstance(x, torch.Tensor) and x.dim() == len(lead) + len(decl.shape) + 1 else "")
         inputs[decl.name] = x
     for decl in mixer.params:
         if decl.name not in kwargs:
             raise ArgumentError(f"missing param '{decl.name}' of shape {_fmt(('H',) + decl.shape)}")
         x = kwargs.pop(decl.name)
-        _check_tensor(decl.name, x, ("H",) + decl.shape, sizes, "expected a per-head param")
+        _check_tensor(decl.name, x, ("H",) + decl.shape, sizes, "expected a per-head param", devices)
         params[decl.name] = x
     for opt in mixer.options:
         if opt.name in kwargs:
@@ -101,9 +128,9 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
     if kwargs:
         extra = sorted(kwargs)
         known = [d.name for d in (*mixer.inputs, *mixer.params)] + [o.name for o in mixer.options]
+        known += ["state"] if step else ["initial_state", "output_final_state", "cu_seqlens"]
         raise ArgumentError(f"unexpected argument{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))} "
-                            f"for mixer '{mixer.name}'; it takes {', '.join(known)}, initial_state, "
-                            "output_final_state, cu_seqlens")
+                            f"for {'step() of ' if step else ''}mixer '{mixer.name}'; it takes {', '.join(known)}")
     for d in mixer.dims:
         root = mixer.root_dim(d.name)
         if d.name not in sizes and root in sizes:
@@ -115,65 +142,74 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
     B = sizes["B"][0]
     T = 1 if step else sizes["T"][0]
     H = sizes["H"][0]
-    devices = {x.device for x in (*inputs.values(), *params.values())}
-    if len(devices) > 1:
-        raise ArgumentError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if cu_seqlens is not None:
         if step:
             raise ArgumentError("cu_seqlens: not accepted by step(); pass one token per sequence")
-        cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T)
+        cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T, devices["device"])
     n = B if cu_seqlens is None else len(cu_seqlens) - 1
     state = _check_state(mixer, initial_state, n, H, {k: v[0] for k, v in sizes.items()},
-                         packed=cu_seqlens is not None)
+                         packed=cu_seqlens is not None, devices=devices,
+                         arg="state" if step else "initial_state")
     return Bound(B, T, H, {k: v[0] for k, v in sizes.items() if k not in ("B", "T", "H")},
                  inputs, params, options, flags, state, cu_seqlens)
 
 
-def _check_cu_seqlens(cu, B: int, T: int) -> torch.Tensor:
+def _check_cu_seqlens(cu, B: int, T: int, device: tuple[torch.device, str]) -> torch.Tensor:
     if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
         got = f"dtype {cu.dtype}, shape {list(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
         raise ArgumentError(f"cu_seqlens: expected a 1-D int32 or int64 tensor of sequence offsets, got {got}")
+    where = "the CPU" if device[0].type == "cpu" else f"{device[0]} or the CPU"
+    if cu.device.type == "meta":
+        raise ArgumentError(f"cu_seqlens: on device meta, which holds no offsets to check; pass it on {where}")
+    if cu.device.type != "cpu" and cu.device != device[0]:
+        raise ArgumentError(f"cu_seqlens: on device {cu.device}, but {device[1]} is on {device[0]}; "
+                            f"pass it on {where}")
     if B != 1:
         raise ArgumentError(f"cu_seqlens: packed sequences need B = 1 (the batch is the packing), got B = {B}")
     values = cu.tolist()
     if len(values) < 2 or values[0] != 0 or values[-1] != T:
         raise ArgumentError(f"cu_seqlens: must start at 0 and end at T = {T}, got {values[:4]}"
                             f"{'...' if len(values) > 4 else ''}{values[-1:] if len(values) > 4 else ''}")
-    if any(b < a for a, b in zip(values, values[1:])):
-        raise ArgumentError("cu_seqlens: offsets must be non-decreasing")
+    for i, (a, b) in enumerate(zip(values, values[1:])):
+        if b < a:
+            raise ArgumentError(f"cu_seqlens: offsets must be non-decreasing, got {a} then {b} "
+                                f"(cu_seqlens[{i}] > cu_seqlens[{i + 1}])")
     return cu
 
 
 def _check_state(mixer: ir.MixerIR, initial_state, n: int, H: int, sizes,
-                 packed: bool) -> dict[str, torch.Tensor] | None:
-    """States are [B, H, *dims], or [N, H, *dims] for N packed sequences."""
+                 packed: bool, devices: dict, arg: str = "initial_state") -> dict[str, torch.Tensor] | None:
+    """States are [B, H, *dims], or [N, H, *dims] for N packed sequences. arg: the argument's
+    name in messages (step() calls it state)."""
     if initial_state is None:
         return None
     if isinstance(initial_state, torch.Tensor):
         if len(mixer.states) != 1:
             names = ", ".join(s.name for s in mixer.states)
-            raise ArgumentError(f"initial_state: mixer '{mixer.name}' has several states ({names}); pass a dict")
+            raise ArgumentError(f"{arg}: mixer '{mixer.name}' has several states ({names}); pass a dict")
         initial_state = {mixer.states[0].name: initial_state}
     if not isinstance(initial_state, dict):
-        raise ArgumentError(f"initial_state: expected a dict keyed by state name, got {type(initial_state).__name__}")
+        raise ArgumentError(f"{arg}: expected a dict keyed by state name, got {type(initial_state).__name__}")
     out = {}
     names = [s.name for s in mixer.states]
     for key in initial_state:
         if key not in names:
-            raise ArgumentError(f"initial_state: unknown state '{key}'; mixer '{mixer.name}' has {', '.join(names)}")
+            raise ArgumentError(f"{arg}: unknown state '{key}'; mixer '{mixer.name}' has {', '.join(names)}")
     for decl in mixer.states:
         if decl.name not in initial_state:
             lead = "N" if packed else "B"
-            raise ArgumentError(f"initial_state: missing state '{decl.name}' "
+            raise ArgumentError(f"{arg}: missing state '{decl.name}' "
                                 f"(expected [{lead}, H, {', '.join(decl.shape)}])")
         x = initial_state[decl.name]
         want = (n, H) + tuple(sizes[d] for d in decl.shape)
         label = ("N" if packed else "B", "H") + decl.shape
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ArgumentError(f"initial_state['{decl.name}']: expected shape {_fmt(label, want)}, got {got}")
+            raise ArgumentError(f"{arg}['{decl.name}']: expected shape {_fmt(label, want)}, got {got}")
         if x.dtype not in FLOAT_DTYPES:
-            raise ArgumentError(f"initial_state['{decl.name}']: expected a floating-point tensor, got {x.dtype}")
+            raise ArgumentError(f"{arg}['{decl.name}']: expected a floating-point tensor (float16, "
+                                f"bfloat16, float32 or float64), got dtype {x.dtype}")
+        _check_device(f"{arg}['{decl.name}']", x, devices)
         out[decl.name] = x
     return out
 
