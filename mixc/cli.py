@@ -188,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--mode", default="auto", choices=("auto", "chunk", "recurrent", "torch", "reference"))
     r.set_defaults(fn=cmd_run)
+    b = sub.add_parser("bench", help="CPU benchmarks: the torch backend, the reference and a quadratic form vs T")
+    b.add_argument("--T", default="256,1024,4096,16384", help="comma-separated sequence lengths")
+    b.add_argument("--H", type=int, default=2)
+    b.add_argument("--D", type=int, default=32, help="K = V")
+    b.add_argument("--max-reference-T", type=int, default=4096, help="the float64 loop only up to this T")
+    b.add_argument("--max-quadratic-T", type=int, default=2048, help="the [T, T, K] form only up to this T")
+    b.add_argument("--forward-only", action="store_true")
+    b.add_argument("-o", "--out", metavar="DIR", help="write DIR/cpu_bench.json (and cpu_bench.png)")
+    b.set_defaults(fn=lambda a: __import__("mixc.bench", fromlist=["main"]).main(a))
     sub.choices["list"].set_defaults(fn=cmd_list)
     return p
 

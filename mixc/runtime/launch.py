@@ -175,9 +175,10 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
 
 def chunk_size(plan: Plan) -> int:
     """C: 16 where the intra-chunk term is a [C, C, dim] block (key- or value-diagonal decay,
-    rank-1 with a per-key decay), 32 for the rank-1 class, 64 otherwise."""
+    rank-1 with a per-key decay, the torch backend's elementwise form), 32 for the rank-1
+    class, 64 otherwise. The torch backend takes the same C."""
     from ..derive import plan as P
-    diag = any(s.transition in (P.KEY_DIAG, P.VALUE_DIAG) or (s.transition == P.RANK1 and s.decay_dims)
+    diag = any(s.transition in (P.KEY_DIAG, P.VALUE_DIAG, P.ELEMENTWISE) or (s.transition == P.RANK1 and s.decay_dims)
                for s in plan.states)
     if diag:
         return 16

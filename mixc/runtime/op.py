@@ -65,7 +65,7 @@ class MixerOp:
         if mode == "torch" and torch_chunk_supported(plan) is None:
             from .torch_chunk import torch_chunked
             o, st = torch_chunked(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound),
-                                  C=chunk or 64)
+                                  C=chunk or chunk_size(plan))
             return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)

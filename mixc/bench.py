@@ -1,0 +1,169 @@
+"""`mixc bench`: CPU benchmarks, as ratios measured in one run (CPU timings are not the
+timings that count: GPU ones are, bench/gpu_check).
+
+For one library spec (gla by default) at growing T: the torch backend (the chunked form,
+linear in T) forward and forward+backward, the float64 reference (the loop over t), and a
+quadratic masked implementation written here (O = ((Q K^T) * D) V with the decay matrix D,
+what attention-style code does), each timed and with its peak memory measured in a fresh
+process (ru_maxrss above the process's baseline). Also the compile latency: spec text to
+generated source, and source to the first torch-backend call. Writes JSON (and a PNG plot
+when matplotlib is importable) and prints a table."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+IMPLS = ("torch_chunked", "reference", "quadratic")
+
+
+def _inputs(T: int, H: int, D: int, seed: int = 0):
+    import torch
+
+    import mixc
+    from mixc.runtime.inputs import random_args
+    op = mixc.load("gla")
+    args, _ = random_args(op.ir, B=1, T=T, H=H, sizes={"K": D, "V": D}, dtype=torch.float32, seed=seed)
+    args["g"] = -torch.rand(args["g"].shape, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return op, args
+
+
+def _quadratic(q, k, v, g, scale):
+    """GLA as masked attention: o_i = sum_{j<=i} (q_i * exp(b_i - b_j)) . k_j v_j, over [T, T, K]."""
+    import torch
+    b = g.cumsum(1)                                                        # [B, T, H, K]
+    T = q.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    w = torch.exp((b[:, :, None] - b[:, None, :]).masked_fill(~causal[None, :, :, None, None], float("-inf")))
+    A = torch.einsum("bihk,bjhk,bijhk->bhij", q * scale, k, w)
+    return torch.einsum("bhij,bjhv->bihv", A, v)
+
+
+def _run_one(impl: str, T: int, H: int, D: int, backward: bool) -> dict:
+    """Time one implementation (median of repeats) in this process; peak RSS above baseline."""
+    import torch
+    op, args = _inputs(T, H, D)
+    if backward:
+        for x in args.values():
+            x.requires_grad_(True)
+
+    def call():
+        if impl == "torch_chunked":
+            o, _ = op(**args, mode="torch")
+        elif impl == "reference":
+            o, _ = op(**args, mode="reference")
+        else:
+            o = _quadratic(args["q"], args["k"], args["v"], args["g"], D ** -0.5)
+        if backward:
+            o.float().sum().backward()
+        return o
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    call()                                                                 # warm-up (and compile, for the backend)
+    times = []
+    for _ in range(3 if impl != "reference" else 1):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base     # KiB on Linux
+    del torch
+    return {"impl": impl, "T": T, "H": H, "D": D, "backward": backward, "ms": sorted(times)[len(times) // 2] * 1e3,
+            "peak_mib": peak / 1024}
+
+
+def compile_latency(name: str = "gla") -> dict:
+    """Spec text -> generated source (derive + codegen), and source -> the first torch-backend call."""
+    import torch
+
+    from mixc.codegen.module import generate
+    from mixc.runtime.op import load
+    t0 = time.perf_counter()
+    op = load(name)
+    plan = op.plan()
+    generate(plan)
+    t1 = time.perf_counter()
+    from mixc.runtime.inputs import random_args
+    args, _ = random_args(op.ir, B=1, T=64, H=2, sizes={d.name: 16 for d in op.ir.dims if not d.alias_of},
+                          dtype=torch.float32, seed=0)
+    op(**args, mode="torch")
+    t2 = time.perf_counter()
+    return {"spec": name, "spec_to_source_ms": (t1 - t0) * 1e3, "source_to_first_call_ms": (t2 - t1) * 1e3}
+
+
+def run(Ts, H: int = 2, D: int = 32, max_reference_T: int = 4096, max_quadratic_T: int = 2048,
+        backward: bool = True) -> dict:
+    """Every (impl, T) in a fresh process, so that peak memory is that run's alone."""
+    rows = []
+    for T in Ts:
+        for impl in IMPLS:
+            if (impl == "reference" and T > max_reference_T) or (impl == "quadratic" and T > max_quadratic_T):
+                continue
+            for bwd in ((False, True) if backward else (False,)):
+                cmd = [sys.executable, "-c", f"import json, mixc.bench as b; print(json.dumps(b._run_one("
+                                             f"{impl!r}, {T}, {H}, {D}, {bwd})))"]
+                env = dict(os.environ, TRITON_INTERPRET="0")
+                p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+                if p.returncode != 0:
+                    raise RuntimeError(f"bench {impl} T={T}: {p.stderr[-2000:]}")
+                rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    import torch
+    return {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+            "spec": "gla", "rows": rows, "compile": compile_latency()}
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+    head = f"{'impl':14} {'T':>6} {'pass':8} {'ms':>10} {'peak MiB':>9} {'ms / first T':>12}"
+    out = [head, "-" * len(head)]
+    first = {}
+    for r in rows:
+        key = (r["impl"], r["backward"])
+        first.setdefault(key, r)
+        f = first[key]
+        growth = r["ms"] / f["ms"] if f["ms"] else float("nan")
+        out.append(f"{r['impl']:14} {r['T']:>6} {'fwd+bwd' if r['backward'] else 'fwd':8} {r['ms']:>10.1f} "
+                   f"{r['peak_mib']:>9.1f} {growth:>12.1f}")
+    c = result["compile"]
+    out.append(f"compile ({c['spec']}): spec -> source {c['spec_to_source_ms']:.0f} ms, source -> first call "
+               f"{c['source_to_first_call_ms']:.0f} ms")
+    return "\n".join(out)
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for impl in IMPLS:
+        rs = [r for r in result["rows"] if r["impl"] == impl and r["backward"]]
+        if rs:
+            axes[0].loglog([r["T"] for r in rs], [r["ms"] for r in rs], "o-", label=impl)
+            axes[1].loglog([r["T"] for r in rs], [max(r["peak_mib"], 0.1) for r in rs], "o-", label=impl)
+    axes[0].set(xlabel="T", ylabel="ms (fwd+bwd)", title="time")
+    axes[1].set(xlabel="T", ylabel="peak MiB", title="memory")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def main(args) -> int:
+    Ts = [int(x) for x in args.T.split(",")]
+    result = run(Ts, H=args.H, D=args.D, max_reference_T=args.max_reference_T,
+                 max_quadratic_T=args.max_quadratic_T, backward=not args.forward_only)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        if plot(result, out / "cpu_bench.png"):
+            print(f"wrote {out / 'cpu_bench.json'} and cpu_bench.png")
+        else:
+            print(f"wrote {out / 'cpu_bench.json'} (no plot: matplotlib is not installed)")
+    print(table(result))
+    return 0
