@@ -19,18 +19,45 @@ SPECIAL_FNS = ("prev", "rename")
 BUILTIN_FNS = tuple(ELEMENTWISE_FNS) + REDUCE_FNS + MINMAX_FNS + SPECIAL_FNS
 BUILTIN_NAMES = ("head",)             # the head index, a scalar
 
+# Keyword arguments of a call besides the spec's own (op(...), op.step(...) and the reference
+# in mixc/runtime): an input or option of the same name would be taken by them instead.
+CALL_ARGUMENTS = frozenset({"initial_state", "output_final_state", "cu_seqlens", "mode", "state", "CK", "chunk",
+                            "dtype"})
+
 # Names a spec may not take: they would shadow what generated code relies on.
 RESERVED = frozenset(
-    set(KEYWORDS) | set(keyword.kwlist) | set(BUILTIN_FNS) | set(BUILTIN_NAMES)
+    set(KEYWORDS) | set(keyword.kwlist) | set(BUILTIN_FNS) | set(BUILTIN_NAMES) | CALL_ARGUMENTS
     | {"tl", "triton", "torch", "math", "np", "numpy", "sympy", "mixc", "self", "cls",
        "exec", "eval", "compile", "open", "print", "input_", "getattr", "setattr", "globals",
-       "locals", "vars", "type", "object", "super", "initial_state",
-       "output_final_state", "cu_seqlens", "mode", "state", "ctx"}
+       "locals", "vars", "type", "object", "super", "ctx"}
 )
 
 MAX_DIMS = 8
 MAX_RANK = 4
 MAX_DECLS = 64
+# Nesting of an expression with the lets it reads written out (each let is within the parser's
+# MAX_DEPTH on its own, but code generation substitutes lets and recurses through them: a chain
+# of deep lets would exhaust Python's stack, not give an error).
+MAX_DEPTH_WITH_LETS = 128
+
+# Kernel arguments that generated code (codegen/templates/*.j2) derives from declared names,
+# by kind, as (prefix, what it holds), and the fixed ones. Two must never be the same name:
+# input `dq` next to input `q` would make both the data of dq and the gradient of q `p_dq`.
+KERNEL_ARGUMENTS = {
+    "input": (("p_", "input '{}'"), ("p_d", "the gradient of input '{}'")),
+    "param": (("p_", "param '{}'"), ("p_dp_", "the gradient of param '{}'")),
+    "state": (("p_init_", "the initial value of state '{}'"), ("p_final_", "the final value of state '{}'"),
+              ("p_ckpt_", "the checkpoints of state '{}'"), ("p_scratch_", "the scratch copy of state '{}'"),
+              ("p_dinit_", "the gradient of the initial value of state '{}'"),
+              ("p_dfinal_", "the gradient of the final value of state '{}'")),
+}
+FIXED_KERNEL_ARGUMENTS = {"p_out": "the output", "p_do": "the gradient of the output",
+                          "p_cu_seqlens": "the sequence starts (cu_seqlens)"}
+# The max-stabilizer's extra state (derive/stabilize.M): its arguments are a state's
+# (p_ckpt__m, ...), and an input named ckpt__m would take one of them.
+STABILIZER_STATE = "_m"
+FIXED_KERNEL_ARGUMENTS |= {prefix + STABILIZER_STATE: what.format(STABILIZER_STATE) + " (the stabilizer's)"
+                           for prefix, what in KERNEL_ARGUMENTS["state"]}
 
 
 def _union(shapes, order) -> ir.Shape:
@@ -60,6 +87,7 @@ class Checker:
         self.updates: dict[str, ir.Update] = {}
         self.output: ir.Output | None = None
         self.declared_at: dict[str, tuple[Span, str]] = {}     # name -> (where, what kind)
+        self.let_depth: dict[str, int] = {}                     # nesting of a let with its lets written out
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
@@ -105,6 +133,7 @@ class Checker:
             raise self.error(f"'{mixer.name}' cannot be a mixer name", mixer.span)
         for st in tree.statements:
             getattr(self, f"stmt_{st.kind}")(st)
+        self.check_kernel_arguments()
         if not self.states:
             raise self.error(f"mixer '{mixer.name}' declares no state; add e.g. `state S[K, V]` "
                              "and its `update`", mixer.span)
@@ -120,6 +149,41 @@ class Checker:
             lets=tuple(self.lets.values()), states=tuple(self.states.values()),
             updates=tuple(self.updates[s] for s in self.states), output=self.output,
             source=self.source)
+
+    def check_kernel_arguments(self) -> None:
+        """No two kernel arguments of generated code get the same name (see KERNEL_ARGUMENTS)."""
+        decls = [(d.span, kind, d.name) for kind, table in (("input", self.inputs), ("param", self.params),
+                                                             ("state", self.states)) for d in table.values()]
+        taken = dict(FIXED_KERNEL_ARGUMENTS)
+        for span, kind, name in sorted(decls, key=lambda x: (x[0].line, x[0].column)):
+            for prefix, what in KERNEL_ARGUMENTS[kind]:
+                arg, what = prefix + name, what.format(name)
+                if arg in taken:
+                    raise self.error(f"{what} and {taken[arg]} would have the same name in generated code "
+                                     f"({arg}); rename {kind} '{name}'", span)
+                taken[arg] = what
+
+    def check_depth_with_lets(self, e: ir.Expr, span: Span) -> int:
+        """The nesting of e with the lets it reads written out; refused beyond MAX_DEPTH_WITH_LETS,
+        pointing at the let whose reading takes it there."""
+        depth, ref = self._depth_with_lets(e)
+        if depth > MAX_DEPTH_WITH_LETS:
+            raise self.error(f"expression is nested too deeply with the lets it reads written out ({depth} levels "
+                             f"of operators and calls through let '{ref.name}'; the limit is {MAX_DEPTH_WITH_LETS}); "
+                             "shorten the chain of lets", ref.span or span)
+        return depth
+
+    def _depth_with_lets(self, e: ir.Expr) -> tuple[int, ir.Ref | None]:
+        # Recursion is bounded: one expression nests at most parser.MAX_DEPTH levels, and a
+        # let's own depth is looked up, not walked again.
+        if isinstance(e, ir.Ref) and e.kind == "let":
+            return self.let_depth[e.name], e
+        deepest, ref = 0, None
+        for child in ir.children(e):
+            d, r = self._depth_with_lets(child)
+            if d + 1 > deepest or (r is not None and ref is None and d + 1 == deepest):
+                deepest, ref = d + 1, r
+        return deepest, ref
 
     def check_dims_bound(self) -> None:
         """Every dim's size must come from some input or param (or be an alias of one)."""
@@ -183,7 +247,9 @@ class Checker:
     def stmt_let(self, st: Statement) -> None:
         for b in st.items:
             e = self.expr(b.expr, "let", defining=b.name.name)     # before declaring: a let cannot read itself
+            depth = self.check_depth_with_lets(e, b.expr.span)
             self.declare(b.name, "let")
+            self.let_depth[b.name.name] = depth
             self.lets[b.name.name] = ir.Let(b.name.name, e, b.name.span)
 
     def stmt_update(self, st: Statement) -> None:
@@ -196,6 +262,7 @@ class Checker:
             raise self.error(f"state '{name}' is updated twice (first on line {self.updates[name].span.line})",
                              b.name.span)
         e = self.expr(b.expr, "update", state=name)
+        self.check_depth_with_lets(e, b.expr.span)
         want = self.states[name].shape
         if set(e.shape) != set(want):
             raise self.error(f"update of {name} has shape {_fmt(e.shape)} but {name} is {_fmt(want)}", b.expr.span)
@@ -208,6 +275,7 @@ class Checker:
                              f"{self.output.span.line}", b.name.span)
         self.declare(b.name, "output")
         e = self.expr(b.expr, "output", defining=b.name.name)
+        self.check_depth_with_lets(e, b.expr.span)
         if not ir.refs(e, "state"):
             raise self.error(f"output '{b.name.name}' does not read any state", b.expr.span)
         self.output = ir.Output(b.name.name, e, b.name.span)
@@ -237,7 +305,9 @@ class _ExprChecker:
     # leaves
     def node_NumNode(self, n: NumNode) -> ir.Expr:
         if n.value != n.value or n.value in (float("inf"),):
-            raise self.err(f"number '{n.text}' is out of range", n.span)
+            # The span shows the whole number; the message quotes at most its start.
+            text = n.text if len(n.text) <= 24 else n.text[:20] + "..."
+            raise self.err(f"number '{text}' is out of range", n.span)
         return ir.Num((), n.span, n.value)
 
     def node_BoolNode(self, n: BoolNode) -> ir.Expr:

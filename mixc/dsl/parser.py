@@ -3,6 +3,7 @@ the user's words (never a terminal name such as RSQB or $END)."""
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -209,16 +210,23 @@ def _unexpected_character(err: lark.exceptions.UnexpectedCharacters, source: Sou
     if ch == ">" and pos > 0 and text[pos - 1] == "-":
         return SpecError("'->' may only appear in rename(x, A -> B)", source,
                          Span(err.line, err.column - 1, err.line, err.column + 1))
-    if not ch.isprintable():    # invisible in the message: name it by its code point
+    mark = unicodedata.category(ch).startswith("M")     # a combining mark, drawn onto its neighbour
+    if not ch.isprintable() or mark:    # invisible in the message: name it by its code point
         what = f"U+{ord(ch):04X}"
     elif ch == "'":
         what = "\"'\""
     else:
         what = f"'{ch}'"
     msg = f"unexpected character {what}"
-    if ch.isalnum():            # a letter or digit outside ASCII, in what was meant as a name
+    if ch.isalnum() or mark:    # a letter, digit or accent outside ASCII, in what was meant as a name
         msg += " (names are ASCII letters, digits and _)"
-    return SpecError(msg, source, span)
+    notes = ()
+    if not ch.isascii():
+        # Say which character it is: a Cyrillic 'а' or a Greek 'ο' looks like the ASCII letter.
+        # Lower case: the names of characters are not words of the language.
+        name = unicodedata.name(ch, "").lower() or "unassigned"
+        notes = (f"{what}: {name}" if what.startswith("U+") else f"{what} is U+{ord(ch):04X} ({name}), not ASCII",)
+    return SpecError(msg, source, span, notes)
 
 
 def _unexpected_token(err: lark.exceptions.UnexpectedToken, source: Source) -> SpecError:
@@ -273,11 +281,28 @@ def _check_depth(tree: Tree, source: Source) -> None:
         stack.extend((child, depth) for child in node.children if isinstance(child, Tree))
 
 
+# Bidirectional embedding, override and isolate controls (the ones rustc refuses). Outside a
+# comment nothing accepts them anyway; inside one they can make a line display differently
+# from how it is read ("Trojan Source", CVE-2021-42574), so they are refused everywhere.
+_BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
+def _refuse_bidi_controls(source: Source) -> None:
+    m = _BIDI_CONTROLS.search(source.text)
+    if m:
+        pos = m.start()
+        line_start = source.text.rfind("\n", 0, pos) + 1
+        span = Span.point(source.text.count("\n", 0, pos) + 1, pos - line_start + 1)
+        raise SpecError(f"bidirectional control character U+{ord(m.group()):04X}: it can make the text display "
+                        "differently from how it is read; remove it", source, span)
+
+
 def parse_tree(text: str, filename: str = "<spec>") -> SpecTree:
     source = Source(text, filename)
     if len(text) > MAX_SPEC_CHARS:
         raise SpecError(f"spec is too long ({len(text)} characters; the limit is {MAX_SPEC_CHARS})",
                         source, None)
+    _refuse_bidi_controls(source)
     try:
         tree = _lark().parse(text)
     except _KeywordAsName as err:

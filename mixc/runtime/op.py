@@ -45,7 +45,7 @@ class MixerOp:
 
     def plan(self, **flags) -> Plan:
         """The derivation for the given flag values (the spec's defaults otherwise)."""
-        return _cached_plan(self.ir, tuple(sorted(flags.items())))
+        return _cached_plan(self.ir, self.ir.source, tuple(sorted(flags.items())))
 
     # ---- the op ----
     def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
@@ -126,7 +126,7 @@ class MixerOp:
     def _plan_for(self, flags: dict) -> Plan:
         key = tuple(sorted(({o.name: o.default for o in self.ir.flags} | flags).items()))
         if key not in self._plans:            # a plain dict: cheap, and traceable by torch.compile
-            self._plans[key] = _cached_plan(self.ir, key)
+            self._plans[key] = _cached_plan(self.ir, self.ir.source, key)
         return self._plans[key]
 
     def step(self, *, state, mode: str = "auto", **kwargs):
@@ -186,7 +186,9 @@ def _compute_dtype(bound) -> torch.dtype:
 
 
 @lru_cache(maxsize=256)
-def _cached_plan(mixer: MixerIR, flags: tuple) -> Plan:
+def _cached_plan(mixer: MixerIR, source, flags: tuple) -> Plan:
+    # keyed by the source too: MixerIR's equality ignores it, and the generated module embeds
+    # the spec's text and file name
     return derive(mixer, dict(flags))
 
 

@@ -150,3 +150,18 @@ def test_eight_processes_compiling_one_spec_leave_one_valid_entry(tmp_path):
     assert len(paths) == 1 and all(ok for _, ok in results)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == [Path(next(iter(paths))).name], files
+
+
+def test_a_file_name_cannot_end_the_header_docstring(tmp_path):
+    """A .mix path with triple quotes and a newline stays inside the header docstring."""
+    evil = 'x"""\nopen("PWNED", "w")\n"""'
+    op = from_text(mixc.load("linear_attn").ir.source.text, evil + ".mix")
+    src = generate(op.plan())
+    ns = {}
+    cwd = __import__("os").getcwd()
+    try:
+        __import__("os").chdir(tmp_path)
+        exec(compile(src, "gen", "exec"), ns)
+    finally:
+        __import__("os").chdir(cwd)
+    assert not (tmp_path / "PWNED").exists() and ns["SPEC_FILE"] == evil + ".mix"
