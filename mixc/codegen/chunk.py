@@ -112,13 +112,16 @@ class ChunkCode:
             inner = " * ".join(f"_BLOCK_{x}" for x in dims[i + 1:])
             idx = f"(_f{name} // ({inner}))" if inner else f"_f{name}"
             idx = f"({idx} % _BLOCK_{d})" if i else idx
-            lines.append(f"{indent}_i{name}_{d} = {idx}")
+            # named by the dim's position, not its name: `_ik_S_K_V` could be state S_K's dim V
+            # or state S's dim K_V; `_ik_S_K_1` is only ever state S_K's second dim
+            index = f"_i{name}_{i}"
+            lines.append(f"{indent}{index} = {idx}    # {d}")
             if d == UNIT:
-                masks.append(f"(_i{name}_{d} < 1)")
+                masks.append(f"({index} < 1)")
                 continue
             stride = " * ".join(f"_size_{x}" for x in decl[decl.index(d) + 1:])
-            offs.append(f"_i{name}_{d}" + (f" * {stride}" if stride else ""))
-            masks.append(f"(_i{name}_{d} < _size_{d})")
+            offs.append(index + (f" * {stride}" if stride else ""))
+            masks.append(f"({index} < _size_{d})")
         lines.append(f"{indent}_o{name} = {' + '.join(offs) or '0 * _f' + name}")
         lines.append(f"{indent}_m{name} = {' & '.join(masks)}")
         return lines

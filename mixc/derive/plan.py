@@ -13,7 +13,7 @@ from . import affine, stabilize
 from .stabilize import Stabilizer
 from .functions import log_of
 from .logspace import log_ir
-from .symbolic import NodeDef, SymbolTable, ToSympy, node_partial
+from .symbolic import NodeDef, SymbolTable, ToSympy, bounded_simplify, node_partial
 
 # Transition classes (DESIGN.md section 1).
 PREFIX_SUM = "prefix sum"
@@ -230,7 +230,7 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     for sym, nd in table.nodes.items():
         parts = []
         for i, operand in enumerate(nd.operands):
-            parts.append(Partial(str(sym), f"operand {i}", sp.simplify(node_partial(nd, i))))
+            parts.append(Partial(str(sym), f"operand {i}", bounded_simplify(node_partial(nd, i))))
         nodes.append(NodePlan(nd, tuple(parts)))
 
     forms = ["recurrent", "step"]
@@ -272,7 +272,7 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     diag = [t for t in form.terms if t.proj is None]
     proj = [t for t in form.terms if t.proj is not None]
     decay = sp.Add(*[conv(t.scale) if t.scale is not None else sp.S.One for t in diag]) if diag else sp.S.Zero
-    decay = sp.simplify(decay) if decay.free_symbols else decay
+    decay = bounded_simplify(decay)
     decay_dims = tuple(d for d in decl.shape if any(d in (t.scale.shape if t.scale is not None else ())
                                                     for t in diag))
     kdims = tuple(d for d in decl.shape if d in key_dims)

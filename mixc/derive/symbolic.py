@@ -185,3 +185,32 @@ def node_partial(node: NodeDef, i: int) -> sp.Expr:
     if node.kind in ("max", "min"):
         return sp.Function("is_arg" + node.kind)(x, node.symbol)
     raise AssertionError(node.kind)
+
+
+# sympy's simplify tries expansions whose cost grows with the expression: 20 nested exps take
+# a minute, (g + h) ** 1000000 exhausts memory. Library decays are a few operations deep; past
+# these bounds the decay is kept as written (classification still works: it reads the symbols,
+# and a decay that only simplify would reduce to 1 is classified as a general scalar decay).
+SIMPLIFY_MAX_DEPTH = 8
+SIMPLIFY_MAX_OPS = 40
+SIMPLIFY_MAX_POWER = 16
+
+
+def bounded_simplify(e: sp.Expr) -> sp.Expr:
+    """sp.simplify(e) where e is small enough for it to finish quickly, e otherwise."""
+    if not e.free_symbols:
+        return e
+    if _depth(e) > SIMPLIFY_MAX_DEPTH or sp.count_ops(e) > SIMPLIFY_MAX_OPS:
+        return e
+    if any(p.exp.is_Number and abs(p.exp) > SIMPLIFY_MAX_POWER for p in e.atoms(sp.Pow)):
+        return e
+    return sp.simplify(e)
+
+
+def _depth(e: sp.Expr) -> int:
+    stack, deepest = [(e, 1)], 0
+    while stack:
+        x, d = stack.pop()
+        deepest = max(deepest, d)
+        stack.extend((a, d + 1) for a in x.args)
+    return deepest

@@ -13,7 +13,9 @@ SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
 
 def parse(text: str, filename: str = "<spec>") -> MixerIR:
     """Parse and check a spec; raises SpecError with file:line:column on any problem."""
-    return check(parse_tree(text, filename))
+    # A byte-order mark (Windows editors write one) is not part of the spec: columns count
+    # from the first character after it, as the editor shows them.
+    return check(parse_tree(text.removeprefix("\ufeff"), filename))
 
 
 def library_names() -> list[str]:
@@ -28,7 +30,7 @@ def read_spec(name_or_path: str | Path) -> Source:
         if not path.is_file():
             raise SpecError(f"no spec file at '{text_name}'")
         try:
-            return Source(path.read_text(encoding="utf-8"), str(path))
+            return Source(path.read_text(encoding="utf-8-sig"), str(path))
         except UnicodeDecodeError as e:
             raise SpecError(f"spec file '{text_name}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
     lib = SPEC_DIR / f"{text_name}.mix"

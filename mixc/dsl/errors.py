@@ -74,6 +74,7 @@ class SpecError(Exception):
         if span.end_line == span.line and span.end_column > span.column:
             width = span.end_column - span.column
         width = max(1, min(width, max(1, len(text) - span.column + 1)))
+        text, column, width = _window(text, span.column, width)
         shown, cells = _displayed(text)
         gutter = str(span.line)
         pad = " " * len(gutter)
@@ -81,12 +82,31 @@ class SpecError(Exception):
             f"{self.source.filename}:{span.line}:{span.column}: error: {self.message}",
             f"{pad} |",
             f"{gutter} | {shown}",
-            f"{pad} | {' ' * sum(cells[:span.column - 1])}^{'~' * (sum(cells[span.column - 1:][:width]) - 1)}",
+            f"{pad} | {' ' * sum(cells[:column - 1])}^{'~' * (sum(cells[column - 1:][:width]) - 1)}",
         ]
         return "\n".join(out + self._note_lines())
 
     def _note_lines(self) -> list[str]:
         return [f"note: {n}" for n in self.notes]
+
+
+# A line longer than this is shown as the part around the error, so that a 10,000-character
+# name gives a readable report rather than a 10,000-cell line and underline.
+SHOWN_LINE_MAX = 120
+ELLIPSIS = "..."
+
+
+def _window(text: str, column: int, width: int) -> tuple[str, int, int]:
+    """(the part of the line to show, the error's column in it, the underline's width)."""
+    if len(text) <= SHOWN_LINE_MAX:
+        return text, column, width
+    keep = SHOWN_LINE_MAX - 2 * len(ELLIPSIS)
+    width = min(width, keep // 2)
+    start = max(0, min(column - 1 - keep // 4, len(text) - keep))
+    part = text[start:start + keep]
+    head = ELLIPSIS if start > 0 else ""
+    tail = ELLIPSIS if start + keep < len(text) else ""
+    return head + part + tail, column - start + len(head), width
 
 
 def _displayed(text: str) -> tuple[str, list[int]]:

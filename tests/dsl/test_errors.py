@@ -10,7 +10,7 @@ import pytest
 
 import mixc
 from mixc.derive.plan import derive
-from mixc.dsl import parser as dsl_parser
+from mixc.dsl import errors, parser as dsl_parser
 
 from .spec_checks import internal_words
 
@@ -304,7 +304,7 @@ def test_error(case: Case):
     assert head == f"bad.mix:{case.line}:{case.column}: error: {err.message}"
     gutter = f"{case.line} | "
     source_line = case.text.split("\n")[case.line - 1]
-    if source_line.isascii() and source_line.isprintable():
+    if source_line.isascii() and source_line.isprintable() and len(source_line) <= errors.SHOWN_LINE_MAX:
         assert shown == gutter + source_line
         assert caret.index("^") == len(gutter) + case.column - 1, rendered
     assert all(n.startswith("note: ") for n in notes)
@@ -399,3 +399,42 @@ def test_deep_parentheses_are_not_nesting():
 
 def test_name_limit_is_exact():
     derive(mixc.parse(after("let " + "a" * 64 + " = 1")))
+
+
+# ---- long lines and byte-order marks -----------------------------------------------------
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_a_long_line_is_shown_around_the_error(where):
+    # A 10,000-character line would make a 10,000-cell report; the report shows the part of
+    # the line around the error, with '...' where it is cut, and the caret still under it.
+    pad = {"start": (0, 5000), "middle": (2500, 2500), "end": (5000, 0)}[where]
+    line = "  input " + " " * pad[0] + "q[KK]" + ("  # " + "x" * pad[1] if pad[1] else "")
+    err = first_error(spec("mixer m", "  dims K", line))
+    shown, caret = _caret_and_line(err)
+    assert err.column == line.index("KK") + 1
+    assert len(shown) <= 130 and len(caret) <= 130
+    assert shown[caret.index("^"):].startswith("KK]")
+    assert shown.startswith("3 | ...") == (where != "start")
+    assert shown.endswith("...") == (where != "end")
+
+
+def test_a_long_underline_is_cut():
+    err = first_error(spec("mixer m", "  dims K", "  input " + "x" * 10_000 + "[K]"))
+    shown, caret = _caret_and_line(err)
+    assert err.message == "name is too long (10000 characters; the limit is 64)"
+    assert len(caret) <= 130 and caret.split("| ")[1].strip().startswith("^~~")
+    assert shown[caret.index("^")] == "x"
+
+
+def test_a_byte_order_mark_is_not_part_of_the_spec(tmp_path):
+    # Windows editors start a UTF-8 file with U+FEFF; columns count from after it.
+    text = spec("mixer m", "  dims K, V", "  input q[K], k[K], v[V]", "  state S[K, V]",
+                "  update S = S + k * v", "  output o = q @ S")
+    path = tmp_path / "bom.mix"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert mixc.load(path).ir == mixc.parse(text)
+    assert mixc.parse("\ufeff" + text).name == "m"
+    err = first_error("\ufeff" + text.replace("q @ S", "qq @ S"))
+    assert (err.line, err.column) == (6, 14)
+    err = first_error("\ufeff" + text.replace("mixer m", "mixer 1m"))
+    assert (err.line, err.column) == (1, 7)
