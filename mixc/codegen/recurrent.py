@@ -93,6 +93,22 @@ class Token:
             self.out = Emitter(m, out_env, indent=ind, prefix="_o")
             self.o = self.out(m.output.expr)
             self.lines += self.out.lines
+            self.out0 = None
+            if split_dim(self.plan) is not None:
+                # the state-free part of the output (D * x) counts once: block 0 keeps it, the
+                # other blocks subtract it (out evaluated at zero states)
+                zero_env = dict(self.env)
+                for s in m.states:
+                    zs = (f"_zs_{s.name}", canon(order, s.shape))
+                    self.lines.append(f"{ind}_zs_{s.name} = {zeros(zs[1])}")
+                    zero_env[s.name] = zero_env["prev " + s.name] = zs
+                self.out0 = Emitter(m, zero_env, indent=ind, prefix="_z")
+                o0 = self.out0(m.output.expr)
+                self.lines += self.out0.lines
+                od = canon(order, m.output.expr.shape)
+                self.lines.append(f"{ind}_oj = {expand(self.o[0], self.o[1], od)} - _not_first * "
+                                  f"{expand(o0[0], o0[1], od)}")
+                self.o = ("_oj", od)
         return self
 
 
@@ -115,6 +131,7 @@ def common_hooks(plan: Plan) -> dict[str, object]:
         "states": [s.name for s in m.states],
         "dims": list(order),
         "tile": tile_dim(m),
+        "split": split_dim(plan),
         "load_params": "\n".join(params) or f"{I1}pass",
     }
 
@@ -135,14 +152,88 @@ def tile_dim(m: ir.MixerIR) -> str | None:
     return free[-1] if free else None
 
 
+def split_dim(plan: Plan) -> str | None:
+    """A dim every state has, that the lets and updates treat pointwise and the output only
+    contracts in terms linear in the states (Mamba's N, the key dim K of the linear
+    classes): the recurrent kernels also split it into blocks (grid axis 2). Block j's output
+    is out(S_j) - out(0) for j > 0 and out(S_0) for j = 0; out is affine in the states, so the
+    blocks' outputs sum to out(S) (fla's fused recurrent kernels sum NK partial outputs the
+    same way). None where no dim qualifies (an exponential-gate stabilizer, a normalized or
+    nonlinear readout, a dim some expression reduces or renames)."""
+    m = plan.kernel_ir
+    if plan.stabilizer is not None or plan.output.kind != "linear" or not m.states:
+        return None
+    tile = tile_dim(m)
+    touched = {d.alias_of for d in m.dims if d.alias_of} | {d.name for d in m.dims if d.alias_of}
+    for e in [x.expr for x in m.lets] + [u.expr for u in m.updates]:
+        for node in ir.walk(e):
+            if isinstance(node, (ir.Contract, ir.Reduce)):
+                touched |= set(node.over)
+            elif isinstance(node, ir.Rename):
+                touched |= {x for pair in node.mapping for x in pair}
+    for node in ir.walk(m.output.expr):
+        if isinstance(node, ir.Reduce):
+            touched |= set(node.over)
+        elif isinstance(node, ir.Rename):
+            touched |= {x for pair in node.mapping for x in pair}
+        elif isinstance(node, ir.Contract):
+            # each block contracts its own slice: only a contraction that vanishes with the
+            # states (a state-free value @ a value proportional to the states) is exact;
+            # r @ (S + u k v) would count r @ (u k v) once per block and keep only block 0's
+            pair = (node.left, node.right)
+            if not any(_vanishes_with_states(x) and not _reads_state(y) for x, y in (pair, pair[::-1])):
+                touched |= set(node.over)
+    every_state = set.intersection(*[set(s.shape) for s in m.states])
+    free = [d for d in m.dim_names if d in every_state and d not in touched and d != tile
+            and d not in m.output.expr.shape]
+    return free[0] if free else None
+
+
+def _vanishes_with_states(e: ir.Expr) -> bool:
+    """e is 0 whenever every state is 0 (a conservative, structural check)."""
+    if isinstance(e, ir.Prev) or (isinstance(e, ir.Ref) and e.kind == "state"):
+        return True
+    if isinstance(e, ir.Neg):
+        return _vanishes_with_states(e.x)
+    if isinstance(e, ir.BinOp) and e.op in "+-":
+        return _vanishes_with_states(e.left) and _vanishes_with_states(e.right)
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        return _vanishes_with_states(e.left) or _vanishes_with_states(e.right)
+    if isinstance(e, ir.BinOp) and e.op == "/":
+        return _vanishes_with_states(e.left)
+    if isinstance(e, ir.Contract):
+        return _vanishes_with_states(e.left) or _vanishes_with_states(e.right)
+    return False
+
+
+def _reads_state(e: ir.Expr) -> bool:
+    return any(isinstance(n, ir.Prev) or (isinstance(n, ir.Ref) and n.kind == "state") for n in ir.walk(e))
+
+
+def partial_index(plan: Plan, shape: tuple[str, ...]) -> str | None:
+    """Which partial a program writes for a gradient (or output) of this shape: what lacks the
+    tile dim gets one per tile, what lacks the split dim one per split block (summed on the
+    host). None where every program writes its own elements of one buffer."""
+    t, k = tile_dim(plan.kernel_ir), split_dim(plan)
+    by_tile = t is not None and t not in shape
+    by_split = k is not None and k not in shape
+    if by_tile and by_split:
+        return "(tl.program_id(1).to(tl.int64) * tl.num_programs(2) + tl.program_id(2))"
+    if by_tile:
+        return "tl.program_id(1).to(tl.int64)"
+    if by_split:
+        return "tl.program_id(2).to(tl.int64)"
+    return None
+
+
 def tile_base(plan: Plan, shape: tuple[str, ...], base: str) -> str:
-    """The row of a gradient of something without the tile dim: each tile writes its own
-    partial (summed on the host), rows offset by tile * rows."""
-    t = tile_dim(plan.kernel_ir)
-    if t is None or t in shape:
+    """The row of a gradient of something without the tile or the split dim: each such
+    program writes its own partial (summed on the host), rows offset by partial * rows."""
+    index = partial_index(plan, shape)
+    if index is None:
         return base
     rows = "_ntok * H" if base == "_row" else "_nseq * H"
-    return f"(tl.program_id(1).to(tl.int64) * {rows} + {base})"
+    return f"({index} * {rows} + {base})"
 
 
 def state_base(kind: str) -> str:
@@ -150,7 +241,8 @@ def state_base(kind: str) -> str:
     # checkpoint slots: sequence i's chunks start at bos // CK + i, which never overlaps sequence
     # i - 1's, so packed sequences need at most (total tokens) // CK + N + 1 slots
     return {"seq": "(i_n * H + i_h)", "ckpt": "((bos // CK + i_n + _chunk) * H + i_h)",
-            "scratch": "((tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * CK + _slot)"}[kind]
+            "scratch": "(((tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)"
+                       " + tl.program_id(2)) * CK + _slot)"}[kind]
 
 
 def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
@@ -166,7 +258,8 @@ def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
     tok = Token(plan, I2).build()
     o_var, o_dims = tok.o
     o_shape = m.output.expr.shape
-    out = store("p_out", "_row", o_shape, order, I2, expand(o_var, o_dims, canon(order, o_shape)), cast=True)
+    out = store("p_out", tile_base(plan, o_shape, "_row") if split_dim(plan) else "_row", o_shape, order, I2,
+                expand(o_var, o_dims, canon(order, o_shape)), cast=True)
     # the states advance after the output has read both the old and the new ones
     advance = [f"{I2}s_{s} = {v}" for s, v in tok.new.items()]
     final = []
@@ -217,16 +310,20 @@ def recurrent_bwd_hooks(plan: Plan) -> dict[str, object]:
     body += load("p_do", "_row", m.output.expr.shape, order, I3, "_do")
     adj_o = Adjoint(tok.out, "_ao")
     adj_o.backward(m.output.expr, ("_do", o_shape))
+    adj_z = None
+    if tok.out0 is not None:
+        adj_z = Adjoint(tok.out0, "_az")
+        adj_z.backward(m.output.expr, adj_z.emit("-_not_first * _do", o_shape))
     adj_u = Adjoint(tok.upd, "_au")
     seeds = {}
     for s in m.states:       # the gradient of S_t: from later tokens, and from this token's output
         seeds[s.name] = combine(adj_o.out, [(f"d_{s.name}", sdims[s.name])] + adj_o.leaf_parts(("state", s.name)))
     for u in m.updates:
         adj_u.backward(u.expr, seeds[u.state])
-    body += adj_o.lines + adj_u.lines
+    body += adj_o.lines + (adj_z.lines if adj_z else []) + adj_u.lines
     # lets, in reverse: each collects what the output, the updates and later lets sent it
     adj_l = Adjoint(tok.lets, "_al")
-    adjs = (adj_o, adj_u, adj_l)
+    adjs = (adj_o, adj_u, adj_l) + ((adj_z,) if adj_z else ())
     for let in reversed(m.lets):
         parts = [g for a in adjs for g in a.leaf_parts(("let", let.name))]
         if parts:

@@ -6,7 +6,7 @@ import os
 import torch
 import triton
 
-from ..codegen.recurrent import tile_dim
+from ..codegen.recurrent import split_dim, tile_dim
 from ..derive.plan import Plan
 from .cache import interpreting, load_module
 from .reference import _options
@@ -26,16 +26,20 @@ def block(size: int) -> int:
     return max(triton.next_power_of_2(size), 1)
 
 
-# Block of the recurrent kernels' tile dim (codegen.recurrent.tile_dim): one program per block.
+# Blocks of the recurrent kernels' tile dim (codegen.recurrent.tile_dim) and split dim
+# (codegen.recurrent.split_dim): one program per block. fla's fused recurrent kernels take
+# BV <= 32 (ours: the tile) and BK <= 64 (ours: the split, Mamba's N or the key dim).
 RECURRENT_TILE = 32
+RECURRENT_SPLIT = 64
 
 
 def dim_kwargs(plan: Plan, bound: Bound) -> dict:
     kw = {}
-    tile = tile_dim(plan.kernel_ir)
+    tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
     for d in plan.ir.dim_names:
         kw[f"_size_{d}"] = bound.sizes[d]
-        kw[f"_BLOCK_{d}"] = block(bound.sizes[d]) if d != tile else min(block(bound.sizes[d]), RECURRENT_TILE)
+        limit = RECURRENT_TILE if d == tile else RECURRENT_SPLIT if d == split else None
+        kw[f"_BLOCK_{d}"] = block(bound.sizes[d]) if limit is None else min(block(bound.sizes[d]), limit)
     return kw
 
 
@@ -45,6 +49,14 @@ def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
     if tile is None or "_BLOCK__T" in blocks:
         return 1
     return -(-bound.sizes[tile] // blocks[f"_BLOCK_{tile}"])
+
+
+def n_splits(plan: Plan, bound: Bound, blocks: dict) -> int:
+    """Programs along the split dim: 1 for the chunked kernels and specs without a split dim."""
+    split = split_dim(plan)
+    if split is None or "_BLOCK__T" in blocks:
+        return 1
+    return -(-bound.sizes[split] // blocks[f"_BLOCK_{split}"])
 
 
 class KernelUnavailable(RuntimeError):
@@ -82,7 +94,11 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
     n, H, T = bound.n_seqs, bound.H, bound.T
     slots = checkpoint_slots(bound, chunk_tokens)
     opts = _options(m, bound)
-    out = _empty((bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape), out_dtype or x0.dtype, device)
+    tiles, splits = n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
+    o_shape = (bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape)
+    # split blocks write partial outputs (float32, summed below)
+    out = _empty(((splits,) if splits > 1 else ()) + o_shape, torch.float32 if splits > 1 else out_dtype or x0.dtype,
+                 device)
     state_args, finals, ckpts = [], {}, {}
     for s in plan.kernel_ir.states:          # the spec's, and a stabilizer's m (starts at 0)
         shape = tuple(bound.sizes[d] for d in s.shape)
@@ -95,13 +111,15 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
         if checkpoints:
             ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
         state_args += [init, finals.get(s.name, out), ckpts.get(s.name, out)]
-    kernel[(n * H, n_tiles(plan, bound, launch))](*[bound.inputs[d.name].contiguous() for d in m.inputs],
+    kernel[(n * H, tiles, splits)](*[bound.inputs[d.name].contiguous() for d in m.inputs],
                      *[bound.params[d.name].contiguous() for d in m.params],
                      *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
                      out, bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out, T, H,
                      *[float(bound.sizes[d]) for d in m.dim_names],
                      USE_INITIAL_STATE=bound.initial_state is not None, STORE_FINAL_STATE=output_final_state,
                      IS_VARLEN=bound.cu_seqlens is not None, STORE_CHECKPOINTS=checkpoints, **launch)
+    if splits > 1:
+        out = out.sum(0).to(out_dtype or x0.dtype)
     return out, (finals if output_final_state else None), (ckpts if checkpoints else None)
 
 
@@ -120,10 +138,10 @@ def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, 
     """Gradients of the inputs ([B, T, H, ...], their dtypes), the params ([H, ...]) and the
     initial states ([N, H, ...] float32) from the output's and the final states' gradients."""
     kw = dim_kwargs(plan, bound)
-    tiles = n_tiles(plan, bound, kw)
+    programs = bound.n_seqs * bound.H * n_tiles(plan, bound, kw) * n_splits(plan, bound, kw)
 
     def per_state(s, shape, dfin, dinit, device):
-        scratch = _empty((bound.n_seqs * bound.H * tiles * CK,) + shape, torch.float32, device)
+        scratch = _empty((programs * CK,) + shape, torch.float32, device)
         return [ckpts[s.name], scratch, dfin if dfin is not None else scratch, dinit]
 
     return _backward(plan, bound, "recurrent_bwd", per_state, do, dfinal, CK=CK, **kw)
@@ -141,12 +159,13 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     inputs = [bound.inputs[d.name].contiguous() for d in m.inputs]
     params = [bound.params[d.name].contiguous() for d in m.params]
     opts = _options(m, bound)
-    # what lacks the tile dim gets one gradient partial per tile, summed below
-    tiles = n_tiles(plan, bound, launch)
-    tile = tile_dim(plan.kernel_ir)
+    # what lacks the tile (split) dim gets one gradient partial per tile (split) block, summed below
+    tiles, splits = n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
+    tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
 
     def parts(dims) -> int:
-        return tiles if tile is not None and tile not in dims else 1
+        return ((tiles if tile is not None and tile not in dims else 1)
+                * (splits if split is not None and split not in dims else 1))
 
     state_args, dinit = [], {}
     for s in plan.kernel_ir.states:
@@ -161,7 +180,7 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
                else _empty((parts(d.shape),) + tuple(x.shape), torch.float32, device) for d, x in zip(m.inputs, inputs)}
     dparams = {d.name: _empty((parts(d.shape) * n,) + tuple(x.shape), torch.float32, device)
                for d, x in zip(m.params, params)}
-    kernel[(n * H, tiles)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
+    kernel[(n * H, tiles, splits)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
                      do.contiguous(), *dinputs.values(), *dparams.values(),
                      bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do, T, H,
                      *[float(bound.sizes[d]) for d in m.dim_names], USE_FINAL_STATE_GRAD=dfinal is not None,

@@ -112,6 +112,54 @@ def test_recurrent_kernels_split_the_tile_dim(name, flags, monkeypatch):
     check_against_reference(op, flags, args, st, torch.float32, mode="recurrent", CK=4)
 
 
+SPLIT = [("mamba", "N"), ("mamba2", "N"), ("s4d", "N"), ("gla", "K"), ("retention", "K")]
+
+
+@pytest.mark.parametrize("name,dim", SPLIT, ids=[n for n, _ in SPLIT])
+def test_recurrent_kernels_split_the_contracted_dim(name, dim, monkeypatch):
+    """Blocks of 4 along the split dim (Mamba's N, the key dim K) and of 4 along the tile dim:
+    each program's output is a partial (block j > 0 subtracts the state-free part D * x),
+    summed on the host; what lacks the split dim (x, dt, D, v) gets its gradient as a sum of
+    per-block partials."""
+    from mixc.codegen.recurrent import split_dim
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "RECURRENT_TILE", 4)
+    monkeypatch.setattr(launch, "RECURRENT_SPLIT", 4)
+    op = mixc.load(name)
+    assert split_dim(op.plan()) == dim
+    sizes = {d.name: 5 + 2 * i for i, d in enumerate(op.ir.dims) if not d.alias_of} | {dim: 10}
+    # three blocks of the split dim, the last one partial
+    args, sizes = random_args(op.ir, B=2, T=9, H=2, sizes=sizes, dtype=torch.float32, requires_grad=True, seed=8)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode="recurrent", CK=4)
+
+
+def test_split_recurrent_kernels_with_varlen_and_step(monkeypatch):
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "RECURRENT_TILE", 4)
+    monkeypatch.setattr(launch, "RECURRENT_SPLIT", 4)
+    op = mixc.load("mamba")
+    args, sizes = random_args(op.ir, B=1, T=12, H=2, sizes={"N": 10, "P": 9}, dtype=torch.float32,
+                              requires_grad=True, seed=4)
+    st = random_state(op.ir, 3, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode="recurrent", CK=4,
+                            cu_seqlens=torch.tensor([0, 5, 5, 12]))
+    one = {k: (v.detach()[:, 0] if k in {d.name for d in op.ir.inputs} else v.detach()) for k, v in args.items()}
+    init = {k: v.detach()[:1] for k, v in st.items()}
+    o, new = op.step(**one, state=init, mode="recurrent")
+    want, want_st = op.reference_step(**one, state=init)
+    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new["S"].double(), want_st["S"], rtol=1e-5, atol=1e-5)
+
+
+def test_no_split_dim_where_a_contraction_keeps_a_state_free_part():
+    """r @ (S + u k v) (rwkv6's bonus) would count r @ (u k v) per block: K is not split; nor is
+    anything split under a normalized readout or a stabilizer."""
+    from mixc.codegen.recurrent import split_dim
+    for name in ("rwkv6", "linear_transformer", "mlstm", "delta_rule"):
+        assert split_dim(mixc.load(name).plan()) is None, name
+
+
 def test_tiled_recurrent_kernels_with_varlen(monkeypatch):
     import mixc.runtime.launch as launch
     monkeypatch.setattr(launch, "RECURRENT_TILE", 4)
