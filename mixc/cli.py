@@ -39,8 +39,12 @@ def cmd_list(args) -> int:
     rows = []
     for name in library_names():
         plan = derive(_load(name))
-        rows.append((name, plan.transition, ", ".join(plan.forms),
-                     ", ".join(f"{s.name}[{', '.join(s.shape)}]" for s in plan.ir.states)))
+        if plan.sequence is not None:       # a cache of the past (none when it reads the future)
+            seq = plan.sequence
+            states = "cache: " + ", ".join(seq.cache_keys) if seq.no_step is None else "none (not causal)"
+        else:
+            states = ", ".join(f"{s.name}[{', '.join(s.shape)}]" for s in plan.ir.states)
+        rows.append((name, plan.transition, ", ".join(plan.forms), states))
     w = [max(len(r[i]) for r in rows + [("spec", "class", "forms", "states")]) for i in range(4)]
     print(f"{'spec':{w[0]}}  {'class':{w[1]}}  {'forms':{w[2]}}  states")
     for r in rows:
@@ -69,7 +73,7 @@ def cmd_check(args) -> int:
     for note in plan.notes:
         print(f"note: {note}")
     from .derive.lint import lint        # numerical risks, at their line: warnings, not errors
-    for warning in lint(plan):
+    for warning in (lint(plan) if plan.sequence is None else ()):
         print(warning.render(mixer.source))
     return 0
 
@@ -91,24 +95,29 @@ def cmd_run(args) -> int:
     import torch
 
     from .runtime.inputs import random_args
-    from .runtime.op import MixerOp
-    op = MixerOp(_load(args.spec))
+    from .runtime.op import make_op
+    op = make_op(_load(args.spec))
     kw, sizes = random_args(op.ir, B=args.B, T=args.T, H=args.H, seed=args.seed, dtype=torch.float32,
                             sizes={d.name: 16 for d in op.ir.dims if not d.alias_of} | _sizes(args.dim),
                             requires_grad=True)
     flags = _flags(args.set)
+    # a sequence mixer's state is a cache of the past (none when it reads the future)
+    want_state = not op.is_sequence or op.can_step(**flags)
     t0 = time.perf_counter()
-    o, state = op(**kw, **flags, output_final_state=True, mode=args.mode)
+    o, state = op(**kw, **flags, output_final_state=want_state, mode=args.mode)
+    # a cache holds the past in its own scale (exponentials carried with their max): not compared
+    state = {} if op.is_sequence else state
     (o.float().square().sum() + sum(v.sum() for v in state.values())).backward()
     dt = time.perf_counter() - t0
-    grads = {k: v.grad.clone() for k, v in kw.items()}
+    grads = {k: (v.grad.clone() if v.grad is not None else None) for k, v in kw.items()}
     for v in kw.values():
         v.grad = None
-    ro, rstate = op(**kw, **flags, output_final_state=True, mode="reference")
+    ro, rstate = op(**kw, **flags, output_final_state=want_state, mode="reference")
+    rstate = {} if op.is_sequence else rstate
     (ro.square().sum() + sum(v.sum() for v in rstate.values())).backward()
     err = ((o.double() - ro).abs().max() / ro.abs().max().clamp_min(1e-12)).item()
     gerr = max(((grads[k].double() - v.grad).abs().max() / v.grad.abs().max().clamp_min(1e-12)).item()
-               for k, v in kw.items())
+               for k, v in kw.items() if v.grad is not None and grads[k] is not None)
     from .runtime.cache import interpreting
     used = args.mode if args.mode != "auto" else ("kernels (Triton interpreter)" if interpreting() else "torch backend")
     print(f"{op.name}: mode {args.mode} -> {used}; B={args.B} T={args.T} H={args.H} "
@@ -143,6 +152,9 @@ def cmd_compile(args) -> int:
     path = Path(args.output) / f"{mixer.name}{suffix}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
+    if plan.sequence is not None:
+        print(f"wrote {path} ({plan.transition}; no Triton kernel: computed by torch)")
+        return 0
     from .codegen.module import metadata
     print(f"wrote {path} ({plan.transition}; kernels: {', '.join(metadata(plan)['kernels'])})")
     return 0
@@ -186,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dim", action="append", metavar="NAME=SIZE", help="a dim size (default 16)")
     r.add_argument("--set", action="append", metavar="FLAG=true|false")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--mode", default="auto", choices=("auto", "chunk", "recurrent", "torch", "reference"))
+    r.add_argument("--mode", default="auto", choices=("auto", "chunk", "recurrent", "conv", "torch", "reference"))
     r.set_defaults(fn=cmd_run)
     b = sub.add_parser("bench", help="CPU benchmarks: the torch backend, the reference and a quadratic form vs T")
     b.add_argument("--T", default="256,1024,4096,16384", help="comma-separated sequence lengths")

@@ -112,12 +112,14 @@ def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
     else:
         rows = ["no parallel form: the transition is a general linear map (more than one projection term)"]
     if st.time_invariant:
-        rows.append(f"time-invariant transition: also a convolution, o = h * x with h_tau = readout of a^tau "
-                    f"applied to the input term (FFT)")
+        rows.append("time-invariant transition: also a convolution form (mode=\"conv\", below)")
     return rows
 
 
 def explain(plan: P.Plan) -> str:
+    if plan.sequence is not None:
+        from .sequence import explain_sequence
+        return explain_sequence(plan)
     _set_fold(plan)
     try:
         return _explain(plan)
@@ -183,6 +185,10 @@ def _explain(plan: P.Plan) -> str:
     if plan.stabilizer is not None:
         out.append("")
         out += _stabilizer_lines(plan.stabilizer)
+    from .convform import conv_form_lines
+    conv_lines = conv_form_lines(plan, s)
+    if conv_lines:
+        out += [""] + conv_lines
     out.append("")
     out += ["backward"] + ["  " + line for line in _backward_lines(plan)]
     if plan.notes:
@@ -237,6 +243,14 @@ def _backward_lines(plan: P.Plan) -> list[str]:
 
 def plan_dict(plan: P.Plan) -> dict:
     """The Plan as plain data (sympy expressions as strings) for --dump plan."""
+    if plan.sequence is not None:
+        return {"mixer": plan.name, "flags": dict(plan.flags), "class": plan.transition, "forms": list(plan.forms),
+                "sequence_ops": [{"name": op.name, "kind": op.kind, "op": op.text, "in": op.where,
+                                  "causal": op.causal, "tap": op.tap, "filter": op.filter,
+                                  "window": expr_text(op.window) if op.window is not None else None,
+                                  "cache": [k for k, _ in op.cache], "algorithm": list(op.algorithm)}
+                                 for op in plan.sequence.ops],
+                "step": plan.sequence.no_step is None, "notes": list(plan.notes)}
     return {
         "mixer": plan.name,
         "flags": dict(plan.flags),

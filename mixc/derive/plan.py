@@ -126,6 +126,7 @@ class Plan:
     notes: tuple[str, ...]
     table: SymbolTable
     stabilizer: "Stabilizer | None" = None   # exponential input gates (derive/stabilize.py)
+    sequence: "SequencePlan | None" = None   # a sequence mixer (conv, mix, attend): derive/sequence.py
 
     @property
     def name(self) -> str:
@@ -139,6 +140,8 @@ class Plan:
     @property
     def transition(self) -> str:
         """The class of the spec: its states' classes, hardest first."""
+        if self.sequence is not None:
+            return self.sequence.kind
         order = [GENERAL, RANK1, ELEMENTWISE, KEY_DIAG, VALUE_DIAG, SCALAR, PREFIX_SUM]
         return min((s.transition for s in self.states), key=order.index)
 
@@ -190,6 +193,9 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
         if name not in {o.name for o in mixer.flags}:
             known = ", ".join(o.name for o in mixer.flags) or "none"
             raise SpecError(f"'{name}' is not a flag of mixer '{mixer.name}' (flags: {known})")
+    if mixer.is_sequence:            # conv, mix, attend: no recurrence to classify
+        from .sequence import derive_sequence
+        return derive_sequence(mixer, flags)
     values = {o.name: (flags[o.name] if o.name in flags else o.default) for o in mixer.flags}
     spec = affine.specialize(mixer, values)
     table = SymbolTable(spec)

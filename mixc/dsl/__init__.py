@@ -18,8 +18,15 @@ def parse(text: str, filename: str = "<spec>") -> MixerIR:
     return check(parse_tree(text.removeprefix("\ufeff"), filename))
 
 
-def library_names() -> list[str]:
-    return sorted(p.stem for p in SPEC_DIR.glob("*.mix"))
+def library_names(kind: str | None = None) -> list[str]:
+    """The library specs; kind "recurrent" (a state and its update) or "sequence" (conv, mix,
+    attend) keeps those only."""
+    names = sorted(p.stem for p in SPEC_DIR.glob("*.mix"))
+    if kind is None:
+        return names
+    if kind not in ("recurrent", "sequence"):
+        raise ValueError(f"kind: expected 'recurrent' or 'sequence', got {kind!r}")
+    return [n for n in names if load_ir(n).is_sequence == (kind == "sequence")]
 
 
 def read_spec(name_or_path: str | Path) -> Source:

@@ -8,21 +8,22 @@ import keyword
 
 from . import ir
 from .errors import SpecError, Span, did_you_mean
-from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, NameNode,
+from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
                      Node, NumNode, SpecTree, Statement, UnaryNode)
+from .sequence_check import SEQUENCE_FNS, SequenceChecks
 
 ELEMENTWISE_FNS = {"exp": 1, "log": 1, "sigmoid": 1, "logsigmoid": 1, "softplus": 1, "tanh": 1,
                    "elu": 1, "relu": 1, "silu": 1, "sqrt": 1, "abs": 1}
 REDUCE_FNS = ("sum", "norm")          # always reduce: fn(x, D, ...)
 MINMAX_FNS = ("max", "min")           # fn(a, b) elementwise, or fn(x, D, ...) a reduction
 SPECIAL_FNS = ("prev", "rename")
-BUILTIN_FNS = tuple(ELEMENTWISE_FNS) + REDUCE_FNS + MINMAX_FNS + SPECIAL_FNS
+BUILTIN_FNS = tuple(ELEMENTWISE_FNS) + REDUCE_FNS + MINMAX_FNS + SPECIAL_FNS + SEQUENCE_FNS
 BUILTIN_NAMES = ("head",)             # the head index, a scalar
 
 # Keyword arguments of a call besides the spec's own (op(...), op.step(...) and the reference
 # in mixc/runtime): an input or option of the same name would be taken by them instead.
 CALL_ARGUMENTS = frozenset({"initial_state", "output_final_state", "cu_seqlens", "mode", "state", "CK", "chunk",
-                            "dtype"})
+                            "dtype", "cp_group"})
 
 # Names a spec may not take: they would shadow what generated code relies on.
 RESERVED = frozenset(
@@ -88,6 +89,7 @@ class Checker:
         self.output: ir.Output | None = None
         self.declared_at: dict[str, tuple[Span, str]] = {}     # name -> (where, what kind)
         self.let_depth: dict[str, int] = {}                     # nesting of a let with its lets written out
+        self.seq = SequenceChecks(self)                         # conv, mix, attend (sequence_check.py)
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
@@ -113,9 +115,13 @@ class Checker:
             raise self.error(f"too many declarations (the limit is {MAX_DECLS})", span)
         self.declared_at[name] = (span, what)
 
-    def shape_of(self, decl) -> ir.Shape:
+    def shape_of(self, decl, what: str = "input") -> ir.Shape:
         seen = []
-        for d in decl.dims:
+        for i, d in enumerate(decl.dims):
+            if d.name == ir.POSITIONS:
+                self.seq.position_dim(decl, i, what)
+                seen.append(d.name)
+                continue
             if d.name not in self.dims:
                 raise self.error(f"unknown dim '{d.name}'{did_you_mean(d.name, self.dims)}", d.span,
                                  (f"declare it with: dims {', '.join([*self.dims, d.name])}",))
@@ -134,7 +140,8 @@ class Checker:
         for st in tree.statements:
             getattr(self, f"stmt_{st.kind}")(st)
         self.check_kernel_arguments()
-        if not self.states:
+        self.seq.check_mixer_kind()
+        if not self.states and not self.seq.ops:
             raise self.error(f"mixer '{mixer.name}' declares no state; add e.g. `state S[K, V]` "
                              "and its `update`", mixer.span)
         for name, decl in self.states.items():
@@ -187,7 +194,7 @@ class Checker:
 
     def check_dims_bound(self) -> None:
         """Every dim's size must come from some input or param (or be an alias of one)."""
-        bound = {d for t in [*self.inputs.values(), *self.params.values()] for d in t.shape}
+        bound = {d for t in [*self.inputs.values(), *self.params.values()] for d in t.shape if d != ir.POSITIONS}
         for d in self.dims.values():
             root = d.name
             while self.dims[root].alias_of:
@@ -220,7 +227,7 @@ class Checker:
     def _tensors(self, st: Statement, table: dict, what: str) -> None:
         for item in st.items:
             self.declare(item.name, what)
-            table[item.name.name] = ir.TensorDecl(item.name.name, self.shape_of(item), item.name.span)
+            table[item.name.name] = ir.TensorDecl(item.name.name, self.shape_of(item, what), item.name.span)
 
     def stmt_input(self, st):
         self._tensors(st, self.inputs, "input")
@@ -249,6 +256,7 @@ class Checker:
             e = self.expr(b.expr, "let", defining=b.name.name)     # before declaring: a let cannot read itself
             depth = self.check_depth_with_lets(e, b.expr.span)
             self.declare(b.name, "let")
+            self.seq.note_let(b.name.name, e)
             self.let_depth[b.name.name] = depth
             self.lets[b.name.name] = ir.Let(b.name.name, e, b.name.span)
 
@@ -276,8 +284,12 @@ class Checker:
         self.declare(b.name, "output")
         e = self.expr(b.expr, "output", defining=b.name.name)
         self.check_depth_with_lets(e, b.expr.span)
-        if not ir.refs(e, "state"):
+        if not ir.refs(e, "state") and not self.seq.uses_sequence(e):
+            if self.seq.ops:
+                raise self.error(f"output '{b.name.name}' uses no sequence op (conv, mix, attend) and reads no "
+                                 "state", b.expr.span)
             raise self.error(f"output '{b.name.name}' does not read any state", b.expr.span)
+        self.seq.check_output(b.name.name, e, b.expr.span)
         self.output = ir.Output(b.name.name, e, b.name.span)
 
     # ---- expressions ----------------------------------------------------------------
@@ -293,7 +305,7 @@ class _ExprChecker:
         self.defining = defining
         self.ctx = ctx
         self.state = state
-        self.order = list(checker.dims)
+        self.order = list(checker.dims) + [ir.POSITIONS]     # T last: the source positions of a [T, T] row
 
     def err(self, msg, span, notes=()):
         return self.c.error(msg, span, notes)
@@ -333,7 +345,10 @@ class _ExprChecker:
                                f"not '{name}'", n.span)
         for table, kind in ((c.inputs, "input"), (c.params, "param")):
             if name in table:
-                return ir.Ref(table[name].shape, n.span, name, kind)
+                shape = table[name].shape
+                if shape[:1] == (ir.POSITIONS,):      # one value per position: per token, as an input
+                    shape = shape[1:]
+                return ir.Ref(shape, n.span, name, kind)
         if name in c.lets:
             return ir.Ref(c.lets[name].expr.shape, n.span, name, "let")
         if name in c.states:
@@ -401,8 +416,17 @@ class _ExprChecker:
     def node_DimMapNode(self, n: DimMapNode) -> ir.Expr:
         raise self.err("'A -> B' may only appear as an argument of rename(x, A -> B)", n.span)
 
+    def node_KwargNode(self, n: KwargNode) -> ir.Expr:
+        raise self.err(f"'{n.name}=...' may only appear as an argument of conv, mix or attend", n.span)
+
     def node_CallNode(self, n: CallNode) -> ir.Expr:
         fn = n.fn
+        if fn in SEQUENCE_FNS:
+            return self.c.seq.call(self, n)
+        kw = next((a for a in n.args if isinstance(a, KwargNode)), None)
+        if kw is not None and fn in BUILTIN_FNS:
+            raise self.err(f"{fn}() takes no '{kw.name}=' argument; only conv, mix and attend take "
+                           "arguments by name", kw.span)
         if fn == "prev":
             return self.call_prev(n)
         if fn == "rename":

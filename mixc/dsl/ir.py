@@ -98,6 +98,31 @@ class Cond(Expr):
 
 
 @dataclass(frozen=True)
+class SeqOp(Expr):
+    """A sequence op: its value at token t reads other tokens of the sequence.
+
+    kind conv:   args (h, x); y_t = sum_j h_j x_{t-j}, the filter's taps along `tap` (a dim
+                 of h that x lacks) or, when tap is None, along time (h at token j is tap j).
+    kind mix:    args (W, x); y_t = sum_s W_t[s] x_s, W an expression of a [T, T] param (its
+                 rows carry the source positions as the dim "T").
+    kind attend: args (q, k, v); softmax attention, q . k over the dims q and k share.
+    causal is True/False or the name of a flag; window (attend) a scalar expression of
+    numbers, dims and options; index numbers the spec's sequence ops (it names their caches)."""
+
+    kind: str
+    args: tuple[Expr, ...]
+    tap: str | None = None
+    causal: bool | str = True
+    window: Expr | None = None
+    index: int = 0
+
+
+# The positions of a sequence: T in a param's shape ([T, ...] one value per position,
+# [T, T, ...] a token-mixing matrix) and, on a value, the dim of source positions.
+POSITIONS = "T"
+
+
+@dataclass(frozen=True)
 class Dim:
     name: str
     alias_of: str | None
@@ -191,6 +216,25 @@ class MixerIR:
         return tuple(o for o in self.options if o.kind == "bool")
 
     @property
+    def sequence_ops(self) -> tuple[SeqOp, ...]:
+        """The sequence ops (conv, mix, attend) of the lets and the output, by index."""
+        found = {}
+        for e in [x.expr for x in self.lets] + [self.output.expr]:
+            for node in walk(e):
+                if isinstance(node, SeqOp):
+                    found[node.index] = node
+        return tuple(found[i] for i in sorted(found))
+
+    @property
+    def is_sequence(self) -> bool:
+        """A sequence mixer: sequence ops and no state (the checker allows no mix of both)."""
+        return len(self.states) == 0
+
+    def positional(self, name: str) -> bool:
+        """A param declared [T, ...]: one value (or, [T, T, ...], one row) per position."""
+        return any(p.name == name and p.shape[:1] == (POSITIONS,) for p in self.params)
+
+    @property
     def spec_hash(self) -> str:
         return hashlib.sha256(self.source.text.encode()).hexdigest()[:16]
 
@@ -206,6 +250,8 @@ def children(e: Expr) -> tuple[Expr, ...]:
         return (e.x,)
     if isinstance(e, Cond):
         return (e.then, e.otherwise)
+    if isinstance(e, SeqOp):
+        return e.args + ((e.window,) if e.window is not None else ())
     return ()
 
 

@@ -73,6 +73,15 @@ class DimMapNode(Node):
 
 
 @dataclass(frozen=True)
+class KwargNode(Node):
+    """NAME=value, an argument of a sequence op: conv(h, x, causal=false)."""
+
+    name: str
+    name_span: Span
+    value: Node
+
+
+@dataclass(frozen=True)
 class CondNode(Node):
     flag: str
     flag_span: Span
@@ -390,6 +399,9 @@ class _Builder:
         if t.data == "dim_map":
             src, dst = self.named(kids[0]), self.named(kids[1])
             return DimMapNode(span, src.name, dst.name, src.span, dst.span)
+        if t.data == "kwarg":
+            key = self.named(kids[0])
+            return KwargNode(span, key.name, key.span, done[id(kids[1])])
         if t.data == "cond":
             flag = self.named(kids[0])
             return CondNode(span, flag.name, flag.span, done[id(kids[1])], done[id(kids[2])])

@@ -45,6 +45,13 @@ def _text(e: ir.Expr) -> tuple[str, int]:
         return f"rename({expr_text(e.x)}, {maps})", _PREC["atom"]
     if isinstance(e, ir.Cond):
         return f"if {e.flag} then {expr_text(e.then)} else {expr_text(e.otherwise)}", _PREC["if"]
+    if isinstance(e, ir.SeqOp):
+        args = [expr_text(a) for a in e.args] + ([e.tap] if e.tap is not None else [])
+        if e.window is not None:
+            args.append(f"window={expr_text(e.window)}")
+        if e.causal is not True:
+            args.append(f"causal={str(e.causal).lower() if isinstance(e.causal, bool) else e.causal}")
+        return f"{e.kind}({', '.join(args)})", _PREC["atom"]
     raise AssertionError(type(e))
 
 
@@ -64,7 +71,8 @@ def spec_text(m: ir.MixerIR) -> str:
         out.append(f"  option {o.name} = {default}")
     for let in m.lets:
         out.append(f"  let    {let.name} = {expr_text(let.expr)}    # {_shape(let.expr.shape)}")
-    out.append("  state  " + ", ".join(s.name + _shape(s.shape) for s in m.states))
+    if m.states:
+        out.append("  state  " + ", ".join(s.name + _shape(s.shape) for s in m.states))
     for u in m.updates:
         out.append(f"  update {u.state} = {expr_text(u.expr)}")
     out.append(f"  output {m.output.name} = {expr_text(m.output.expr)}    # {_shape(m.output.expr.shape)}")

@@ -50,7 +50,7 @@ def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=t
     table.update(roles or {})
     out = {}
     for decl, lead in [(d, (B, T, H)) for d in mixer.inputs] + [(d, (H,)) for d in mixer.params]:
-        shape = lead + tuple(sizes[d] for d in decl.shape)
+        shape = lead + tuple(T if d == "T" else sizes[d] for d in decl.shape)    # [T, ...]: per position
         fn = table.get((mixer.name, decl.name)) or table.get(decl.name) or _normal
         x = fn(shape, gen, torch.float64).to(device=device, dtype=dtype)
         out[decl.name] = x.requires_grad_(True) if requires_grad else x

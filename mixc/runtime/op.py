@@ -1,8 +1,11 @@
 """MixerOp: what mixc.load() returns.
 
     o, state = op(q=..., k=..., ..., initial_state=None, output_final_state=False,
-                  cu_seqlens=None, mode="auto")
+                  cu_seqlens=None, mode="auto", cp_group=None)
     o, state = op.step(q=..., ..., state=state)          # one token per sequence
+
+cp_group: a torch.distributed group whose ranks each hold a contiguous shard of the sequence
+(context parallelism, runtime/context_parallel.py, docs/distributed.md).
 
 Modes: "chunk" (the fused chunked forward and backward kernels, for the linear classes),
 "recurrent" (the fused recurrent forward and backward kernels, every class); the backward
@@ -10,9 +13,12 @@ starts from the states the forward keeps at chunk starts. "torch" is plain torch
 with autograd in the inputs' dtype (float32 at least), the CPU backend: the chunked algorithm
 of the kernels where the spec has it (the generated module's torch code, driven by
 runtime/torch_chunk.py), the loop over t otherwise.
-"reference" is the loop over t in float64 (ground truth). "auto" takes the kernels (chunked where the spec has
+"reference" is the loop over t in float64 (ground truth). "conv" is the convolution form of a
+time-invariant spec (runtime/conv_form.py: an FFT convolution with a kernel built from the
+params, or the parallel form). "auto" takes the kernels (chunked where the spec has
 that form) on CUDA tensors and on CPU tensors under Triton's interpreter
-(TRITON_INTERPRET=1), and "torch" otherwise."""
+(TRITON_INTERPRET=1), and "torch" otherwise ("conv" where the spec has the FFT form and
+T >= 64). A sequence mixer (conv, mix, attend) gets a SequenceOp (runtime/sequence.py)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -27,10 +33,12 @@ from ..codegen.chunk import chunk_supported, torch_chunk_supported
 from .launch import chunk_size
 from .signature import ArgumentError, bind, option_values
 
-MODES = ("auto", "recurrent", "chunk", "torch", "reference")
+MODES = ("auto", "recurrent", "chunk", "conv", "torch", "reference")
 
 
 class MixerOp:
+    is_sequence = False
+
     def __init__(self, mixer: MixerIR):
         self.ir = mixer
         self._plans: dict[tuple, Plan] = {}
@@ -49,9 +57,14 @@ class MixerOp:
 
     # ---- the op ----
     def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
-                 mode: str = "auto", CK: int = 32, chunk: int | None = None, **kwargs):
+                 mode: str = "auto", CK: int = 32, chunk: int | None = None, cp_group=None, **kwargs):
         if mode not in MODES:
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        if cp_group is not None:        # this rank holds a shard of the sequence (runtime/context_parallel.py)
+            from .context_parallel import cp_call
+            return cp_call(self, cp_group, kwargs=kwargs, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           call=lambda **local: self(**kwargs, mode=mode, CK=CK, chunk=chunk, **local))
         if isinstance(CK, bool) or not isinstance(CK, int) or CK < 1:
             raise ArgumentError(f"CK: expected a positive int (tokens per backward checkpoint), got {CK!r}")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
@@ -60,8 +73,12 @@ class MixerOp:
             raise ArgumentError(f"chunk: expected {want}, got {chunk!r}")
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         device = next(iter(bound.inputs.values())).device
-        mode = self._resolve(mode, device)
+        asked, mode = mode, self._resolve(mode, device)
         plan = self._plan_for(bound.flags)
+        if mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
+            from .conv_form import conv_forward
+            o, st = conv_forward(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound))
+            return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
         if mode == "torch" and torch_chunk_supported(plan) is None:
             from .torch_chunk import torch_chunked
             o, st = torch_chunked(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound),
@@ -142,6 +159,8 @@ class MixerOp:
         bound = bind(self.ir, dict(kwargs, initial_state=state), step=True)
         device = next(iter(bound.inputs.values())).device
         mode = self._resolve(mode, device)
+        if mode == "conv":            # one token: the convolution form has nothing to gain; the torch step
+            mode = "torch"
         names = {d.name for d in self.ir.inputs}
         seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
         if mode == "torch" and torch_chunk_supported(self._plan_for(bound.flags)) is None:
@@ -192,14 +211,30 @@ def _cached_plan(mixer: MixerIR, source, flags: tuple) -> Plan:
     return derive(mixer, dict(flags))
 
 
-def load(name_or_path) -> MixerOp:
+def load(name_or_path):
     """A library spec by name ('gla') or a .mix file by path -> MixerOp, its default flags
     prepared (derived, custom ops registered). Raises SpecError."""
     src = read_spec(name_or_path)
     return from_text(src.text, src.filename)
 
 
-def from_text(text: str, filename: str = "<spec>") -> MixerOp:
-    op = MixerOp(parse(text, filename))
+def make_op(mixer: MixerIR):
+    """The op of a checked spec: a MixerOp for a recurrence, a SequenceOp for conv, mix, attend."""
+    if mixer.is_sequence:
+        from .sequence import SequenceOp
+        return SequenceOp(mixer)
+    return MixerOp(mixer)
+
+
+def use_conv_form(plan: Plan, bound) -> bool:
+    """mode="auto" on the torch backend takes the FFT convolution form of a time-invariant spec
+    whose kernel comes from the params alone, from AUTO_MIN_T tokens on (derive/convform.py)."""
+    from ..derive.convform import AUTO_MIN_T, conv_form
+    cf = conv_form(plan)
+    return cf is not None and cf.fft and bound.T >= AUTO_MIN_T
+
+
+def from_text(text: str, filename: str = "<spec>"):
+    op = make_op(parse(text, filename))
     op.prepare()
     return op

@@ -108,7 +108,15 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
         if decl.name not in kwargs:
             raise ArgumentError(f"missing param '{decl.name}' of shape {_fmt(('H',) + decl.shape)}")
         x = kwargs.pop(decl.name)
-        _check_tensor(decl.name, x, ("H",) + decl.shape, sizes, "expected a per-head param", devices)
+        names = ("H",) + decl.shape
+        if decl.shape[:1] == ("T",):
+            # one value (or row) per position: at least as long as the call's positions, which the
+            # sequence runtime checks and slices (runtime/sequence.py); its T axes bind nothing here
+            if isinstance(x, torch.Tensor) and x.dim() != len(names):
+                raise ArgumentError(f"{decl.name}: expected a per-position param of shape {_fmt(names)} (rank "
+                                    f"{len(names)}), got shape {list(x.shape)} (rank {x.dim()})")
+            names = tuple(f"{decl.name}:T{i}" if d == "T" else d for i, d in enumerate(names))
+        _check_tensor(decl.name, x, names, sizes, "expected a per-head param", devices)
         params[decl.name] = x
     for opt in mixer.options:
         if opt.name in kwargs:
@@ -147,10 +155,13 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
             raise ArgumentError("cu_seqlens: not accepted by step(); pass one token per sequence")
         cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T, devices["device"])
     n = B if cu_seqlens is None else len(cu_seqlens) - 1
-    state = _check_state(mixer, initial_state, n, H, {k: v[0] for k, v in sizes.items()},
-                         packed=cu_seqlens is not None, devices=devices,
-                         arg="state" if step else "initial_state")
-    return Bound(B, T, H, {k: v[0] for k, v in sizes.items() if k not in ("B", "T", "H")},
+    if mixer.is_sequence:           # the state is a cache of the past: runtime/sequence.py checks it
+        state = initial_state
+    else:
+        state = _check_state(mixer, initial_state, n, H, {k: v[0] for k, v in sizes.items()},
+                             packed=cu_seqlens is not None, devices=devices,
+                             arg="state" if step else "initial_state")
+    return Bound(B, T, H, {k: v[0] for k, v in sizes.items() if k not in ("B", "T", "H") and ":" not in k},
                  inputs, params, options, flags, state, cu_seqlens)
 
 

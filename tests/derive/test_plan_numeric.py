@@ -13,7 +13,7 @@ from mixc.runtime.signature import bind
 
 from helpers import case_id, random_args
 
-CASES = [(name, {}) for name in library_names()] + [
+CASES = [(name, {}) for name in library_names("recurrent")] + [
     ("linear_attn", {"normalize": True}), ("based", {"use_norm": False}),
     ("delta_rule", {"use_qk_l2norm_in_kernel": True}), ("gated_delta_rule", {"use_qk_l2norm_in_kernel": True}),
 ]

@@ -9,7 +9,8 @@ from mixc.dsl import library_names
 
 from helpers import random_args, random_state
 
-CASES = [(n, {}) for n in library_names()] + [("linear_attn", {"normalize": True}), ("based", {"use_norm": False}),
+# the recurrent specs (sequence mixers have no chunked form: tests/ops/test_sequence_mixers.py)
+CASES = [(n, {}) for n in library_names("recurrent")] + [("linear_attn", {"normalize": True}), ("based", {"use_norm": False}),
                                               ("delta_rule", {"use_qk_l2norm_in_kernel": True})]
 CHUNKED = [(n, f) for n, f in CASES if torch_chunk_supported(mixc.load(n).plan(**f)) is None]
 

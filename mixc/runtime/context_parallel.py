@@ -1,0 +1,241 @@
+"""Context parallelism: `op(..., cp_group=group)` with each rank holding a contiguous shard of
+the sequence (along T; with cu_seqlens, of the packed token stream).
+
+A linear recurrence maps the state at a shard's start affinely to the state at its end:
+S_end = Phi S_start + Z, with Z the shard's final state from a zero start and Phi the
+transition (docs/distributed.md):
+
+    prefix sum                   Phi = 1
+    scalar / key / value /       Phi = exp(sum of the log decay over the shard), per head,
+      elementwise decay                per key, per value or per state element
+    rank-1 (delta rules, RWKV-7) Phi = the product of the tokens' (D_t + l_t r_t^T), a [K, K]
+                                       matrix per head, from the WY form run on S0 = I, v = 0
+
+1. every rank runs its shard from a zero start (or the given initial states of the
+   sequences that start in it): its output is final where no sequence enters the shard, and
+   its last sequence's final state is Z;
+2. the ranks all-gather (Phi, Z): one collective of a few states per rank (_AllGather, whose
+   backward all-reduces the gathered gradients: gloo has no reduce-scatter, and the
+   summaries are small);
+3. a rank whose first sequence started on an earlier rank folds the summaries of the ranks
+   in between into its true initial state and runs its shard again from it.
+
+The backward runs through the same graph: the gradient of each rank's initial state reaches
+the ranks whose (Phi, Z) built it through the all-gather's backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cache import load_module
+from .signature import ArgumentError, Bound, bind, option_values
+
+
+def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool, cu_seqlens, call):
+    """The op on this rank's shard, its true initial state brought in from the earlier ranks.
+    `call(initial_state=..., cu_seqlens=..., output_final_state=...)` runs the op locally."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    bound = bind(op.ir, dict(kwargs, initial_state=None, cu_seqlens=None))
+    plan = op.plan(**bound.flags)
+    if "chunk" not in plan.forms and "scan" not in plan.forms:
+        raise ArgumentError(f"cp_group: mixer '{op.name}' has no chunked form (its transition is "
+                            f"{plan.transition}): context parallelism needs the shard's transition")
+    x0 = next(iter(bound.inputs.values()))
+    T = bound.T
+
+    # the shards' lengths and where this one starts in the whole sequence
+    lengths = torch.zeros(world, dtype=torch.int64)
+    mine = torch.tensor([T], dtype=torch.int64)
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    lengths = torch.cat(gathered)
+    offset = int(lengths[:rank].sum())
+    total = int(lengths.sum())
+
+    # local segments: one per batch row, or the packed sequences cut at the shard's ends
+    if cu_seqlens is not None:
+        if bound.B != 1:
+            raise ArgumentError(f"cu_seqlens: packed sequences need a batch of 1 per shard, got B={bound.B}")
+        cu = [int(c) for c in torch.as_tensor(cu_seqlens).tolist()]
+        if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ArgumentError(f"cu_seqlens: with cp_group, the offsets of the whole packed stream (0 ... "
+                                f"{total}, the sum of the shards' lengths), non-decreasing; got {cu}")
+        cuts = sorted({0, T} | {c - offset for c in cu if offset < c < offset + T})
+        seq_ids = [max(i for i, c in enumerate(cu[:-1]) if c <= offset + a and (cu[i + 1] > offset + a))
+                   for a in cuts[:-1]]
+        enters = offset not in cu
+        local_cu = torch.tensor(cuts, dtype=torch.int64, device=x0.device)
+    else:
+        cuts, seq_ids, enters, local_cu = [0, T], None, rank > 0, None
+    n_local = len(cuts) - 1
+
+    def local_init(entering):
+        """Initial states of the local sequences: `entering` for one that entered from the previous
+        shard, the given initial state for one that starts here, zeros where none is given."""
+        if initial_state is None and entering is None:
+            return None
+        out = {}
+        for s in op.ir.states:
+            shape = tuple(bound.sizes[d] for d in s.shape)
+            rows = []
+            for i in range(n_local if seq_ids is not None else 1):
+                if i == 0 and enters and entering is not None:
+                    rows.append(entering[s.name])
+                elif initial_state is not None and not (i == 0 and enters):
+                    given = initial_state[s.name]
+                    rows.append(given if seq_ids is None else given[seq_ids[i]:seq_ids[i] + 1])
+                else:
+                    n = bound.B if seq_ids is None else 1
+                    rows.append(torch.zeros((n, bound.H) + shape, dtype=torch.float32, device=x0.device))
+            out[s.name] = torch.cat(rows, 0).to(torch.float32)
+        return out
+
+    # 1. this shard from what it knows
+    o, finals = call(initial_state=local_init(None), cu_seqlens=local_cu, output_final_state=True)
+    last = slice(n_local - 1, n_local) if seq_ids is not None else slice(None)
+    Z = {s.name: finals[s.name][last] for s in op.ir.states}
+    Phi = _transition(plan, bound, cuts[-2], T, x0)
+
+    # 2. one all-gather of every rank's summary and its shape of segments
+    flat = [Z[s.name] for s in op.ir.states] + [Phi[s.name] for s in op.ir.states]
+    sizes = [t.numel() for t in flat]
+    packed = torch.cat([t.reshape(-1).to(torch.float64 if x0.dtype == torch.float64 else torch.float32)
+                        for t in flat])
+    everyone = _AllGather.apply(packed, group)
+    meta = torch.tensor([n_local, int(enters)], dtype=torch.int64)
+    metas = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+
+    def unpack(r):
+        parts = torch.split(everyone[r], sizes)
+        names = [s.name for s in op.ir.states]
+        z = {n: p.reshape(Z[n].shape) for n, p in zip(names, parts[:len(names)])}
+        phi = {n: p.reshape(Phi[n].shape) for n, p in zip(names, parts[len(names):])}
+        return z, phi
+
+    # every rank's backward must run the all-gather's backward (a collective): tie it to o
+    o = _Tie.apply(o, everyone)
+    if not enters:
+        return o, (finals if output_final_state else None)
+
+    # 3. fold the ranks the entering sequence crossed, then run this shard again
+    chain = [rank - 1]
+    while metas[chain[-1]][0] == 1 and metas[chain[-1]][1] == 1:
+        chain.append(chain[-1] - 1)
+    state, _ = unpack(chain[-1])
+    for r in reversed(chain[:-1]):
+        z, phi = unpack(r)
+        state = {n: _apply(plan, n, phi[n], state[n]) + z[n] for n in state}
+    o2, finals = call(initial_state=local_init(state), cu_seqlens=local_cu, output_final_state=True)
+    return _Tie.apply(o2, everyone), (finals if output_final_state else None)
+
+
+class _AllGather(torch.autograd.Function):
+    """[W, n]: every rank's x; the backward sums the gradients of the gathered copies over the
+    ranks (one all-reduce) and keeps this rank's row."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+class _Tie(torch.autograd.Function):
+    """o, unchanged; its backward also sends zeros to `tied`, so that every rank runs the
+    backward of the collective that made `tied`, whether or not its output used it."""
+
+    @staticmethod
+    def forward(ctx, o, *tied):
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tied]
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes)
+
+
+def _layout(st: dict):
+    """(permutation from the declared layout to key dims then value dims, and back)."""
+    order = st["kd"] + st["vd"]
+    to = [st["decl"].index(d) for d in order]
+    back = [order.index(d) for d in st["decl"]]
+    return to, back
+
+
+def _transition(plan, bound: Bound, start: int, end: int, x0: torch.Tensor) -> dict:
+    """Phi of every state over tokens [start, end) of this shard, shaped to act on a state in
+    its declared layout [n, H, *dims] (see _apply)."""
+    mod = load_module(plan)
+    dtype = torch.float64 if x0.dtype == torch.float64 else torch.float32
+    x = {n: t[:, start:end].to(dtype) for n, t in bound.inputs.items()}
+    p = {n: t.to(dtype) for n, t in bound.params.items()}
+    opt = {k: torch.tensor(v, dtype=dtype, device=x0.device) for k, v in option_values(plan.ir, bound).items()}
+    n = bound.B if bound.cu_seqlens is None else 1
+    pc = mod.torch_pieces(x, p, opt, dict(bound.sizes), x0.shape[0], end - start, bound.H)
+    out = {}
+    for name, st in mod.TORCH_STATES.items():
+        kind = st["class"]
+        g = pc["g"][name]
+        if kind.startswith("rank1"):
+            out[name] = _rank1_transition(kind, pc, name, g)
+        elif kind == "prefix" or g is None:
+            out[name] = torch.ones((n, bound.H), dtype=dtype, device=x0.device)
+        else:
+            out[name] = g.sum(1).exp()          # [n, H] (scalar), [n, H, KF], [n, H, VF], [n, H, KF, VF]
+    return out
+
+
+def _rank1_transition(kind, pc, name, g):
+    """The [KF, KF] map of a shard of S_t = D_t S_{t-1} + l_t (r_t . S_{t-1}) (+ k v^T, dropped):
+    the chunked WY form (runtime/torch_chunk.py) run on S0 = I with v = 0, chunk by chunk."""
+    from .torch_chunk import _rank1_advance, _rank1_setup
+    L, R, K = pc["L"][name], pc["R"][name], pc["K"][name]
+    n, T, H, KF = K.shape
+    if g is None:                                 # the delta rule: no decay
+        g = torch.zeros(n, T, H, dtype=K.dtype, device=K.device)
+    S = torch.eye(KF, dtype=K.dtype, device=K.device).expand(n, H, KF, KF)
+    C = 32
+    for c0 in range(0, T, C):
+        c1 = min(c0 + C, T)
+        b = g[:, c0:c1].cumsum(1)
+        bb = (b, b[:, -1], torch.cat([torch.zeros_like(b[:, :1]), b[:, :-1]], 1))
+        zero_v = torch.zeros(n, c1 - c0, H, KF, dtype=K.dtype, device=K.device)
+        U, b_key, _ = _rank1_setup(kind, L[:, c0:c1], R[:, c0:c1], K[:, c0:c1], zero_v, S, bb)
+        S = _rank1_advance(L[:, c0:c1], K[:, c0:c1], zero_v, S, U, b_key)
+    return S                                      # S_end = Phi @ S_start over the key axis
+
+
+def _apply(plan, name: str, phi: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """Phi S for a state in its declared layout [n, H, *dims]."""
+    mod = load_module(plan)
+    st = mod.TORCH_STATES[name]
+    to, back = _layout(st)
+    n, H = state.shape[:2]
+    flat = state.permute(0, 1, *[2 + i for i in to])
+    shape = flat.shape
+    kf = int(torch.tensor(shape[2:2 + len(st["kd"])]).prod()) if st["kd"] else 1
+    flat = flat.reshape(n, H, kf, -1).to(phi.dtype)
+    kind = st["class"]
+    if kind.startswith("rank1"):
+        new = torch.einsum("nhij,nhjv->nhiv", phi, flat)
+    elif phi.dim() == 2:                           # a scalar per head (or the prefix sum's 1)
+        new = phi[:, :, None, None] * flat
+    elif kind == "key":
+        new = phi.unsqueeze(-1) * flat
+    elif kind == "value":
+        new = phi.unsqueeze(-2) * flat
+    else:                                          # elementwise: [n, H, KF, VF]
+        new = phi * flat
+    return new.reshape(shape).permute(0, 1, *[2 + i for i in back]).to(state.dtype)

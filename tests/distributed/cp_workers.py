@@ -1,0 +1,93 @@
+"""Worker functions for the multi-process tests (torch.multiprocessing.spawn pickles them by
+name, so they live in a module of their own). Each worker joins a gloo group, draws the same
+inputs as every other rank (same seed), runs the op on the whole sequence itself (the
+single-process result) and on its shard with cp_group, and compares forward and every
+gradient. An assertion in any rank fails the spawning test."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def init(rank: int, world: int, store: str) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def shard_bounds(T: int, world: int, rank: int, lengths=None) -> tuple[int, int]:
+    """Contiguous shards; `lengths` gives uneven ones."""
+    if lengths is None:
+        base = T // world
+        lengths = [base + (1 if r < T % world else 0) for r in range(world)]
+    start = sum(lengths[:rank])
+    return start, start + lengths[rank]
+
+
+def check_cp(rank, world, name, mode, dtype, T, sizes, cu_seqlens=None, lengths=None, tol=1e-5, seed=0):
+    import mixc
+    from helpers import random_args, random_state
+
+    op = mixc.load(name)
+    B = 1 if cu_seqlens is not None else 2
+    H = 2
+    args, sizes = random_args(op.ir, B=B, T=T, H=H, sizes=sizes, dtype=dtype, seed=seed)
+    n_seqs = B if cu_seqlens is None else len(cu_seqlens) - 1
+    init_state = random_state(op.ir, n_seqs, H, sizes)
+    cu = torch.tensor(cu_seqlens) if cu_seqlens is not None else None
+    inputs = {d.name for d in op.ir.inputs}
+
+    # the whole sequence in one process
+    full = {k: v.clone().requires_grad_() for k, v in args.items()}
+    full_init = {k: v.clone().requires_grad_() for k, v in init_state.items()}
+    o, st = op(**full, initial_state=full_init, output_final_state=True, cu_seqlens=cu, mode=mode)
+    gen = torch.Generator().manual_seed(seed + 1)
+    w = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    (o.double() * w).sum().backward()
+
+    # this rank's shard
+    a, b = shard_bounds(T, world, rank, lengths)
+    mine = {k: (v[:, a:b] if k in inputs else v).clone().requires_grad_() for k, v in args.items()}
+    my_init = {k: v.clone().requires_grad_() for k, v in init_state.items()}
+    o_cp, st_cp = op(**mine, initial_state=my_init if rank == 0 or cu is not None else None,
+                     output_final_state=True, cu_seqlens=cu, mode=mode, cp_group=dist.group.WORLD)
+    scale = o.detach().abs().max().item()
+    err = (o_cp.detach().double() - o.detach()[:, a:b].double()).abs().max().item()
+    assert err <= tol * scale, f"{name} rank {rank}: output error {err:.3g} (scale {scale:.3g})"
+    if cu is None and rank == world - 1:
+        for k in st:
+            torch.testing.assert_close(st_cp[k].double(), st[k].detach().double(), rtol=tol, atol=tol * scale)
+    (o_cp.double() * w[:, a:b]).sum().backward()
+
+    for k, x in mine.items():
+        got = x.grad.double()
+        want = full[k].grad.double()
+        if k in inputs:
+            want = want[:, a:b]
+        else:                            # a param's gradient: the sum of the ranks' parts
+            dist.all_reduce(got)
+        gscale = want.abs().max().item() + 1e-30
+        gerr = (got - want).abs().max().item()
+        assert gerr <= tol * max(gscale, 1.0), f"{name} rank {rank}: d{k} error {gerr:.3g} (scale {gscale:.3g})"
+    for k, x in my_init.items():
+        got = x.grad.double() if x.grad is not None else torch.zeros_like(x, dtype=torch.float64)
+        if cu is not None:               # every rank may start sequences: sum the parts
+            dist.all_reduce(got)
+        want = full_init[k].grad
+        want = want.double() if want is not None else torch.zeros_like(got)     # a state the output never reads
+        if cu is None and rank != 0:
+            continue
+        gerr = (got - want).abs().max().item()
+        assert gerr <= tol * max(want.abs().max().item(), 1.0), f"{name} rank {rank}: d init {k} error {gerr:.3g}"
+
+
+def cp_cases(rank: int, world: int, store: str, cases: list) -> None:
+    init(rank, world, store)
+    try:
+        for case in cases:
+            check_cp(rank, world, **case)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
