@@ -62,6 +62,23 @@ def _docstring_safe(text: str) -> str:
     return repr(text)[1:-1].replace('"', '\\"')
 
 
+def op_functions(plan: Plan) -> str:
+    """SPEC_TEXT, FLAGS and the module's op() and step(): the spec text travels as a Python
+    string literal (repr), never as code."""
+    return (f"SPEC_TEXT = {plan.ir.source.text!r}\n"
+            f"SPEC_FILE = {plan.ir.source.filename!r}\n"
+            f"FLAGS = {dict(plan.flags)!r}\n\n\n"
+            "def op(**kwargs):\n"
+            '    """o, state = op(<inputs, params, options>, initial_state=None, output_final_state=False,\n'
+            '    cu_seqlens=None, mode="auto")"""\n'
+            "    from mixc.runtime.op import from_text\n"
+            "    return from_text(SPEC_TEXT, SPEC_FILE)(**FLAGS, **kwargs)\n\n\n"
+            "def step(**kwargs):\n"
+            '    """o, new_state = step(<one token of each input>, state=...)"""\n'
+            "    from mixc.runtime.op import from_text\n"
+            "    return from_text(SPEC_TEXT, SPEC_FILE).step(**FLAGS, **kwargs)\n")
+
+
 def generate(plan: Plan) -> str:
     if plan.sequence is not None:          # conv, mix, attend: a module without kernels
         from .sequence_module import generate_sequence
@@ -85,19 +102,7 @@ def generate(plan: Plan) -> str:
 
     if torch_chunk_supported(plan) is None:
         body += "\n\n" + _env().get_template("torch_chunk.py.j2").render(**torch_hooks(plan))
-    # The spec text travels as a Python string literal (repr), never as code.
-    trailer = (f"\n\n# The op: the same kernels through mixc's autograd.Function and argument checks.\n"
-               f"SPEC_TEXT = {plan.ir.source.text!r}\n"
-               f"SPEC_FILE = {plan.ir.source.filename!r}\n"
-               f"FLAGS = {dict(plan.flags)!r}\n\n\n"
-               "def op(**kwargs):\n"
-               '    """o, state = op(<inputs, params, options>, initial_state=None, output_final_state=False,\n'
-               '    cu_seqlens=None, mode="auto")"""\n'
-               "    from mixc.runtime.op import from_text\n"
-               "    return from_text(SPEC_TEXT, SPEC_FILE)(**FLAGS, **kwargs)\n\n\n"
-               "def step(**kwargs):\n"
-               '    """o, new_state = step(<one token of each input>, state=...)"""\n'
-               "    from mixc.runtime.op import from_text\n"
-               "    return from_text(SPEC_TEXT, SPEC_FILE).step(**FLAGS, **kwargs)\n")
+    trailer = ("\n\n# The op: the same kernels through mixc's autograd.Function and argument checks.\n"
+               + op_functions(plan))
     return (header + "import triton\nimport triton.language as tl\n\n"
             f"METADATA = {pprint.pformat(meta, width=100, sort_dicts=False)}\n\n\n" + body + trailer)

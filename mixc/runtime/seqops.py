@@ -97,6 +97,12 @@ def attention_mask(Tq: int, Tk: int, q0: int, k0: int, causal: bool, window: int
     negative positions are the zero padding of a window cache. None: every key, no mask."""
     qp = torch.arange(Tq, device=device).unsqueeze(1) + q0
     kp = torch.arange(Tk, device=device).unsqueeze(0) + k0
+    ok = _allowed(qp, kp, causal, window)
+    return None if bool(ok.all()) else ok
+
+
+def _allowed(qp, kp, causal: bool, window: int | None):
+    """Query position qp may read key position kp (tensors that broadcast)."""
     ok = kp >= 0
     if causal:
         ok = ok & (kp <= qp)
@@ -104,7 +110,7 @@ def attention_mask(Tq: int, Tk: int, q0: int, k0: int, causal: bool, window: int
             ok = ok & (qp - kp < window)
     elif window is not None:
         ok = ok & ((qp - kp).abs() < window)
-    return None if bool(ok.all()) else ok
+    return ok
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,15 +124,7 @@ def _flex(q, k, v, q0, k0, causal, window):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, i, j):
-        qp, kp = i + q0, j + k0
-        ok = kp >= 0
-        if causal:
-            ok = ok & (kp <= qp)
-            if window is not None:
-                ok = ok & (qp - kp < window)
-        elif window is not None:
-            ok = ok & ((qp - kp).abs() < window)
-        return ok
+        return _allowed(i + q0, j + k0, causal, window)
 
     bm = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device=q.device)
     return _compiled_flex()(q, k, v, block_mask=bm, scale=1.0)
