@@ -209,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--forward-only", action="store_true")
     b.add_argument("-o", "--out", metavar="DIR", help="write DIR/cpu_bench.json (and cpu_bench.png)")
     b.set_defaults(fn=lambda a: __import__("mixc.bench", fromlist=["main"]).main(a))
+    from .recall import add_arguments as recall_arguments     # light: torch loads only when it runs
+    rc = sub.add_parser("recall", help="multi-query associative recall (MQAR): train small models per spec on "
+                                       "the CPU, table and plot of accuracy vs state size")
+    recall_arguments(rc)
+    rc.set_defaults(fn=lambda a: __import__("mixc.recall", fromlist=["main"]).main(a))
     sub.choices["list"].set_defaults(fn=cmd_list)
     return p
 

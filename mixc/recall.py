@@ -1,0 +1,407 @@
+"""`mixc recall`: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology") on the
+CPU, to measure how well a mixer's fixed-size state recalls, against attention and hybrids.
+
+A sequence holds num_kv_pairs key-value pairs, then the keys again as queries, each followed
+by its value. Zoology's layout asks each key once at random places among filler tokens; the
+default here fills every pair slot after the context with a query (mqar(dense=True)):
+
+    k3 v3 k1 v1 k7 v7 ... | 0 0 k1 v1 0 0 0 k7 v7 0 k3 v3 0 ...    (dense=False, Zoology)
+    k3 v3 k1 v1 k7 v7 ... | k1 v1 k7 v7 k1 v1 k3 v3 ...              (dense=True)
+                            ^     ^     ^     ^    the model must predict v1, v7, v1, v3
+
+The loss and the accuracy count only the tokens that answer a query (the value after a
+queried key); training batches mix 1 .. n pairs (RecallConfig.mixed), evaluation has n. Keys and values are drawn without replacement from disjoint halves of the
+vocabulary (token 0 is the filler). A model is trained on fresh batches for each (spec,
+sequence length, width) and scored on held-out sequences; the table gives its accuracy next
+to its state size (floats per sequence in all its mixers' states at that length, a KV
+cache for attention). Writes results.csv, results.md, config.json and recall.png (when
+matplotlib is installed) into the output folder. docs/recall.md.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# torch is imported inside the functions: `mixc --help` and the other commands build this
+# command's parser without paying for it.
+
+IGNORE = -100
+DEFAULT_SPECS = ("linear_attn", "retention", "gla", "mamba2", "delta_rule", "attention", "gla+attention",
+                 "attention+gla")
+
+
+def mqar(batch: int, seq_len: int, num_kv_pairs: int, vocab_size: int,
+         generator=None, dense: bool = False):
+    """A batch of MQAR sequences: (inputs [batch, seq_len] int64, targets [batch, seq_len] with
+    the answer where inputs holds a queried key and IGNORE elsewhere). Keys come from tokens
+    1 .. vocab/2 - 1, values from vocab/2 .. vocab - 1; 0 fills the gaps.
+
+    dense=False is Zoology's layout: each key queried once, at random pair slots after the
+    context. dense=True fills every pair slot after the context with a query of a random key
+    (keys repeat), so a sequence gives (seq_len - 2 n) / 2 answers instead of n: the same
+    recall, more signal per sequence (what makes CPU training in minutes possible)."""
+    import torch
+    half = vocab_size // 2
+    n = num_kv_pairs
+    if n < 1 or n > half - 1:
+        raise ValueError(f"num_kv_pairs: expected 1 .. {half - 1} for vocab_size {vocab_size}, got {n}")
+    if seq_len < 4 * n:
+        raise ValueError(f"seq_len: {n} key-value pairs and their {n} queries need seq_len >= {4 * n}, got {seq_len}")
+    g = generator
+    keys = torch.rand(batch, half - 1, generator=g).argsort(-1)[:, :n] + 1
+    values = torch.rand(batch, vocab_size - half, generator=g).argsort(-1)[:, :n] + half
+    inputs = torch.zeros(batch, seq_len, dtype=torch.long)
+    inputs[:, 0:2 * n:2], inputs[:, 1:2 * n:2] = keys, values
+    slots = (seq_len - 2 * n) // 2
+    if dense:
+        where = (2 * n + 2 * torch.arange(slots)).expand(batch, slots)
+        order = torch.randint(0, n, (batch, slots), generator=g)                       # which key asked where
+    else:
+        where = 2 * n + 2 * torch.rand(batch, slots, generator=g).argsort(-1)[:, :n]    # distinct pair slots
+        order = torch.rand(batch, n, generator=g).argsort(-1)                            # each key once
+    qk, qv = keys.gather(1, order), values.gather(1, order)
+    inputs.scatter_(1, where, qk)
+    inputs.scatter_(1, where + 1, qv)
+    targets = torch.full_like(inputs, IGNORE)
+    targets.scatter_(1, where, qv)               # at the key's position, predict the next token
+    return inputs, targets
+
+
+@dataclass
+class RecallConfig:
+    specs: tuple[str, ...] = DEFAULT_SPECS     # 'a+b' is a hybrid: the layers cycle a, b
+    lengths: tuple[int, ...] = (32, 64)
+    widths: tuple[int, ...] = (32, 64)
+    kv_per_token: float = 1 / 4                # num_kv_pairs = seq_len * this
+    dense: bool = True                         # every slot after the context a query (mqar())
+    mixed: bool = True                         # training batches hold 1 .. n pairs (uniform), eval n
+    vocab_size: int = 64
+    n_layers: int = 2
+    head_dim: int = 16                         # n_heads = width // head_dim
+    steps: int = 400
+    batch: int = 32
+    lr: float = 1e-2
+    weight_decay: float = 0.1
+    eval_sequences: int = 512
+    seed: int = 0
+    mode: str = "torch"                        # the ops' mode: the torch backend on the CPU
+    jobs: int = 1                              # models trained at once, in worker processes
+    layer_kwargs: dict = field(default_factory=dict)
+
+    def kv_pairs(self, seq_len: int) -> int:
+        return max(1, int(round(seq_len * self.kv_per_token)))
+
+
+def stack(pattern: str, n_layers: int) -> list[str]:
+    """'gla' -> [gla] * n; 'gla+attention' -> gla, attention, gla, attention, ... (n layers)."""
+    parts = [p for p in pattern.split("+") if p]
+    if not parts:
+        raise ValueError(f"spec pattern {pattern!r}: expected NAME or NAME+NAME...")
+    return [parts[i % len(parts)] for i in range(n_layers)]
+
+
+def build_model(pattern: str, width: int, cfg: RecallConfig):
+    from .nn import MixerLM
+    heads = max(1, width // cfg.head_dim)
+    return MixerLM(cfg.vocab_size, width, cfg.n_layers, stack(pattern, cfg.n_layers), n_heads=heads,
+                   mode=cfg.mode, layer_kwargs=cfg.layer_kwargs)
+
+
+def _lr(step: int, steps: int, lr: float) -> float:
+    """Linear warm-up over the first 10% of steps, then cosine decay to 10% of lr."""
+    warm = max(1, steps // 10)
+    if step < warm:
+        return lr * (step + 1) / warm
+    p = (step - warm) / max(1, steps - warm)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def evaluate(model, seq_len: int, cfg: RecallConfig, batch: int = 128) -> float:
+    """Accuracy on held-out sequences (the same ones for every model: a fixed seed)."""
+    import torch
+    g = torch.Generator().manual_seed(10_000 + cfg.seed)
+    right = total = 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, cfg.eval_sequences, batch):
+            x, y = mqar(min(batch, cfg.eval_sequences - start), seq_len, cfg.kv_pairs(seq_len), cfg.vocab_size,
+                        g, dense=cfg.dense)
+            pred = model(x)[0].argmax(-1)
+            mask = y != IGNORE
+            right += (pred[mask] == y[mask]).sum().item()
+            total += mask.sum().item()
+    model.train()
+    return right / total
+
+
+def train_one(pattern: str, seq_len: int, width: int, cfg: RecallConfig, progress=None) -> dict:
+    """Train one model on fresh MQAR batches; return its row of the table."""
+    import torch
+    import torch.nn.functional as F
+    torch.manual_seed(cfg.seed)
+    model = build_model(pattern, width, cfg)
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and "param_" not in n]
+    other = [p for n, p in model.named_parameters() if p.requires_grad and not (p.dim() >= 2 and "param_" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    g = torch.Generator().manual_seed(cfg.seed)
+    n = cfg.kv_pairs(seq_len)
+    t0 = time.perf_counter()
+    loss_v = float("nan")
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg.steps, cfg.lr)
+        # Zoology trains on a mixture of pair counts; the easy sequences teach the lookup early
+        k = int(torch.randint(1, n + 1, (), generator=g)) if cfg.mixed else n
+        x, y = mqar(cfg.batch, seq_len, k, cfg.vocab_size, g, dense=cfg.dense)
+        logits, _ = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        # a smoothed loss for the progress line
+        loss_v = loss.item() if step == 0 else 0.9 * loss_v + 0.1 * loss.item()
+        if progress is not None:
+            progress(step + 1, loss_v)
+    train_s = time.perf_counter() - t0
+    acc = evaluate(model, seq_len, cfg)
+    with torch.no_grad():
+        _, state = model(torch.zeros(1, seq_len, dtype=torch.long), use_cache=True)
+    return {"spec": pattern, "layers": "/".join(model.specs), "seq_len": seq_len, "width": width,
+            "kv_pairs": n, "state_size": model.state_size(state),
+            "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "accuracy": round(acc, 4), "final_loss": round(loss_v, 4), "train_s": round(train_s, 1)}
+
+
+class Progress:
+    """A progress bar on stderr: runs done, the running model's step and loss (redrawn in place
+    on a terminal; with jobs > 1 only finished runs are shown), the time spent and left."""
+
+    def __init__(self, costs: list[float], steps: int, stream=None):
+        self.total, self.steps = len(costs), steps
+        self.weights = [c / sum(costs) for c in costs] if costs else []   # the time left weighs runs by cost
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.done = 0
+        self.frac = 0.0
+        self.weight = 0.0
+        self.label = ""
+
+    def start(self, label: str, cost_index: int) -> None:
+        self.label = label
+        self.weight = self.weights[cost_index]
+
+    def _bar(self, frac: float) -> str:
+        el = time.perf_counter() - self.t0
+        eta = el / frac - el if frac > 0 else 0.0
+        return f"[{'#' * int(24 * frac):<24}] {el / 60:.1f} min, ~{eta / 60:.1f} min left"
+
+    def __call__(self, step: int, loss: float) -> None:
+        """Within a run (a terminal only: a log gets one line per run)."""
+        if self.tty:
+            line = (f"{self._bar(self.frac + self.weight * step / self.steps)} | run {self.done + 1}/{self.total} "
+                    f"{self.label} step {step}/{self.steps} loss {loss:.3f}")
+            self.stream.write("\r" + line[:150].ljust(150))
+            self.stream.flush()
+
+    def finish_run(self, row: dict, cost_index: int) -> None:
+        self.done += 1
+        self.frac += self.weights[cost_index]
+        line = (f"{self._bar(self.frac)} | {self.done}/{self.total} {row['spec']} T={row['seq_len']} "
+                f"d={row['width']}: accuracy {row['accuracy']:.3f}, state {row['state_size']}, {row['train_s']:.0f} s")
+        self.stream.write(("\r" if self.tty else "") + line.ljust(150 if self.tty else 0) + "\n")
+        self.stream.flush()
+
+
+# Relative cost of a training step on the CPU (the torch backend), from the train_s of the
+# committed run (linear_attn = 1), to hand the slowest models to the workers first so that
+# none is left running alone at the end, and to weigh the time left. Only the order of work.
+_STEP_COST = {"delta_rule": 4.5, "gated_delta_rule": 4.5, "rwkv7": 4.5, "gla": 2.0, "based": 2.0,
+              "attention": 0.8}
+
+
+def _cost(run) -> float:
+    pattern, T, d = run
+    parts = [p for p in pattern.split("+") if p]
+    return T * d * sum(_STEP_COST.get(p, 1.0) for p in parts) / len(parts)
+
+
+def _train_in_worker(args) -> dict:
+    import torch
+    pattern, T, d, cfg, threads = args
+    torch.set_num_threads(threads)
+    return train_one(pattern, T, d, cfg)
+
+
+def run(cfg: RecallConfig, out: Path | None = None, stream=None) -> list[dict]:
+    """Train every (spec, length, width) of cfg; write the results to out when given."""
+    runs = [(s, T, d) for T in cfg.lengths for d in cfg.widths for s in cfg.specs]
+    bar = Progress([_cost(r) for r in runs], cfg.steps, stream)
+    t0 = time.perf_counter()
+    if cfg.jobs > 1:
+        # one model per worker process, each on its share of the cores (small models use one
+        # core poorly with threads; processes side by side use them fully)
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        threads = max(1, (os.cpu_count() or 1) // cfg.jobs)
+        done = {}
+        with ProcessPoolExecutor(cfg.jobs, mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_train_in_worker, (s, T, d, cfg, threads)): (s, T, d)
+                       for s, T, d in sorted(runs, key=_cost, reverse=True)}
+            for f in as_completed(futures):
+                done[futures[f]] = f.result()
+                bar.finish_run(done[futures[f]], runs.index(futures[f]))
+        rows = [done[r] for r in runs]
+    else:
+        rows = []
+        for i, (s, T, d) in enumerate(runs):
+            bar.start(f"{s} T={T} d={d}", i)
+            rows.append(train_one(s, T, d, cfg, bar))
+            bar.finish_run(rows[-1], i)
+    total = time.perf_counter() - t0
+    if out is not None:
+        write(rows, cfg, Path(out), total)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one row per spec, a column per (length, width): accuracy (state size)."""
+    cols = sorted({(r["seq_len"], r["width"]) for r in rows})
+    specs = list(dict.fromkeys(r["spec"] for r in rows))
+    at = {(r["spec"], r["seq_len"], r["width"]): r for r in rows}
+    head = "| spec | " + " | ".join(f"T={T}, d={d} ({rows_kv(rows, T)} pairs)" for T, d in cols) + " |"
+    lines = [head, "|---|" + "---|" * len(cols)]
+    for s in specs:
+        cells = []
+        for T, d in cols:
+            r = at.get((s, T, d))
+            cells.append(f"{r['accuracy']:.3f} ({_size(r['state_size'])})" if r else "")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rows_kv(rows, T) -> int:
+    return next(r["kv_pairs"] for r in rows if r["seq_len"] == T)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024:.0f}K" if n >= 10_240 else (f"{n / 1024:.1f}K" if n >= 1024 else str(n))
+
+
+def write(rows: list[dict], cfg: RecallConfig, out: Path, total_s: float) -> None:
+    import torch
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    summed = round(sum(r["train_s"] for r in rows) / 60, 2)       # the runs' own times, added up
+    meta = dict(asdict(cfg), total_minutes=round(total_s / 60, 2), train_minutes_summed=summed,
+                torch=torch.__version__, cpus=os.cpu_count())
+    (out / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+    md = ["# MQAR recall", "",
+          f"{cfg.n_layers} layers, head dim {cfg.head_dim}, vocab {cfg.vocab_size}, {cfg.steps} steps of "
+          f"{cfg.batch} sequences, lr {cfg.lr}, {cfg.eval_sequences} held-out sequences; "
+          f"{total_s / 60:.1f} min in all ({cfg.jobs} job{'s' if cfg.jobs > 1 else ''} on {os.cpu_count()} CPU cores).",
+          "Cells: accuracy on the queries (state size: floats per sequence in the mixers' states).", "",
+          table(rows), ""]
+    (out / "results.md").write_text("\n".join(md))
+    plotted = plot(rows, out / "recall.png")
+    print(f"wrote {out / 'results.md'}, results.csv, config.json"
+          + (", recall.png" if plotted else " (no plot: matplotlib is not installed; pip install mixc[bench])"))
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """Accuracy against state size, one panel per sequence length, a line per spec over the
+    widths. False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    lengths = sorted({r["seq_len"] for r in rows})
+    specs = list(dict.fromkeys(r["spec"] for r in rows))
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for ax, T in zip(axes[0], lengths):
+        for s in specs:
+            pts = sorted((r["state_size"], r["accuracy"], r["width"]) for r in rows
+                         if r["spec"] == s and r["seq_len"] == T)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=s)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("state size (floats per sequence)")
+        ax.set_title(f"T = {T}, {rows_kv(rows, T)} key-value pairs")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MQAR accuracy")
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def add_arguments(p) -> None:
+    d = RecallConfig()
+    p.add_argument("--specs", default=",".join(d.specs),
+                   help="comma-separated spec names; 'a+b' is a hybrid whose layers cycle a, b")
+    p.add_argument("--lengths", default=",".join(map(str, d.lengths)), help="sequence lengths")
+    p.add_argument("--widths", default=",".join(map(str, d.widths)), help="model widths (d_model)")
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps per model")
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--kv-per-token", type=float, default=d.kv_per_token,
+                   help="key-value pairs per token of the sequence (default 1/4: 16 pairs at T = 64)")
+    p.add_argument("--queries", choices=("dense", "once"), default="dense",
+                   help="dense: every slot after the context a query; once: each key asked once among "
+                        "filler (Zoology's layout)")
+    p.add_argument("--fixed-pairs", action="store_true",
+                   help="train on n pairs only (default: a mixture of 1 .. n pairs per batch)")
+    p.add_argument("--vocab", type=int, default=d.vocab_size)
+    p.add_argument("--layers", type=int, default=d.n_layers)
+    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    p.add_argument("--eval", type=int, default=d.eval_sequences, help="held-out sequences")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--mode", default=d.mode, help="the ops' mode (torch: the CPU backend)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="models trained at once in worker processes (default: 2 where there are 2 cores)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads with --jobs 1 (0: torch's default)")
+    p.add_argument("-o", "--out", metavar="DIR", help="write results.md/.csv, config.json, recall.png to DIR")
+
+
+def config_from_args(a) -> RecallConfig:
+    return RecallConfig(specs=tuple(s for s in a.specs.split(",") if s), lengths=_ints(a.lengths),
+                        widths=_ints(a.widths), kv_per_token=a.kv_per_token, vocab_size=a.vocab,
+                        dense=a.queries == "dense", mixed=not a.fixed_pairs,
+                        n_layers=a.layers, head_dim=a.head_dim, steps=a.steps, batch=a.batch, lr=a.lr,
+                        eval_sequences=a.eval, seed=a.seed, mode=a.mode, jobs=a.jobs)
+
+
+def main(a) -> int:
+    import torch
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = config_from_args(a)
+    from .dsl import library_names
+    missing = sorted({p for s in cfg.specs for p in s.split("+") if p} - set(library_names())
+                     - {p for s in cfg.specs for p in s.split("+") if p.endswith(".mix") and os.path.exists(p)})
+    if missing:
+        print(f"error: no spec named {', '.join(missing)}; library specs: {', '.join(library_names())}",
+              file=sys.stderr)
+        return 1
+    rows = run(cfg, Path(a.out) if a.out else None)
+    print(table(rows))
+    return 0
