@@ -8,6 +8,7 @@ import triton
 
 from ..codegen.recurrent import split_dim, tile_dim
 from ..derive.plan import Plan
+from . import autotune
 from .cache import interpreting, load_module
 from .reference import _options
 from .signature import Bound
@@ -33,12 +34,15 @@ RECURRENT_TILE = 32
 RECURRENT_SPLIT = 64
 
 
-def dim_kwargs(plan: Plan, bound: Bound) -> dict:
+def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) -> dict:
+    """Sizes and blocks of the recurrent kernels; a tuned config may set the tile and split blocks."""
     kw = {}
     tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
+    tile_block = config.tile if config is not None and config.tile else RECURRENT_TILE
+    split_block = config.split if config is not None and config.split else RECURRENT_SPLIT
     for d in plan.ir.dim_names:
         kw[f"_size_{d}"] = bound.sizes[d]
-        limit = RECURRENT_TILE if d == tile else RECURRENT_SPLIT if d == split else None
+        limit = tile_block if d == tile else split_block if d == split else None
         kw[f"_BLOCK_{d}"] = block(bound.sizes[d]) if limit is None else min(block(bound.sizes[d]), limit)
     return kw
 
@@ -129,22 +133,60 @@ def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out
 
     Returns (o, final states or None, checkpoints or None): with checkpoints=True the state at
     the start of every chunk of CK tokens is kept for the backward ([slots, H, *dims])."""
-    return _forward(plan, bound, "recurrent_fwd", output_final_state=output_final_state, checkpoints=checkpoints,
-                    chunk_tokens=CK, out_dtype=out_dtype, CK=CK, **dim_kwargs(plan, bound))
+    def run(cfg):
+        kw = dim_kwargs(plan, bound, cfg) | (cfg.launch() if cfg is not None else {})
+        return _forward(plan, bound, "recurrent_fwd", output_final_state=output_final_state,
+                        checkpoints=checkpoints, chunk_tokens=CK, out_dtype=out_dtype, CK=CK, **kw)
+    return run(_tuned(plan, bound, "recurrent_fwd", run))
 
 
 def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None,
                        CK: int = 32):
     """Gradients of the inputs ([B, T, H, ...], their dtypes), the params ([H, ...]) and the
     initial states ([N, H, ...] float32) from the output's and the final states' gradients."""
-    kw = dim_kwargs(plan, bound)
-    programs = bound.n_seqs * bound.H * n_tiles(plan, bound, kw) * n_splits(plan, bound, kw)
+    def run(cfg):
+        kw = dim_kwargs(plan, bound, cfg)
+        programs = bound.n_seqs * bound.H * n_tiles(plan, bound, kw) * n_splits(plan, bound, kw)
 
-    def per_state(s, shape, dfin, dinit, device):
-        scratch = _empty((programs * CK,) + shape, torch.float32, device)
-        return [ckpts[s.name], scratch, dfin if dfin is not None else scratch, dinit]
+        def per_state(s, shape, dfin, dinit, device):
+            scratch = _empty((programs * CK,) + shape, torch.float32, device)
+            return [ckpts[s.name], scratch, dfin if dfin is not None else scratch, dinit]
 
-    return _backward(plan, bound, "recurrent_bwd", per_state, do, dfinal, CK=CK, **kw)
+        return _backward(plan, bound, "recurrent_bwd", per_state, do, dfinal, CK=CK, **kw,
+                         **(cfg.launch() if cfg is not None else {}))
+    return run(_tuned(plan, bound, "recurrent_bwd", run))
+
+
+def _tuned(plan: Plan, bound: Bound, form: str, run, C: int | None = None) -> autotune.Config | None:
+    """The launch config of one kernel form: None (the untuned launch, exactly as before
+    autotuning existed) under the interpreter and on CPU tensors; on CUDA the config chosen by
+    mixc.runtime.autotune for this key (timed on the first call, then cached)."""
+    x0 = next(iter(bound.inputs.values()))
+    if not autotune.active(x0.device):
+        return None
+    programs = bound.n_seqs * bound.H
+    if form.startswith("recurrent"):
+        kw = dim_kwargs(plan, bound)
+        programs *= n_tiles(plan, bound, kw) * n_splits(plan, bound, kw)
+    k = autotune.key(plan, form, bound.sizes, x0.dtype, programs, x0.device, C)
+    return autotune.pick(k, autotune.configs(plan, form, bound.sizes), run)
+
+
+def chunk_size_for(plan: Plan, bound: Bound) -> int:
+    """C for the chunked kernels: chunk_size(plan), or on CUDA the fastest forward + backward
+    over autotune.chunk_candidates(plan) for these dims, dtype and parallelism (cached). While
+    torch.compile traces, the default (C is a Python int in the traced call)."""
+    x0 = next(iter(bound.inputs.values()))
+    if not autotune.active(x0.device) or torch.compiler.is_compiling():
+        return chunk_size(plan)
+
+    def run(cfg):
+        _, _, ck = chunk_forward(plan, bound, output_final_state=False, checkpoints=True, C=cfg.C)
+        o_shape = (bound.B, bound.T, bound.H) + tuple(bound.sizes[d] for d in plan.ir.output.expr.shape)
+        chunk_backward(plan, bound, ck, torch.ones(o_shape, dtype=x0.dtype, device=x0.device), None, C=cfg.C)
+
+    k = autotune.key(plan, "chunk", bound.sizes, x0.dtype, bound.n_seqs * bound.H, x0.device)
+    return autotune.pick(k, autotune.configs(plan, "chunk"), run).C
 
 
 def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, dfinal: dict | None, **launch):
@@ -223,10 +265,12 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
     blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
     blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})     # tl.dot needs 16
     x0 = next(iter(bound.inputs.values()))
-    out, finals, ckpts = _forward(plan, bound, "chunk_fwd", output_final_state=output_final_state,
-                                  checkpoints=checkpoints, chunk_tokens=C, out_dtype=out_dtype, **blocks, _BLOCK__T=C,
-                                  _BLOCK__1=16, DOT=_dot_code(x0.dtype))
-    return out, finals, ckpts
+
+    def run(cfg):
+        return _forward(plan, bound, "chunk_fwd", output_final_state=output_final_state, checkpoints=checkpoints,
+                        chunk_tokens=C, out_dtype=out_dtype, **blocks, _BLOCK__T=C, _BLOCK__1=16,
+                        DOT=_dot_code(x0.dtype), **(cfg.launch() if cfg is not None else {}))
+    return run(_tuned(plan, bound, "chunk_fwd", run, C))
 
 
 def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C: int):
@@ -240,5 +284,8 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
         return [ckpts[s.name], dfin if dfin is not None else dinit, dinit]
 
     x0 = next(iter(bound.inputs.values()))
-    return _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, **blocks, _BLOCK__T=C, _BLOCK__1=16,
-                     DOT=_dot_code(x0.dtype))
+
+    def run(cfg):
+        return _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, **blocks, _BLOCK__T=C, _BLOCK__1=16,
+                         DOT=_dot_code(x0.dtype), **(cfg.launch() if cfg is not None else {}))
+    return run(_tuned(plan, bound, "chunk_bwd", run, C))

@@ -30,7 +30,7 @@ from ..dsl import MixerIR, parse, read_spec
 from . import reference as _reference
 from .cache import interpreting
 from ..codegen.chunk import chunk_supported, torch_chunk_supported
-from .launch import chunk_size
+from .launch import chunk_size, chunk_size_for
 from .signature import ArgumentError, bind, option_values
 
 MODES = ("auto", "recurrent", "chunk", "conv", "torch", "reference")
@@ -99,7 +99,7 @@ class MixerOp:
                     raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
                                         "use mode='recurrent'")
             else:
-                return self._kernels(bound, output_final_state, chunk_size(plan) if chunk is None else chunk, True)
+                return self._kernels(bound, output_final_state, chunk_size_for(plan, bound) if chunk is None else chunk, True)
         return self._kernels(bound, output_final_state, CK, False)
 
     def _kernels(self, bound, output_final_state: bool, CK: int, chunked: bool):

@@ -31,13 +31,40 @@ def test_readme_main_job(tmp_path):
 
 
 def test_gpu_check_dry_run(tmp_path):
-    """bench/gpu_check runs end to end on the CPU (interpreter, tiny shapes) and writes its JSON."""
+    """bench/gpu_check runs end to end on the CPU (interpreter, tiny shapes, two phase-1
+    processes) and writes its JSON: correctness at every chunk size the autotuner may pick, the
+    warm-up tasks, fla's shapes and the sweep (fla recorded as not run, with the reason), decode
+    (eager, the reason recorded), the plots and the table."""
     import json
+    specs = ["simple_gla", "gla", "delta_rule"]
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check"), "--dry-run", "--specs", "simple_gla",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                        "--timing-specs", *specs, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert [(r["mode"], r["dtype"], r["ok"]) for r in res["correctness"]] == [
         ("recurrent", "float32", True), ("recurrent", "bfloat16", True),
-        ("chunk", "float32", True), ("chunk", "bfloat16", True)]
-    assert res["timing"] and all("fwd_ms" in r for r in res["timing"])
+        ("chunk", "float32", True), ("chunk", "bfloat16", True),
+        ("chunk C=32", "float32", True), ("chunk C=32", "bfloat16", True)]
+    assert res["warmup"] and not [w for w in res["warmup"] if "error" in w]
+    assert {w["task"]["kind"] for w in res["warmup"]} == {"warm_mixc", "warm_decode"}
+    timed = [r for r in res["timing"] if "ms" in r]
+    assert {(r["section"], r["spec"], r["impl"], r["pass"]) for r in timed} == {
+        (sec, s, "mixc", p) for sec in ("fla_set", "sweep") for s in specs for p in ("fwd", "fwd_bwd")} | {
+        (sec, "attention", "sdpa", p) for sec in ("fla_set", "sweep") for p in ("fwd", "fwd_bwd")}
+    assert all(r["ms"] > 0 and r["tflops"] > 0 and r["floor_x"] > 0 for r in timed)
+    assert all("ratio_sdpa" in r for r in timed if r["impl"] == "mixc")
+    assert {r["T"] for r in timed if r["section"] == "sweep"} == {32, 128}
+    fla_rows = [r for r in res["timing"] if r["impl"] == "fla"]
+    assert fla_rows and all("skipped" in r for r in fla_rows)
+    assert res["fla"]                                         # why fla did not run, in words
+    dec = [r for r in res["decode"] if "ms" in r]
+    assert {r["spec"] for r in dec if r["impl"] == "mixc"} == set(specs)
+    assert sorted(r["context"] for r in dec if r["impl"] == "sdpa") == [16, 64]
+    assert all(r["graph"] is False and "CUDA graphs" in r["note"] for r in dec)
+    assert "correctness: 6 passed, 0 failed" in p.stdout and "decode (one step" in p.stdout
+    plots = {x.name for x in tmp_path.glob("*.png")}
+    try:
+        import matplotlib  # noqa: F401
+        assert plots == {"timing.png", "sweep.png", "decode.png"}
+    except ImportError:
+        assert res["plots"] == "matplotlib not importable"

@@ -1,0 +1,66 @@
+"""Section (a): the kernels of one library spec on the device against the float64 reference
+(computed on the CPU): every kernel mode it has, fp32 and bf16 inputs, the output, the final
+states and every gradient (inputs, params, initial state). The chunked kernels are checked at
+every chunk size the autotuner may choose (mode "chunk C=32": mixc.runtime.autotune's
+candidates after the default); warps and stages do not change the arithmetic."""
+from __future__ import annotations
+
+import time
+import traceback
+
+TOL = {"float32": 2e-3, "bfloat16": 2e-2}          # TF32 / bf16 matmuls on a GPU
+
+
+def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
+    import torch
+
+    import mixc
+    from mixc.codegen.chunk import chunk_supported
+    from mixc.runtime.autotune import chunk_candidates
+    from mixc.runtime.inputs import random_args, random_state
+
+    B, T, H, D = (1, 20, 1, 16) if dry else (2, 130, 2, 32)
+    op = mixc.load(spec)
+    modes = [("recurrent", None)]
+    if chunk_supported(op.plan()) is None:
+        modes += [("chunk", None)] + [("chunk", C) for C in chunk_candidates(op.plan())[1:]]
+    rows = []
+    for mode, C in modes:
+        for dtype in (torch.float32, torch.bfloat16):
+            row = {"spec": spec, "mode": mode if C is None else f"chunk C={C}", "dtype": str(dtype).replace("torch.", "")}
+            try:
+                kw, sizes = random_args(op.ir, B=B, T=T, H=H, sizes={d.name: D for d in op.ir.dims if not d.alias_of},
+                                        seed=1)
+                st = random_state(op.ir, B, H, sizes)
+                dev = {k: v.to(device=device, dtype=dtype).requires_grad_(True) for k, v in kw.items()}
+                st_dev = {k: v.to(device).requires_grad_(True) for k, v in st.items()}
+                t0 = time.perf_counter()
+                o, fin = op(**dev, initial_state=st_dev, output_final_state=True, mode=mode,
+                            **({"chunk": C} if C else {}))
+                loss = o.float().square().sum() + sum(v.sum() for v in fin.values())
+                loss.backward()
+                row["seconds"] = round(time.perf_counter() - t0, 3)
+                ref_in = {k: v.detach().cpu().double().requires_grad_(True) for k, v in dev.items()}
+                ref_st = {k: v.detach().cpu().double().requires_grad_(True) for k, v in st_dev.items()}
+                ro, rfin = op.reference(**ref_in, initial_state=ref_st, output_final_state=True)
+                (ro.square().sum() + sum(v.sum() for v in rfin.values())).backward()
+
+                def rel(a, b):
+                    return ((a.detach().cpu().double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+                row["output_rel_err"] = rel(o, ro)
+                row["state_rel_err"] = max(rel(fin[k], rfin[k]) for k in rfin)
+                row["grad_rel_err"] = max(rel(dev[k].grad, ref_in[k].grad) for k in dev)
+                row["ok"] = bool(max(row["output_rel_err"], row["state_rel_err"], row["grad_rel_err"])
+                                 < TOL[row["dtype"]] and torch.isfinite(o).all())
+            except Exception as err:                  # noqa: BLE001 - a failure is a result: keep going
+                row["ok"] = False
+                row["error"] = f"{type(err).__name__}: {err}"[:2000]
+                traceback.print_exc()
+            rows.append(row)
+    return rows
+
+
+def line(row: dict) -> str:
+    errs = " ".join(f"{k}={row[k]:.1e}" for k in ("output_rel_err", "state_rel_err", "grad_rel_err") if k in row)
+    return (f"{row['spec']:20s} {row['mode']:11s} {row['dtype']:8s} " + ("ok " if row["ok"] else "FAIL ") + errs
+            + (f"  {row.get('error', '')[:120]}" if not row["ok"] else ""))

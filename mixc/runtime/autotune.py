@@ -1,0 +1,240 @@
+"""Autotuning of the generated kernels' launch on CUDA: chunk size, tile and split blocks,
+warps and stages, chosen by timing a configuration list generated per transition class.
+
+Why not the `@triton.autotune` decorator: the chunk size C fixes the layout of the
+checkpoints the backward reads (slot = chunk index), and the recurrent kernels' tile and
+split blocks fix the grid and the partial-gradient buffers the host allocates and sums. Those
+are host decisions, so the tuner times whole launches (`launch.chunk_forward`, ...) with
+Triton's benchmarker, the one `triton.autotune` uses, and caches the winner per key:
+
+    key = (spec hash, flags, kernel form, dim sizes, input dtype, C where fixed,
+           parallelism bucket: programs below / at least the device's SM count, device name)
+
+in a dict (the second call pays one dict lookup) and on disk, one JSON file per key under
+`$MIXC_CACHE_DIR/autotune/` (written atomically; keyed also by the mixc and Triton versions).
+
+Never tuned: under Triton's interpreter (the CPU path the tests take: the launch is exactly
+the untuned one), during CUDA-graph capture or torch.compile tracing (the cached or the
+default config), or with MIXC_AUTOTUNE=0. MIXC_AUTOTUNE=compile launches every config once
+(compiles it into Triton's disk cache) without timing or caching a choice, and
+MIXC_AUTOTUNE_SHARD=i/n restricts that to every n-th config from the i-th: bench/gpu_check's
+parallel warm-up processes split the compiles so."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+
+from ..derive.plan import Plan
+
+# Triton's defaults for a CUDA launch without num_warps / num_stages: the untuned launch.
+DEFAULT_WARPS, DEFAULT_STAGES = 4, 3
+FORMS = ("chunk", "chunk_fwd", "chunk_bwd", "recurrent_fwd", "recurrent_bwd")
+
+_CACHE: dict[tuple, "Config"] = {}
+STATS = {"tuned": 0, "memory_hits": 0, "disk_hits": 0}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration. C: the chunk size (form "chunk"); tile / split: the recurrent
+    kernels' blocks of the tile and split dims (None where the spec has no such dim)."""
+    num_warps: int = DEFAULT_WARPS
+    num_stages: int = DEFAULT_STAGES
+    C: int | None = None
+    tile: int | None = None
+    split: int | None = None
+
+    def launch(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def mode() -> str:
+    """MIXC_AUTOTUNE: "1" (default: tune on CUDA), "0" (never), "compile" (launch every config once)."""
+    v = os.environ.get("MIXC_AUTOTUNE", "1").strip().lower()
+    return {"": "1", "on": "1", "true": "1", "off": "0", "false": "0"}.get(v, v)
+
+
+def active(device: torch.device) -> bool:
+    """Tuning applies to compiled kernels on CUDA only: never under the interpreter."""
+    from .cache import interpreting
+    return device.type == "cuda" and not interpreting() and mode() != "0"
+
+
+# ---- the configuration lists, per transition class ----
+
+def chunk_candidates(plan: Plan) -> list[int]:
+    """C values for the chunked kernels: the class's default (launch.chunk_size) first, then
+    half of it where the intra-chunk term is a [C, C] matrix (scalar decay, prefix sum, the
+    rank-1 class with a scalar decay). The [C, C, dim] blocks of the key- and value-diagonal
+    classes stay at 16 (32 would hold 32 x 32 x K values)."""
+    from .launch import chunk_size
+    c0 = chunk_size(plan)
+    out = [c0]
+    if c0 // 2 >= 16:
+        out.append(c0 // 2)
+    return out
+
+
+def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[Config]:
+    """The configuration list of one kernel form of a plan; the untuned launch comes first.
+
+    chunk:          C in chunk_candidates(plan) (warps and stages tuned per C by the next two)
+    chunk_fwd/bwd:  num_warps in {4, 8} x num_stages in {3, 1}: the state and the [C, dim] tiles
+                    live in registers, and 8 warps halve what each thread holds; one stage (no
+                    software pipelining) needs the least shared memory. The sm_90 static report
+                    (bench/README.md) at K = V = 128: 4 warps spill, and the backward of the
+                    scalar-decay class needs 392 KiB of shared memory at 3 stages, 264 at 2 and
+                    136 at 1 (a block may have 227)
+    recurrent_*:    num_warps in {4, 2} x the tile block in {32, 16, 64} (where the spec has a
+                    tile dim) x the split block in {64, 32} (where it has a split dim), blocks
+                    no larger than the dim's power of two; num_stages 3"""
+    from ..codegen.recurrent import split_dim, tile_dim
+    from .launch import RECURRENT_SPLIT, RECURRENT_TILE, block
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+    if form == "chunk":
+        return [Config(C=c) for c in chunk_candidates(plan)]
+    if form in ("chunk_fwd", "chunk_bwd"):
+        return [Config(w, s) for w in (4, 8) for s in (3, 1)]
+    sizes = sizes or {}
+    tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
+
+    def blocks(dim, default, options):
+        if dim is None:
+            return [None]
+        cap = block(sizes[dim]) if dim in sizes else max(options)
+        return list(dict.fromkeys(min(b, cap) for b in (default,) + options))
+
+    out = []
+    for w in (4, 2):
+        for t in blocks(tile, RECURRENT_TILE, (16, 64)):
+            for s in blocks(split, RECURRENT_SPLIT, (32,)):
+                out.append(Config(w, DEFAULT_STAGES, tile=t, split=s))
+    return list(dict.fromkeys(out))
+
+
+def default(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> Config:
+    return configs(plan, form, sizes)[0]
+
+
+# ---- the cache ----
+
+@lru_cache(maxsize=16)
+def _device(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def key(plan: Plan, form: str, sizes: dict, dtype: torch.dtype, programs: int, device: torch.device,
+        C: int | None = None) -> tuple:
+    """The cache key; the parallelism bucket says whether the programs fill the SMs (with fewer,
+    smaller blocks or fewer warps may win)."""
+    name, sms = _device(device.index if device.index is not None else torch.cuda.current_device())
+    return (plan.ir.spec_hash, tuple(plan.flags), form, tuple(sorted(sizes.items())), str(dtype), C,
+            "few" if programs < sms else "many", name)
+
+
+def _disk_path(k: tuple):
+    import triton
+
+    from .. import __version__
+    from .cache import cache_dir
+    h = hashlib.sha256(repr((k, __version__, triton.__version__)).encode()).hexdigest()[:32]
+    return cache_dir() / "autotune" / f"{h}.json"
+
+
+def _disk_get(k: tuple) -> Config | None:
+    try:
+        data = json.loads(_disk_path(k).read_text())
+        return Config(**data["config"]) if data.get("key") == repr(k) else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _disk_put(k: tuple, cfg: Config, timings: list) -> None:
+    from .cache import write_atomic
+    try:
+        path = _disk_path(k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"key": repr(k), "config": asdict(cfg), "timings": timings}))
+    except OSError:
+        pass                                   # a read-only cache only costs a re-tune next process
+
+
+def clear(memory: bool = True) -> None:
+    if memory:
+        _CACHE.clear()
+
+
+def _quiet() -> bool:
+    """No timing now: a CUDA graph is being captured, or torch.compile is tracing."""
+    try:
+        if torch.compiler.is_compiling():
+            return True
+    except AttributeError:
+        pass
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def bench(fn) -> float:
+    """Median milliseconds of fn by the active Triton driver's benchmarker (what triton.autotune
+    calls; bench/gpu_check serializes it across its warm-up processes)."""
+    import triton
+    ms = triton.runtime.driver.active.get_benchmarker()(fn, quantiles=(0.5, 0.2, 0.8))
+    return float(ms[0] if isinstance(ms, (list, tuple)) else ms)
+
+
+def _shard() -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in os.environ.get("MIXC_AUTOTUNE_SHARD", "0/1").split("/"))
+        return (i % n, n) if n > 0 else (0, 1)
+    except ValueError:
+        return 0, 1
+
+
+def pick(k: tuple, candidates: list[Config], run) -> Config:
+    """The cached config for key k, or the fastest of candidates by timing run(config) (a
+    config that fails to compile or launch, e.g. out of shared memory, is skipped)."""
+    hit = _CACHE.get(k)
+    if hit is not None:
+        STATS["memory_hits"] += 1
+        return hit
+    if len(candidates) == 1 or _quiet():
+        return candidates[0]
+    if mode() == "compile":
+        # this process's share of the list (MIXC_AUTOTUNE_SHARD=i/n; every C of the "chunk" form,
+        # whose kernels shard their own lists), each launched once: compiled into Triton's cache
+        i, n = _shard()
+        first = None
+        for j, cfg in enumerate(candidates):
+            if j % n == i or k[2] == "chunk":
+                try:
+                    run(cfg)
+                    first = first or cfg
+                except Exception:             # noqa: BLE001 - a failing config is not chosen anyway
+                    pass
+        return first or candidates[0]
+    hit = _disk_get(k)
+    if hit is not None:
+        STATS["disk_hits"] += 1
+        _CACHE[k] = hit
+        return hit
+    timings = []
+    for cfg in candidates:
+        try:
+            run(cfg)                          # compile (and check) outside the timed calls
+            timings.append((bench(lambda: run(cfg)), cfg))
+        except Exception as err:              # noqa: BLE001 - out of resources, a compile error: skip it
+            timings.append((float("inf"), cfg))
+            if len(timings) == len(candidates) and all(t == float("inf") for t, _ in timings):
+                raise err
+    best = min(timings, key=lambda t: t[0])[1]
+    STATS["tuned"] += 1
+    _CACHE[k] = best
+    _disk_put(k, best, [(t, asdict(c)) for t, c in timings])
+    return best
