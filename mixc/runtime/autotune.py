@@ -81,7 +81,10 @@ def chunk_candidates(plan: Plan) -> list[int]:
 
 
 def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[Config]:
-    """The configuration list of one kernel form of a plan; the untuned launch comes first.
+    """The configuration list of one kernel form of a plan; the launch without tuning (CUDA with
+    MIXC_AUTOTUNE=0) takes the first: Triton's defaults (4 warps, 3 stages), except for
+    chunk_bwd, whose first config has one stage (at 3 stages it needs more shared memory than
+    an sm_90 block has at K = V = 128, below).
 
     chunk:          C in chunk_candidates(plan) (warps and stages tuned per C by the next two)
     chunk_fwd/bwd:  num_warps in {4, 8} x num_stages in {3, 1}: the state and the [C, dim] tiles
@@ -99,8 +102,10 @@ def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
     if form == "chunk":
         return [Config(C=c) for c in chunk_candidates(plan)]
-    if form in ("chunk_fwd", "chunk_bwd"):
+    if form == "chunk_fwd":
         return [Config(w, s) for w in (4, 8) for s in (3, 1)]
+    if form == "chunk_bwd":     # one stage first: the launch without tuning must fit sm_90's shared memory
+        return [Config(w, s) for w in (4, 8) for s in (1, 3)]
     sizes = sizes or {}
     tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
 

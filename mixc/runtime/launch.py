@@ -160,10 +160,13 @@ def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, 
 def _tuned(plan: Plan, bound: Bound, form: str, run, C: int | None = None) -> autotune.Config | None:
     """The launch config of one kernel form: None (the untuned launch, exactly as before
     autotuning existed) under the interpreter and on CPU tensors; on CUDA the config chosen by
-    mixc.runtime.autotune for this key (timed on the first call, then cached)."""
+    mixc.runtime.autotune for this key (timed on the first call, then cached), or the list's
+    first with tuning off."""
     x0 = next(iter(bound.inputs.values()))
     if not autotune.active(x0.device):
-        return None
+        # CUDA without tuning: the list's first config (chunk_bwd: one stage, which fits sm_90's
+        # shared memory at K = V = 128; Triton's default 3 stages needs up to 392 KiB)
+        return autotune.default(plan, form, bound.sizes) if x0.device.type == "cuda" and not interpreting() else None
     programs = bound.n_seqs * bound.H
     if form.startswith("recurrent"):
         kw = dim_kwargs(plan, bound)

@@ -33,7 +33,9 @@ def test_kernel_config_lists_start_with_the_untuned_launch():
     plan = mixc.load("simple_gla").plan()
     fwd = autotune.configs(plan, "chunk_fwd")
     assert fwd[0] == Config(4, 3) and len(set(fwd)) == 4 and {c.num_warps for c in fwd} == {4, 8}
-    assert autotune.configs(plan, "chunk_bwd") == fwd
+    bwd = autotune.configs(plan, "chunk_bwd")
+    # the backward starts at one stage: the launch without tuning fits sm_90's shared memory
+    assert bwd[0] == Config(4, 1) and set(bwd) == set(fwd)
     # mamba: tile dim P, split dim N; blocks capped at the dim's power of two
     op = mixc.load("mamba")
     kw, sizes = random_args(op.ir, B=1, T=4, H=2, sizes={"N": 16, "P": 64})
