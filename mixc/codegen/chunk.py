@@ -20,7 +20,7 @@ from dataclasses import replace
 from ..derive import plan as P
 from ..derive.plan import Plan
 from ..dsl import ir
-from .recurrent import I1, I2, base_env, common_hooks, numel
+from .recurrent import I1, I2, base_env, common_hooks, numel, tile_dim
 from .triton_expr import Emitter, canon, expand
 
 UNIT = "_1"
@@ -82,6 +82,7 @@ class ChunkCode:
         self.stab = plan.stabilizer
         self.states = tuple(self._stabilized(st) for st in plan.states)
         self.rank1_parts: dict[str, tuple[str, str]] = {}      # state -> (L, R) matrices
+        self.tile = tile_dim(plan.kernel_ir)
 
     def _stabilized(self, st: P.StatePlan) -> P.StatePlan:
         """A state of the stabilizer's group as the kernels see it: its key and value without
@@ -112,6 +113,8 @@ class ChunkCode:
             inner = " * ".join(f"_BLOCK_{x}" for x in dims[i + 1:])
             idx = f"(_f{name} // ({inner}))" if inner else f"_f{name}"
             idx = f"({idx} % _BLOCK_{d})" if i else idx
+            if d == self.tile:         # this program's block of the tile dim (grid axis 1)
+                idx = f"(tl.program_id(1) * _BLOCK_{d} + {idx})"
             # named by the dim's position, not its name: `_ik_S_K_V` could be state S_K's dim V
             # or state S's dim K_V; `_ik_S_K_1` is only ever state S_K's second dim
             index = f"_i{name}_{i}"

@@ -32,6 +32,9 @@ def block(size: int) -> int:
 # BV <= 32 (ours: the tile) and BK <= 64 (ours: the split, Mamba's N or the key dim).
 RECURRENT_TILE = 32
 RECURRENT_SPLIT = 64
+# Block of the tile dim (V, Mamba-2's P) in the chunked forward: the state per program is
+# [K, CHUNK_TILE] instead of [K, V] (sm_90 at K = V = 128 spilled 0.9-5 KB whole; bench/README.md).
+CHUNK_TILE = 64
 
 
 def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) -> dict:
@@ -48,9 +51,10 @@ def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) 
 
 
 def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
-    """Programs along the tile dim: 1 for the chunked kernels and specs without a tile dim."""
+    """Programs along the tile dim: 1 for specs without a tile dim (and for the chunked
+    backward, which takes the whole dim)."""
     tile = tile_dim(plan.kernel_ir)
-    if tile is None or "_BLOCK__T" in blocks:
+    if tile is None:
         return 1
     return -(-bound.sizes[tile] // blocks[f"_BLOCK_{tile}"])
 
@@ -267,6 +271,9 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
     dims = plan.ir.dim_names
     blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
     blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})     # tl.dot needs 16
+    tile = tile_dim(plan.kernel_ir)
+    if tile is not None:        # blocks of the tile dim, one program each (fla's BV)
+        blocks[f"_BLOCK_{tile}"] = max(16, min(block(bound.sizes[tile]), CHUNK_TILE))
     x0 = next(iter(bound.inputs.values()))
 
     def run(cfg):

@@ -160,6 +160,26 @@ def test_no_split_dim_where_a_contraction_keeps_a_state_free_part():
         assert split_dim(mixc.load(name).plan()) is None, name
 
 
+CHUNK_TILED = [("gla", {}), ("simple_gla", {}), ("delta_rule", {}), ("rwkv7", {}), ("mamba2", {}),
+               ("mlstm", {}), ("linear_attn", {"normalize": True}), ("hgrn", {})]
+
+
+@pytest.mark.parametrize("name,flags", CHUNK_TILED, ids=[n + "".join(f"-{k}" for k in f) for n, f in CHUNK_TILED])
+def test_chunked_forward_splits_the_tile_dim(name, flags, monkeypatch):
+    """Blocks of 16 along the tile dim (V, Mamba-2's P, HGRN's D) in the chunked forward: three
+    programs per (sequence, head), the last block partial; each writes its slice of the output,
+    the final state and the checkpoints the (untiled) backward reads."""
+    from mixc.codegen.recurrent import tile_dim
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "CHUNK_TILE", 16)
+    op = mixc.load(name)
+    tile = tile_dim(op.plan(**flags).kernel_ir)
+    sizes = {d.name: 6 for d in op.ir.dims if not d.alias_of} | {tile: 40}
+    args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes=sizes, dtype=torch.float32, requires_grad=True, seed=9)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, flags, args, st, torch.float32, mode="chunk", chunk=16)
+
+
 def test_tiled_recurrent_kernels_with_varlen(monkeypatch):
     import mixc.runtime.launch as launch
     monkeypatch.setattr(launch, "RECURRENT_TILE", 4)
