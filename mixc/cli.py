@@ -143,7 +143,7 @@ def cmd_compile(args) -> int:
     if _dump(mixer, plan, args.dump if args.dump != "source" else None):
         return 0
     if args.report:
-        return _report(args.spec)
+        return _report(args.spec, tuple(args.arch or (90, 80)))
     source = generate(plan)
     if args.dump == "source" or not args.output:
         print(source)
@@ -160,14 +160,15 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def _report(spec: str) -> int:
-    """Compile every kernel for sm_90 and sm_80 (no GPU needed) and print registers, spills,
+def _report(spec: str, archs=(90, 80)) -> int:
+    """Compile every kernel for each arch (no GPU needed) and print registers, spills,
     shared memory and tensor-core use. Runs in a fresh process: compiled (not interpreted)
     kernels need TRITON_INTERPRET unset before Triton is imported."""
     import os
     import subprocess
     env = dict(os.environ, TRITON_INTERPRET="0")
-    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.codegen.aot", spec, "--table"], env=env)
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.codegen.aot", spec, "--table",
+                        *[x for a in archs for x in ("--arch", str(a))]], env=env)
     return p.returncode
 
 
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dump", choices=("ir", "plan", "source"), help="print a pipeline stage instead")
     c.add_argument("--report", action="store_true",
                    help="compile for sm_90 and sm_80 and print registers, spills, shared memory, tensor cores")
+    c.add_argument("--arch", type=int, action="append", metavar="SM",
+                   help="with --report: only this arch (90, 80; repeatable)")
     c.set_defaults(fn=cmd_compile)
     r = sub.add_parser("run", help="run a spec on random inputs and diff it against the float64 reference")
     r.add_argument("spec")

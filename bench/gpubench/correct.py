@@ -2,7 +2,9 @@
 (computed on the CPU): every kernel mode it has, fp32 and bf16 inputs, the output, the final
 states and every gradient (inputs, params, initial state). The chunked kernels are checked at
 every chunk size the autotuner may choose (mode "chunk C=32": mixc.runtime.autotune's
-candidates after the default); warps and stages do not change the arithmetic."""
+candidates after the default), in one launch per direction as well as two (mode "chunk walk":
+launch.CHUNK_PHASES = 1) and with the tile dim in blocks of 16 (mode "chunk tile16": two blocks
+at D = 32, the partial gradients summed); warps and stages do not change the arithmetic."""
 from __future__ import annotations
 
 import time
@@ -21,13 +23,20 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
 
     B, T, H, D = (1, 20, 1, 16) if dry else (2, 130, 2, 32)
     op = mixc.load(spec)
-    modes = [("recurrent", None)]
+    from mixc.runtime import launch
+    modes = [("recurrent", None, "recurrent", {})]
     if chunk_supported(op.plan()) is None:
-        modes += [("chunk", None)] + [("chunk", C) for C in chunk_candidates(op.plan())[1:]]
+        modes += [("chunk", None, "chunk", {})] + [("chunk", C, f"chunk C={C}", {})
+                                                    for C in chunk_candidates(op.plan())[1:]]
+        modes += [("chunk", None, "chunk walk", {"CHUNK_PHASES": 1}),
+                  ("chunk", None, "chunk tile16", {"CHUNK_TILE": 16, "CHUNK_PHASES": 2})]
     rows = []
-    for mode, C in modes:
+    for mode, C, label, knobs in modes:
+        saved = {k: getattr(launch, k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(launch, k, v)
         for dtype in (torch.float32, torch.bfloat16):
-            row = {"spec": spec, "mode": mode if C is None else f"chunk C={C}", "dtype": str(dtype).replace("torch.", "")}
+            row = {"spec": spec, "mode": label, "dtype": str(dtype).replace("torch.", "")}
             try:
                 kw, sizes = random_args(op.ir, B=B, T=T, H=H, sizes={d.name: D for d in op.ir.dims if not d.alias_of},
                                         seed=1)
@@ -57,10 +66,12 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
                 row["error"] = f"{type(err).__name__}: {err}"[:2000]
                 traceback.print_exc()
             rows.append(row)
+        for k, v in saved.items():
+            setattr(launch, k, v)
     return rows
 
 
 def line(row: dict) -> str:
     errs = " ".join(f"{k}={row[k]:.1e}" for k in ("output_rel_err", "state_rel_err", "grad_rel_err") if k in row)
-    return (f"{row['spec']:20s} {row['mode']:11s} {row['dtype']:8s} " + ("ok " if row["ok"] else "FAIL ") + errs
+    return (f"{row['spec']:20s} {row['mode']:12s} {row['dtype']:8s} " + ("ok " if row["ok"] else "FAIL ") + errs
             + (f"  {row.get('error', '')[:120]}" if not row["ok"] else ""))

@@ -57,7 +57,8 @@ def table(res: dict) -> str:
                      f"{'CUDA graph' if dec[0].get('graph') else 'eager'}): ms; SDPA {_f(sd.get(lo))} ms at "
                      f"{lo} and {_f(sd.get(hi))} ms at {hi} tokens of context")
         for r in [r for r in dec if r["impl"] == "mixc"]:
-            lines.append(f"  {r['spec']:17} {r['ms']:.4f} ms   x SDPA@{lo}: {_f(r['ms'] / sd[lo] if lo in sd else None)}"
+            lines.append(f"  {r['spec']:17} {r['ms']:.4f} ms   x fla: {_f(r.get('ratio_fla'))}"
+                         f"   x SDPA@{lo}: {_f(r['ms'] / sd[lo] if lo in sd else None)}"
                          f"   x SDPA@{hi}: {_f(r['ms'] / sd[hi] if hi in sd else None)}   x floor {_f(r['floor_x'])}")
     return "\n".join(lines)
 
@@ -127,8 +128,8 @@ def plots(res: dict, out_dir: Path) -> list[str] | None:
         sd = sorted((r["context"], r["ms"]) for r in dec if r["impl"].startswith("sdpa"))
         if sd:
             ax.plot(*zip(*sd), "k-o", label="SDPA decode (KV cache)")
-        for r in [r for r in dec if r["impl"] == "mixc"]:
-            ax.axhline(r["ms"], lw=1, label=f"{r['spec']} step", color=None)
+        for r in [r for r in dec if r["impl"] in ("mixc", "fla")]:
+            ax.axhline(r["ms"], lw=1, ls="-" if r["impl"] == "mixc" else ":", label=f"{r['spec']} step ({r['impl']})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")

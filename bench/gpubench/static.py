@@ -3,8 +3,11 @@
 instructions. Each (op, implementation) runs its forward and backward once on CPU tensors in a
 process of its own; every kernel launch is compiled with the runtime's own specialization.
 
-Configs: mixc's kernels get the untuned launch (4 warps, 3 stages; C = launch.chunk_size) and,
-with --all-configs, every config of mixc.runtime.autotune's lists for the chunked kernels.
+Configs: mixc's kernels get the untuned launch on CUDA (the first config of each of
+mixc.runtime.autotune's lists: two launches per direction, 8 warps, 3 stages for the walk and 1
+for PHASE 2; C = launch.chunk_size) and, with --all-configs, every config of the forward's list
+(two launches (p2) or one (p1), warps, stages), the backward taking the same. A kernel launched
+with PHASE n is listed as name[n].
 fla's autotuned kernels get the "typical" config of their Hopper list: the one closest to 4
 warps, blocks of 64 and 2 stages (sort key: |log2(warps / 4)|, then sum |log2(block / 64)|
 over the autotuned block sizes, then |stages - 2|); fla's autotuner would time them all."""
@@ -57,14 +60,15 @@ def run_one(spec: str, impl: str, D: int, T: int, H: int, all_configs: bool) -> 
         launch._tuned = lambda plan, bound, form, run, C=None: forced.get(form)
         call = lambda x: op(**x, mode="chunk")[0]                       # noqa: E731
         if all_configs:
-            variants += autotune.configs(op.plan(), "chunk_fwd")[1:]
+            variants += autotune.configs(op.plan(), "chunk_fwd")
     rows = []
     for cfg in variants:
         fakecuda.RECORDS.clear()
         if impl == "mixc":
             forced.clear()
-            if cfg is not None:
-                forced.update({"chunk_fwd": cfg, "chunk_bwd": cfg})
+            # the untuned CUDA launch: the first config of each list
+            for form in ("chunk_fwd", "chunk_bwd"):
+                forced[form] = autotune.default(op.plan(), form) if cfg is None else cfg
         try:
             fakecuda.PHASE["name"] = "fwd"
             o = call(leaves)
@@ -74,11 +78,12 @@ def run_one(spec: str, impl: str, D: int, T: int, H: int, all_configs: bool) -> 
             rows.append({"spec": spec, "impl": impl, "error": f"{type(err).__name__}: {err}"[:400]})
             continue
         for r in fakecuda.RECORDS:
-            row = {"spec": spec, "impl": impl, "phase": r["phase"], "kernel": r["kernel"], "module": r["module"],
+            name = r["kernel"] + (f"[{r['constexprs']['PHASE']}]" if "PHASE" in r["constexprs"] else "")
+            row = {"spec": spec, "impl": impl, "phase": r["phase"], "kernel": name, "module": r["module"],
                    "num_warps": r["num_warps"], "num_stages": r["num_stages"],
                    "blocks": {k: v for k, v in r["constexprs"].items() if not isinstance(v, bool)
                               and (k.startswith("_BLOCK") or re.fullmatch(r"B[A-Z]+", k))},
-                   "variant": "default" if cfg is None else f"w{cfg.num_warps}s{cfg.num_stages}"}
+                   "variant": "default" if cfg is None else f"w{cfg.num_warps}s{cfg.num_stages}p{cfg.phases}"}
             try:
                 row.update(fakecuda.usage(r["compiled"]))
             except Exception as err:                # noqa: BLE001
@@ -154,11 +159,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
     for s in specs:
         variants = list(dict.fromkeys(r.get("variant", "default") for r in rows if r["spec"] == s and r["impl"] == "mixc"))
-        lines = [("mixc, untuned (w4 s3)", "mixc", "default", s)]
+        lines = [("mixc, untuned (each list's first)", "mixc", "default", s)]
         others = [v for v in variants if v != "default"]
         if others:
             best = min(others, key=lambda v: cost(s, v))
-            lines.append((f"mixc, fewest spills of the tuner's list ({best[:2]} {best[2:]})", "mixc", best, s))
+            w, st, ph = re.fullmatch(r"(w\d+)(s\d+)(p\d+)", best).groups()
+            lines.append((f"mixc, fewest spills of the tuner's list ({w} {st} {ph})", "mixc", best, s))
         src = "simple_gla" if s == "mamba2" else s
         lines.append(("fla, typical configs" + (" (simple_gla's kernels)" if src != s else ""), "fla", "default", src))
         for label, impl, variant, spec in lines:

@@ -173,29 +173,43 @@ def time_shape(section: str, shape: tuple, specs: list[str], device: str, fla, f
 
 
 def time_decode(specs: list[str], contexts: list[int], B: int, H: int, D: int, device: str, bandwidth: float,
-                emit) -> None:
+                emit, fla: dict | None = None) -> None:
     """One decode step of B sequences (op.step, the recurrent kernel at T = 1) under a CUDA graph,
-    and SDPA decode (one query, flash backend) over a bf16 KV cache of each context length."""
+    fla's fused recurrent kernel at T = 1 on the same inputs and state where fla has the op, and
+    SDPA decode (one query, flash backend) over a bf16 KV cache of each context length."""
     import torch
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     graphs = device == "cuda"
     note = None if graphs else "eager: CUDA graphs need a CUDA device"
     for spec in specs:
         row = {"section": "decode", "spec": spec, "impl": "mixc", "B": B, "H": H, "D": D, "context": None}
+        ms_of, rows = {}, []
         try:
             op, kw, sizes = make_inputs(spec, B, 1, H, D, device, dtype)
             names = {d.name for d in op.ir.inputs}
             step_kw = {k: (v[:, 0] if k in names else v) for k, v in kw.items()}
             state = {s.name: 0.5 * torch.randn((B, H) + tuple(sizes[d] for d in s.shape), device=device)
                      for s in op.ir.states}
-            fn = lambda: op.step(**step_kw, state=state)                     # noqa: E731
-            ms = _bench_graph(fn, device)
             n_in, n_out = Fm.io_elements(op.ir, sizes)
             f = Fm.decode_step(spec, D, D, n_in, n_out)
-            emit(dict(row, ms=ms, graph=graphs, note=note, tflops=Fm.tflops(f["flops"] * B * H, ms),
-                      floor_x=Fm.floor_multiple(f["bytes"] * B * H, ms, bandwidth)))
+            calls = {"mixc": lambda: op.step(**step_kw, state=state)}
+            if fla is not None and spec in fla_ops.FLA_DECODE and len(state) == 1:
+                S = next(iter(state.values()))
+                calls["fla"] = lambda: fla_ops.call_step(spec, fla, kw, S)
+            for impl, fn in calls.items():
+                try:
+                    ms_of[impl] = _bench_graph(fn, device)
+                    rows.append(dict(row, impl=impl, ms=ms_of[impl], graph=graphs, note=note,
+                                     tflops=Fm.tflops(f["flops"] * B * H, ms_of[impl]),
+                                     floor_x=Fm.floor_multiple(f["bytes"] * B * H, ms_of[impl], bandwidth)))
+                except Exception as err:          # noqa: BLE001
+                    rows.append(dict(row, impl=impl, error=f"{type(err).__name__}: {err}"[:500]))
         except Exception as err:                  # noqa: BLE001
-            emit(dict(row, error=f"{type(err).__name__}: {err}"[:500]))
+            rows.append(dict(row, error=f"{type(err).__name__}: {err}"[:500]))
+        for r in rows:                            # mixc's ms over fla's, on both rows
+            if "mixc" in ms_of and "fla" in ms_of:
+                r["ratio_fla"] = ms_of["mixc"] / ms_of["fla"]
+            emit(r)
     for name, backend in sdpa_backends(device).items():
         if name == "sdpa_cudnn":
             continue

@@ -23,7 +23,7 @@ from ..runtime.launch import block
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # flag values used for the constexpr switches of every template
 _SWITCHES = {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "IS_VARLEN": False,
-             "STORE_CHECKPOINTS": True, "USE_FINAL_STATE_GRAD": True, "CK": 32, "_BLOCK__1": 16}
+             "STORE_CHECKPOINTS": True, "USE_FINAL_STATE_GRAD": True, "CK": 32, "_BLOCK__1": 16, "PHASE": 0}
 _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}
 
 
@@ -50,11 +50,11 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             else:
                 const[name] = _SWITCHES[name]
             sig[name] = "constexpr"
-        elif name == "p_cu_seqlens":
+        elif name in ("p_cu_seqlens", "p_chunk_seq"):
             sig[name] = "*i32"
         elif name.startswith("p_"):
             sig[name] = f"*{t}" if name in lowp else "*fp32"
-        elif name in ("T", "H"):
+        elif name in ("T", "H", "_N_SEQS"):
             sig[name] = "i32"
         else:
             sig[name] = "fp32"
@@ -70,8 +70,9 @@ def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warp
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16") -> list[dict]:
-    """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel."""
+def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16", phases=(0, 1, 2)) -> list[dict]:
+    """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel,
+    the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches)."""
     from ..runtime.cache import interpreting, load_module
     from ..runtime.op import load
     if interpreting():
@@ -84,14 +85,17 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
     out = []
     for form, kname in mod.METADATA["kernels"].items():
         kernel = getattr(mod, kname)
-        for arch in archs:
-            t0 = time.perf_counter()
-            ck = compile_kernel(kernel, *signature(kernel, plan, sizes, dtype), arch=arch)
-            ptx = ck.asm["ptx"]
-            tensor_cores = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None
-            out.append({"spec": name, "kernel": form, "arch": f"sm_{arch}", "shared_bytes": ck.metadata.shared,
-                        **ptxas_usage(ptx, arch), "tensor_cores": tensor_cores,
-                        "cubin_bytes": len(ck.asm["cubin"]), "seconds": round(time.perf_counter() - t0, 2)})
+        sig, const = signature(kernel, plan, sizes, dtype)
+        for phase in (phases if "PHASE" in const else (None,)):
+            for arch in archs:
+                t0 = time.perf_counter()
+                ck = compile_kernel(kernel, sig, const | ({"PHASE": phase} if phase is not None else {}), arch=arch)
+                ptx = ck.asm["ptx"]
+                tensor_cores = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None
+                out.append({"spec": name, "kernel": form + (f"[{phase}]" if phase is not None else ""),
+                            "arch": f"sm_{arch}", "shared_bytes": ck.metadata.shared, **ptxas_usage(ptx, arch),
+                            "tensor_cores": tensor_cores, "cubin_bytes": len(ck.asm["cubin"]),
+                            "seconds": round(time.perf_counter() - t0, 2)})
     return out
 
 
@@ -135,17 +139,21 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, action="append")
     p.add_argument("--size", type=int, default=16)
     p.add_argument("--table", action="store_true", help="a table instead of JSON")
+    p.add_argument("--phases", default="0,1,2",
+                   help="PHASEs of the chunked kernels to compile (0: the walk alone; 1,2: the two launches)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)
     archs = tuple(args.arch or (90, 80))
-    if args.jobs > 1 and len(args.specs) > 1:
+    phases = tuple(int(x) for x in args.phases.split(",") if x)
+    n = len(args.specs)
+    if args.jobs > 1 and n > 1:
         # the Triton compiler and ptxas are CPU-bound: processes, one spec each
         with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            per_spec = list(pool.map(compile_spec, args.specs, [archs] * len(args.specs),
-                                     [args.size] * len(args.specs)))
+            per_spec = list(pool.map(compile_spec, args.specs, [archs] * n, [args.size] * n, ["bfloat16"] * n,
+                                     [phases] * n))
     else:
-        per_spec = [compile_spec(name, archs, args.size) for name in args.specs]
+        per_spec = [compile_spec(name, archs, args.size, phases=phases) for name in args.specs]
     reports = [r for rs in per_spec for r in rs]
     if args.table:
         print(report_table(reports))

@@ -268,7 +268,8 @@ class ChunkCode:
         value = expand(o_var, o_dims, want)
         if set(o_dims) != set(want):          # a value constant over tokens or dims: broadcast it
             value = f"({value} + tl.zeros([{', '.join(f'_BLOCK_{d}' for d in want)}], dtype=tl.float32))"
-        body.append(f"{I2}tl.store(p_out + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
+        body.append(f"{I2}if PHASE != 1:")
+        body.append(f"{I3}tl.store(p_out + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
                     f"{' + ' + offs if offs else ''}, {value}.to(p_out.dtype.element_ty), mask={mask})")
 
         # state updates
@@ -277,7 +278,7 @@ class ChunkCode:
         if self.stab is not None:
             body.append(f"{I2}s__m = _mnew")
 
-        init, ckpt, final = [], [], []
+        init, ckpt, load_ckpt, final = [], [], [], []
         for st in self.states:
             kd, vd = _axes(st, order)
             init += self.state_io(st, I1)
@@ -287,18 +288,21 @@ class ChunkCode:
             init.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
             ptr, msk = self.state_ptr(st, f"p_ckpt_{st.name}", "((bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
             ckpt.append(f"{I3}tl.store({ptr}, s_{st.name}, mask={msk})")
+            load_ckpt.append(f"{I3}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
             ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
             final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
         if self.stab is not None:       # the stabilizer m: a scalar per (sequence, head)
             init += [f"{I1}s__m = _head_f * 0.0", f"{I1}if USE_INITIAL_STATE:",
                      f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
             ckpt.append(f"{I3}tl.store(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
+            load_ckpt.append(f"{I3}s__m = tl.load(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
             final.append(f"{I2}tl.store(p_final__m + i_n * H + i_h, s__m)")
         return common_hooks(self.plan) | {
             "init_states": "\n".join(init),
             "load_inputs": "\n".join(loads),
             "chunk_body": "\n".join(body),
             "checkpoint": "\n".join(ckpt),
+            "load_checkpoint": "\n".join(load_ckpt),
             "store_states": "\n".join(final),
         }
 

@@ -14,7 +14,7 @@ from ..derive import plan as P
 from ..derive.plan import Plan
 from .adjoint import Adjoint, combine
 from .chunk import ChunkCode, g_is_vector
-from .recurrent import I1, I2, common_hooks, numel, zeros
+from .recurrent import I1, I2, I3, common_hooks, numel, zeros
 from .triton_expr import Emitter, canon, expand
 
 
@@ -129,7 +129,8 @@ class ChunkBackward(ChunkCode):
             offs = self._offsets(d.shape)
             mask = " & ".join([expand("_mask__T", ("_T",), cd)] + [expand(f"_mask_{x}", (x,), cd) for x in cd[1:]])
             rows = expand("_rows", ("_T",), cd)
-            tail.append(f"{I2}tl.store(p_d{d.name} + ({rows} * H + i_h) * {numel(d.shape)}"
+            tail.append(f"{I2}if PHASE != 1:")
+            tail.append(f"{I3}tl.store(p_d{d.name} + ({self._partial(d.shape, '_ntok')}{rows} * H + i_h) * {numel(d.shape)}"
                         f"{' + ' + offs if offs else ''}, {value}.to(p_d{d.name}.dtype.element_ty), mask={mask})")
         for d in m.params:
             g = combine(sums, [x for a in adjs for x in a.leaf_parts(("param", d.name))])
@@ -138,7 +139,8 @@ class ChunkBackward(ChunkCode):
                 extra = tuple(x for x in g[1] if x not in pd)
                 if extra:
                     g = sums.reduce(g[0], g[1], extra)
-                tail.append(f"{I2}dp_{d.name} = dp_{d.name} + {expand(g[0], g[1], pd)}")
+                tail.append(f"{I2}if PHASE != 1:")
+                tail.append(f"{I3}dp_{d.name} = dp_{d.name} + {expand(g[0], g[1], pd)}")
         for st in self.states:
             tail.append(f"{I2}d_{st.name} = {' + '.join(grads[st.name]['dS0'])}")
         body += sums.lines + tail
@@ -149,23 +151,36 @@ class ChunkBackward(ChunkCode):
             K, V, g, kd, vd = per_state[n]
             init += self.state_io(st, I1)
             init.append(f"{I1}d_{n} = tl.zeros([{self._blocks(kd)}, {self._blocks(vd)}], dtype=tl.float32)")
-            init.append(f"{I1}if USE_FINAL_STATE_GRAD:")
+            # a state every tile keeps whole (a normalizer): its final gradient enters once, in tile 0
+            whole = self._lacks_tile(self.m.state(n).shape)
+            init.append(f"{I1}if USE_FINAL_STATE_GRAD and PHASE != 2{' and tl.program_id(1) == 0' if whole else ''}:")
             ptr, msk = self.state_ptr(st, f"p_dfinal_{n}", "(i_n * H + i_h)")
             init.append(f"{I2}d_{n} = tl.load({ptr}, mask={msk}, other=0.0)")
-            ptr, msk = self.state_ptr(st, f"p_ckpt_{n}", "((bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
+            slot = "(bos // _BLOCK__T + i_n + _chunk)"
+            ptr, msk = self.state_ptr(st, f"p_ckpt_{n}", f"({slot} * H + i_h)")
             load_ckpt.append(f"{I2}s_{n} = tl.load({ptr}, mask={msk}, other=0.0)")
-            ptr, msk = self.state_ptr(st, f"p_dinit_{n}", "(i_n * H + i_h)")
-            final.append(f"{I1}tl.store({ptr}, d_{n}, mask={msk})")
+            # dL/dS at the chunk's end: PHASE 1 keeps it for PHASE 2 ([slots, tiles, H, *dims]
+            # where the state lacks the tile dim: each block's own partial, as for dinit)
+            if whole:
+                slot = f"({slot} * tl.num_programs(1) + tl.program_id(1))"
+            ptr, msk = self.state_ptr(st, f"p_dh_{n}", f"({slot} * H + i_h)")
+            load_ckpt += [f"{I2}if PHASE == 1:", f"{I3}tl.store({ptr}, d_{n}, mask={msk})",
+                          f"{I2}if PHASE == 2:", f"{I3}d_{n} = tl.load({ptr}, mask={msk}, other=0.0)"]
+            ptr, msk = self.state_ptr(st, f"p_dinit_{n}", f"({self._partial(self.m.state(n).shape, '_nseq')}i_n * H + i_h)")
+            final += [f"{I1}if PHASE != 2:", f"{I2}tl.store({ptr}, d_{n}, mask={msk})"]
         for d in m.params:
             init.append(f"{I1}dp_{d.name} = {zeros(canon(order, d.shape))}")
             pd = canon(order, d.shape)
             offs = " + ".join(f"{expand(f'_offs_{x}', (x,), pd)}" + "".join(f" * _size_{y}" for y in d.shape[i + 1:])
                               for i, x in enumerate(d.shape)) or "0"
-            final.append(f"{I1}tl.store(p_dp_{d.name} + (i_n * H + i_h) * {numel(d.shape)} + {offs}, dp_{d.name}"
+            final.append(f"{I1}if PHASE != 1:")
+            final.append(f"{I2}tl.store(p_dp_{d.name} + ({self._partial(d.shape, '_nprow')}_prow * H + i_h) * {numel(d.shape)}"
+                         f" + {offs}, dp_{d.name}"
                          + (f", mask={' & '.join(expand(f'_mask_{x}', (x,), pd) for x in pd)})" if pd else ")"))
         if self.stab is not None:     # m is held constant: no gradient of its own
             load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
-            final.append(f"{I1}tl.store(p_dinit__m + i_n * H + i_h, _head_f * 0.0)")
+            final += [f"{I1}if PHASE != 2:",
+                      f"{I2}tl.store(p_dinit__m + {self._partial((), '_nseq')}i_n * H + i_h, _head_f * 0.0)"]
         return common_hooks(self.plan) | {
             "init_grads": "\n".join(init),
             "load_checkpoint": "\n".join(load_ckpt),
@@ -175,6 +190,16 @@ class ChunkBackward(ChunkCode):
         }
 
     # ---- helpers ----
+    def _lacks_tile(self, shape) -> bool:
+        return self.tile is not None and self.tile not in shape
+
+    def _partial(self, shape, rows: str) -> str:
+        """The row offset of this program's partial for a gradient of something without the
+        tile dim ("" for what has it): every tile block adds the part of the gradient that its
+        values carry (the backward is linear in dL/do), summed on the host as in the recurrent
+        kernels (launch._backward). `rows`: rows of one partial per head (_ntok or _nseq)."""
+        return f"tl.program_id(1).to(tl.int64) * {rows} * H + " if self._lacks_tile(shape) else ""
+
     def _blocks(self, dims) -> str:
         return " * ".join(f"_BLOCK_{d}" for d in dims)
 

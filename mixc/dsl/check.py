@@ -50,10 +50,12 @@ KERNEL_ARGUMENTS = {
     "state": (("p_init_", "the initial value of state '{}'"), ("p_final_", "the final value of state '{}'"),
               ("p_ckpt_", "the checkpoints of state '{}'"), ("p_scratch_", "the scratch copy of state '{}'"),
               ("p_dinit_", "the gradient of the initial value of state '{}'"),
-              ("p_dfinal_", "the gradient of the final value of state '{}'")),
+              ("p_dfinal_", "the gradient of the final value of state '{}'"),
+              ("p_dh_", "the gradient of state '{}' at each chunk's end")),
 }
 FIXED_KERNEL_ARGUMENTS = {"p_out": "the output", "p_do": "the gradient of the output",
-                          "p_cu_seqlens": "the sequence starts (cu_seqlens)"}
+                          "p_cu_seqlens": "the sequence starts (cu_seqlens)",
+                          "p_chunk_seq": "the sequence of each chunk slot"}
 # The max-stabilizer's extra state (derive/stabilize.M): its arguments are a state's
 # (p_ckpt__m, ...), and an input named ckpt__m would take one of them.
 STABILIZER_STATE = "_m"

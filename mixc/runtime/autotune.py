@@ -42,12 +42,14 @@ STATS = {"tuned": 0, "memory_hits": 0, "disk_hits": 0}
 @dataclass(frozen=True)
 class Config:
     """One launch configuration. C: the chunk size (form "chunk"); tile / split: the recurrent
-    kernels' blocks of the tile and split dims (None where the spec has no such dim)."""
+    kernels' blocks of the tile and split dims (None where the spec has no such dim); phases:
+    the chunked backward in one launch or two (launch.chunk_backward)."""
     num_warps: int = DEFAULT_WARPS
     num_stages: int = DEFAULT_STAGES
     C: int | None = None
     tile: int | None = None
     split: int | None = None
+    phases: int | None = None
 
     def launch(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -82,17 +84,19 @@ def chunk_candidates(plan: Plan) -> list[int]:
 
 def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[Config]:
     """The configuration list of one kernel form of a plan; the launch without tuning (CUDA with
-    MIXC_AUTOTUNE=0) takes the first: Triton's defaults (4 warps, 3 stages), except for
-    chunk_bwd, whose first config has one stage (at 3 stages it needs more shared memory than
-    an sm_90 block has at K = V = 128, below).
+    MIXC_AUTOTUNE=0) takes the first.
 
     chunk:          C in chunk_candidates(plan) (warps and stages tuned per C by the next two)
-    chunk_fwd/bwd:  num_warps in {4, 8} x num_stages in {3, 1}: the state and the [C, dim] tiles
-                    live in registers, and 8 warps halve what each thread holds; one stage (no
-                    software pipelining) needs the least shared memory. The sm_90 static report
-                    (bench/README.md) at K = V = 128: 4 warps spill, and the backward of the
-                    scalar-decay class needs 392 KiB of shared memory at 3 stages, 264 at 2 and
-                    136 at 1 (a block may have 227)
+    chunk_fwd/bwd:  two launches (launch.CHUNK_PHASES: every chunk at once) at 8 warps and 3
+                    stages, at 4 warps and 3 stages, at 8 warps and 1 stage; one launch (the
+                    walk) at 8 warps and 1 stage. Stages are the walk's: a PHASE 2 launch takes
+                    one (its loop has one iteration, nothing to pipeline). The sm_90 static
+                    report (bench/README.md) at K = V = 128: with 8 warps no forward kernel
+                    spills and the backward's spill 0.4-1.5 KB; with 4 warps the forwards spill
+                    up to 1.7 KB and three PHASE 2 backwards (gla, rwkv6, gated_delta_rule)
+                    24-34 KB (kept for small head dims); the walk's backward at 3 stages needs
+                    more shared memory than a block has (248 KiB). Each config compiles two
+                    kernels at most; the list, 6 distinct kernels per form and C
     recurrent_*:    num_warps in {4, 2} x the tile block in {32, 16, 64} (where the spec has a
                     tile dim) x the split block in {64, 32} (where it has a split dim), blocks
                     no larger than the dim's power of two; num_stages 3"""
@@ -102,10 +106,8 @@ def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
     if form == "chunk":
         return [Config(C=c) for c in chunk_candidates(plan)]
-    if form == "chunk_fwd":
-        return [Config(w, s) for w in (4, 8) for s in (3, 1)]
-    if form == "chunk_bwd":     # one stage first: the launch without tuning must fit sm_90's shared memory
-        return [Config(w, s) for w in (4, 8) for s in (1, 3)]
+    if form in ("chunk_fwd", "chunk_bwd"):
+        return [Config(8, 3, phases=2), Config(4, 3, phases=2), Config(8, 1, phases=2), Config(8, 1, phases=1)]
     sizes = sizes or {}
     tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
 

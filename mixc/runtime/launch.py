@@ -32,7 +32,7 @@ def block(size: int) -> int:
 # BV <= 32 (ours: the tile) and BK <= 64 (ours: the split, Mamba's N or the key dim).
 RECURRENT_TILE = 32
 RECURRENT_SPLIT = 64
-# Block of the tile dim (V, Mamba-2's P) in the chunked forward: the state per program is
+# Block of the tile dim (V, Mamba-2's P) in the chunked kernels: the state per program is
 # [K, CHUNK_TILE] instead of [K, V] (sm_90 at K = V = 128 spilled 0.9-5 KB whole; bench/README.md).
 CHUNK_TILE = 64
 
@@ -51,8 +51,7 @@ def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) 
 
 
 def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
-    """Programs along the tile dim: 1 for specs without a tile dim (and for the chunked
-    backward, which takes the whole dim)."""
+    """Programs along the tile dim: 1 for specs without a tile dim."""
     tile = tile_dim(plan.kernel_ir)
     if tile is None:
         return 1
@@ -92,9 +91,13 @@ def checkpoint_slots(bound: Bound, CK: int) -> int:
 
 
 def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, checkpoints: bool,
-             chunk_tokens: int, out_dtype=None, **launch):
+             chunk_tokens: int, out_dtype=None, ckpts_in: dict | None = None, write_out: bool = True,
+             grid0: int | None = None, **launch):
     """Launch a forward kernel (arguments: inputs, params, options, then per state its initial,
-    final and checkpoint buffers, the output, cu_seqlens, T, H, the dims as floats)."""
+    final and checkpoint buffers, the output, cu_seqlens, T, H, the dims as floats).
+    ckpts_in: checkpoints to read (the chunked PHASE 2: its start states); write_out=False: the
+    launch writes no output (PHASE 1), None is returned for it; grid0: programs along axis 0
+    (default: sequences x heads)."""
     m = plan.ir
     x0 = next(iter(bound.inputs.values()))
     device = x0.device
@@ -105,13 +108,13 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
     tiles, splits = n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
     o_shape = (bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape)
     # split blocks write partial outputs (float32, summed below)
-    out = _empty(((splits,) if splits > 1 else ()) + o_shape, torch.float32 if splits > 1 else out_dtype or x0.dtype,
-                 device)
-    state_args, finals, ckpts = [], {}, {}
+    out = _empty(((splits,) if splits > 1 else ()) + o_shape if write_out else (1,),
+                 torch.float32 if splits > 1 else out_dtype or x0.dtype, device)
+    state_args, finals, ckpts = [], {}, dict(ckpts_in or {})
     for s in plan.kernel_ir.states:          # the spec's, and a stabilizer's m (starts at 0)
         shape = tuple(bound.sizes[d] for d in s.shape)
         init = out
-        if bound.initial_state is not None:
+        if bound.initial_state is not None and ckpts_in is None:
             init = (bound.initial_state[s.name].to(torch.float32).contiguous() if s.name in bound.initial_state
                     else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
         if output_final_state:
@@ -119,16 +122,17 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
         if checkpoints:
             ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
         state_args += [init, finals.get(s.name, out), ckpts.get(s.name, out)]
-    kernel[(n * H, tiles, splits)](*[bound.inputs[d.name].contiguous() for d in m.inputs],
+    kernel[(grid0 or n * H, tiles, splits)](*[bound.inputs[d.name].contiguous() for d in m.inputs],
                      *[bound.params[d.name].contiguous() for d in m.params],
                      *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
                      out, bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out, T, H,
                      *[float(bound.sizes[d]) for d in m.dim_names],
-                     USE_INITIAL_STATE=bound.initial_state is not None, STORE_FINAL_STATE=output_final_state,
-                     IS_VARLEN=bound.cu_seqlens is not None, STORE_CHECKPOINTS=checkpoints, **launch)
+                     USE_INITIAL_STATE=bound.initial_state is not None and ckpts_in is None,
+                     STORE_FINAL_STATE=output_final_state, IS_VARLEN=bound.cu_seqlens is not None,
+                     STORE_CHECKPOINTS=checkpoints, **launch)
     if splits > 1:
         out = out.sum(0).to(out_dtype or x0.dtype)
-    return out, (finals if output_final_state else None), (ckpts if checkpoints else None)
+    return (out if write_out else None), (finals if output_final_state else None), (ckpts if checkpoints else None)
 
 
 def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,
@@ -168,13 +172,16 @@ def _tuned(plan: Plan, bound: Bound, form: str, run, C: int | None = None) -> au
     first with tuning off."""
     x0 = next(iter(bound.inputs.values()))
     if not autotune.active(x0.device):
-        # CUDA without tuning: the list's first config (chunk_bwd: one stage, which fits sm_90's
-        # shared memory at K = V = 128; Triton's default 3 stages needs up to 392 KiB)
+        # CUDA without tuning: the list's first config (chunked: two launches, 8 warps, 3 stages
+        # for the walk and 1 for PHASE 2: no spills in the forward at K = V = 128 on sm_90, and
+        # shared memory that fits, where Triton's default 4 warps spill)
         return autotune.default(plan, form, bound.sizes) if x0.device.type == "cuda" and not interpreting() else None
     programs = bound.n_seqs * bound.H
     if form.startswith("recurrent"):
         kw = dim_kwargs(plan, bound)
         programs *= n_tiles(plan, bound, kw) * n_splits(plan, bound, kw)
+    else:
+        programs *= n_tiles(plan, bound, chunk_blocks(plan, bound))
     k = autotune.key(plan, form, bound.sizes, x0.dtype, programs, x0.device, C)
     return autotune.pick(k, autotune.configs(plan, form, bound.sizes), run)
 
@@ -196,11 +203,15 @@ def chunk_size_for(plan: Plan, bound: Bound) -> int:
     return autotune.pick(k, autotune.configs(plan, "chunk"), run).C
 
 
-def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, dfinal: dict | None, **launch):
+def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, dfinal: dict | None, *,
+              write=("inputs", "params", "dinit"), grid0: int | None = None, param_rows: int | None = None,
+              **launch):
     """Launch a backward kernel (arguments: inputs, params, options, per_state(...) for each
     state, the output's gradient, the inputs' and params' gradients, cu_seqlens, T, H, the dims
     as floats); returns the gradients of the inputs, the params (summed over sequences) and the
-    initial states."""
+    initial states, None for what this launch does not `write`. grid0: programs along axis 0
+    (default: sequences x heads); param_rows: the params' partial rows per tile block (default:
+    one per sequence)."""
     m = plan.ir
     device = next(iter(bound.inputs.values())).device
     kernel = _kernel(plan, device, form)
@@ -219,25 +230,27 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     state_args, dinit = [], {}
     for s in plan.kernel_ir.states:
         shape = tuple(bound.sizes[d] for d in s.shape)
-        dinit[s.name] = _empty((parts(s.shape) * n, H) + shape, torch.float32, device)
+        dinit[s.name] = _empty((parts(s.shape) * n, H) + shape, torch.float32, device) if "dinit" in write else do
         dfin = None
         if dfinal:
             dfin = (dfinal[s.name].to(torch.float32).contiguous() if s.name in dfinal
                     else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
         state_args += per_state(s, shape, dfin, dinit[s.name], device)
-    dinputs = {d.name: _empty(x.shape, x.dtype, device) if parts(d.shape) == 1
-               else _empty((parts(d.shape),) + tuple(x.shape), torch.float32, device) for d, x in zip(m.inputs, inputs)}
-    dparams = {d.name: _empty((parts(d.shape) * n,) + tuple(x.shape), torch.float32, device)
-               for d, x in zip(m.params, params)}
-    kernel[(n * H, tiles, splits)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
-                     do.contiguous(), *dinputs.values(), *dparams.values(),
+    dinputs = {d.name: (_empty(x.shape, x.dtype, device) if parts(d.shape) == 1
+                        else _empty((parts(d.shape),) + tuple(x.shape), torch.float32, device))
+               if "inputs" in write else do for d, x in zip(m.inputs, inputs)}
+    dparams = {d.name: _empty((parts(d.shape) * (param_rows or n),) + tuple(x.shape), torch.float32, device)
+               if "params" in write else do for d, x in zip(m.params, params)}
+    kernel[(grid0 or n * H, tiles, splits)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"],
+                     *state_args, do.contiguous(), *dinputs.values(), *dparams.values(),
                      bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do, T, H,
                      *[float(bound.sizes[d]) for d in m.dim_names], USE_FINAL_STATE_GRAD=dfinal is not None,
                      IS_VARLEN=bound.cu_seqlens is not None, **launch)
-    dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()}
-    dinputs = {k: v if v.shape == bound.inputs[k].shape else v.sum(0).to(bound.inputs[k].dtype)
-               for k, v in dinputs.items()}
-    dinit = {k: v if v.shape[0] == n else v.reshape((-1, n) + tuple(v.shape[1:])).sum(0) for k, v in dinit.items()}
+    dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()} if "params" in write else None
+    dinputs = ({k: v if v.shape == bound.inputs[k].shape else v.sum(0).to(bound.inputs[k].dtype)
+                for k, v in dinputs.items()} if "inputs" in write else None)
+    dinit = ({k: v if v.shape[0] == n else v.reshape((-1, n) + tuple(v.shape[1:])).sum(0) for k, v in dinit.items()}
+             if "dinit" in write else None)
     return dinputs, dparams, dinit
 
 
@@ -263,39 +276,106 @@ def _dot_code(dtype: torch.dtype) -> int:
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
 
 
+def chunk_blocks(plan: Plan, bound: Bound) -> dict:
+    """Sizes and blocks of the chunked kernels: each dim whole (at least 16: tl.dot's minimum),
+    but the tile dim (V, Mamba-2's P) in blocks of up to CHUNK_TILE, one program each (fla's BV),
+    in the forward and the backward alike."""
+    dims = plan.ir.dim_names
+    blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
+    blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})
+    tile = tile_dim(plan.kernel_ir)
+    if tile is not None:
+        blocks[f"_BLOCK_{tile}"] = max(16, min(block(bound.sizes[tile]), CHUNK_TILE))
+    return blocks
+
+
+# The chunked kernels in two launches each (forward: PHASE 1 walks the chunks for the states,
+# PHASE 2 computes every chunk's output at once, fla's chunk_fwd_h + chunk_fwd_o; backward:
+# PHASE 1 walks back for dL/dS at every chunk's end, PHASE 2 computes every chunk's gradients
+# at once, fla's dh + dq/dk/dv kernels) or in one walk each (PHASE 0). None: two on CUDA (the
+# tuner also tries one), one under the interpreter; the tests run both.
+CHUNK_PHASES: int | None = None
+
+
+def _phases(cfg: autotune.Config | None, device: torch.device) -> int:
+    if cfg is not None and cfg.phases:
+        return cfg.phases
+    return CHUNK_PHASES or (2 if device.type == "cuda" and not interpreting() else 1)
+
+
+def _one_stage(kw: dict) -> dict:
+    """A PHASE 2 launch's arguments: one stage where stages are set (its chunk loop has one
+    iteration, so pipelining would only take shared memory)."""
+    return kw | {"num_stages": 1} if "num_stages" in kw else kw
+
+
+def _chunk_launch(plan: Plan, bound: Bound, C: int) -> tuple[int, dict]:
+    """(chunk programs per head of a PHASE 2 launch, the chunked kernels' launch arguments).
+    Packed sequences take one program per checkpoint slot, each told its sequence by a table:
+    sequence i's chunks have the slots bos_i // C + i, ... (codegen.recurrent.state_base), so
+    a slot's sequence is the last whose first slot is at most the slot (no host sync)."""
+    x0 = next(iter(bound.inputs.values()))
+    device, n = x0.device, bound.n_seqs
+    if bound.cu_seqlens is None:
+        programs, chunk_seq = n * (-(-bound.T // C)), x0
+    else:
+        programs = checkpoint_slots(bound, C)
+        cu = bound.cu_seqlens.to(device=device, dtype=torch.int64)
+        starts = cu[:-1] // C + torch.arange(n, device=device)
+        chunk_seq = (torch.searchsorted(starts, torch.arange(programs, device=device), right=True) - 1).to(torch.int32)
+    return programs, dict(**chunk_blocks(plan, bound), _BLOCK__T=C, _BLOCK__1=16, DOT=_dot_code(x0.dtype), _N_SEQS=n,
+                          p_chunk_seq=chunk_seq)
+
+
 def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,
                   checkpoints: bool = False, C: int | None = None):
     """Run the fused chunked forward kernel. Same returns as recurrent_forward; its checkpoints
     (the states at chunk starts) serve the recurrent backward with CK = C."""
     C = C or chunk_size(plan)
-    dims = plan.ir.dim_names
-    blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
-    blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})     # tl.dot needs 16
-    tile = tile_dim(plan.kernel_ir)
-    if tile is not None:        # blocks of the tile dim, one program each (fla's BV)
-        blocks[f"_BLOCK_{tile}"] = max(16, min(block(bound.sizes[tile]), CHUNK_TILE))
     x0 = next(iter(bound.inputs.values()))
+    programs, common = _chunk_launch(plan, bound, C)
 
     def run(cfg):
-        return _forward(plan, bound, "chunk_fwd", output_final_state=output_final_state, checkpoints=checkpoints,
-                        chunk_tokens=C, out_dtype=out_dtype, **blocks, _BLOCK__T=C, _BLOCK__1=16,
-                        DOT=_dot_code(x0.dtype), **(cfg.launch() if cfg is not None else {}))
+        kw = dict(output_final_state=output_final_state, chunk_tokens=C, out_dtype=out_dtype, **common,
+                  **(cfg.launch() if cfg is not None else {}))
+        if _phases(cfg, x0.device) == 1:
+            return _forward(plan, bound, "chunk_fwd", checkpoints=checkpoints, PHASE=0, **kw)
+        # PHASE 1 walks the chunks for the states (checkpoints, final states); PHASE 2 the outputs
+        _, finals, ckpts = _forward(plan, bound, "chunk_fwd", checkpoints=True, write_out=False, PHASE=1, **kw)
+        kw["output_final_state"] = False
+        o, _, _ = _forward(plan, bound, "chunk_fwd", checkpoints=False, ckpts_in=ckpts, grid0=programs * bound.H,
+                           PHASE=2, **_one_stage(kw))
+        return o, finals, (ckpts if checkpoints else None)
     return run(_tuned(plan, bound, "chunk_fwd", run, C))
 
 
 def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C: int):
     """The chunked backward kernel: same returns as recurrent_backward, from the chunked
     forward's checkpoints (chunks of C tokens)."""
-    dims = plan.ir.dim_names
-    blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
-    blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})
-
-    def per_state(s, shape, dfin, dinit, device):
-        return [ckpts[s.name], dfin if dfin is not None else dinit, dinit]
-
     x0 = next(iter(bound.inputs.values()))
+    H = bound.H
+    slots = checkpoint_slots(bound, C)
+    chunk_programs, launch_kw = _chunk_launch(plan, bound, C)
+    tiles = n_tiles(plan, bound, launch_kw)
+    tile = tile_dim(plan.kernel_ir)
 
     def run(cfg):
-        return _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, **blocks, _BLOCK__T=C, _BLOCK__1=16,
-                         DOT=_dot_code(x0.dtype), **(cfg.launch() if cfg is not None else {}))
+        common = dict(**launch_kw, **(cfg.launch() if cfg is not None else {}))
+        if _phases(cfg, x0.device) == 1:
+            def per_state(s, shape, dfin, dinit, device):
+                return [ckpts[s.name], dfin if dfin is not None else dinit, dinit, dinit]
+            return _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, PHASE=0, **common)
+        dh = {}
+
+        def per_state(s, shape, dfin, dinit, device):
+            parts = tiles if tile is not None and tile not in s.shape else 1
+            dh[s.name] = _empty((slots * parts, H) + shape, torch.float32, device)
+            return [ckpts[s.name], dfin if dfin is not None else dinit, dinit, dh[s.name]]
+        # PHASE 1 writes dh and the initial states' gradients; PHASE 2 (same buffers) the rest
+        _, _, dinit = _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, PHASE=1, write=("dinit",),
+                                **common)
+        dinputs, dparams, _ = _backward(plan, bound, "chunk_bwd", lambda s, *a: [ckpts[s.name], do, do, dh[s.name]],
+                                        do, dfinal, PHASE=2, write=("inputs", "params"), grid0=chunk_programs * H,
+                                        param_rows=chunk_programs, **_one_stage(common))
+        return dinputs, dparams, dinit
     return run(_tuned(plan, bound, "chunk_bwd", run, C))

@@ -5,14 +5,26 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import mixc
 from mixc.codegen.chunk import chunk_supported
 from mixc.dsl import library_names
 
 
-def test_every_kernel_compiles_for_sm90_and_sm80(tmp_path):
+ARCHS = [pytest.param(("sm_90",), (1, 2), id="sm90"),
+         pytest.param(("sm_90", "sm_80"), (0, 1, 2), id="sm90-sm80-every-phase", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("archs,phases", ARCHS)
+def test_every_kernel_compiles(tmp_path, archs, phases):
+    """The default run: sm_90 (the H100/H200 we benchmark on), the chunked kernels at PHASE 1
+    and 2 (the two launches each direction takes on CUDA by default). Behind -m slow: sm_80
+    too and PHASE 0 (the walk alone, the tuner's other choice); about 5 minutes on 2 cores."""
     env = dict(os.environ, TRITON_INTERPRET="0", MIXC_CACHE_DIR=str(tmp_path))
-    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.codegen.aot", *library_names()],
+    arch_args = [x for a in archs for x in ("--arch", a[3:])]
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.codegen.aot", *arch_args,
+                        "--phases", ",".join(map(str, phases)), *library_names()],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     reports = json.loads(p.stdout)
@@ -23,15 +35,14 @@ def test_every_kernel_compiles_for_sm90_and_sm80(tmp_path):
     assert not {r["spec"] for r in reports} & sequence
     recurrent = library_names("recurrent")
     chunked = {n for n in recurrent if chunk_supported(mixc.load(n).plan()) is None}
-    want = {(n, k, a) for n in recurrent for k in ("recurrent_fwd", "recurrent_bwd")
-            for a in ("sm_90", "sm_80")}
-    want |= {(n, k, a) for n in chunked for k in ("chunk_fwd", "chunk_bwd") for a in ("sm_90", "sm_80")}
+    want = {(n, k, a) for n in recurrent for k in ("recurrent_fwd", "recurrent_bwd") for a in archs}
+    want |= {(n, f"chunk_{d}[{i}]", a) for n in chunked for d in ("fwd", "bwd") for i in phases for a in archs}
     assert got == want
     assert len(chunked) == 16                      # every class but the elementwise one (mamba)
     for r in reports:
         assert r["cubin_bytes"] > 0
         assert r["shared_bytes"] <= 227 * 1024, r
-        if r["kernel"] in ("chunk_fwd", "chunk_bwd"):       # the matmuls run on tensor cores
+        if r["kernel"].startswith("chunk_"):       # the matmuls run on tensor cores
             assert r["tensor_cores"] in (("wgmma", "mma.sync") if r["arch"] == "sm_90" else ("mma.sync",)), r
     # at least the scalar-decay and prefix-sum chunks reach Hopper's wgmma
     assert {r["spec"] for r in reports if r["tensor_cores"] == "wgmma"} >= {"simple_gla", "mamba2", "linear_attn"}

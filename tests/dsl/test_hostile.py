@@ -411,6 +411,8 @@ CLASHES = [
     ("input-scratch_S", _clash("q[K], k[K], v[V], scratch_S[K]"), 5, 9, "p_scratch_S"),
     ("input-dinit_S", _clash("q[K], k[K], v[V], dinit_S[K]"), 5, 9, "p_dinit_S"),
     ("param-dfinal_S", _clash(params="A[K], dfinal_S[K]"), 5, 9, "p_dfinal_S"),
+    ("input-dh_S", _clash("q[K], k[K], v[V], dh_S[K]"), 5, 9, "p_dh_S"),          # the two-launch backward's
+    ("input-chunk_seq", _clash("q[K], k[K], v[V], chunk_seq[K]"), 3, 27, "p_chunk_seq"),
     ("input-ckpt__m", _clash("q[K], k[K], v[V], ckpt__m[K]"), 3, 27, "p_ckpt__m"),     # the stabilizer's state
 ]
 

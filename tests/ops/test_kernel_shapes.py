@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import mixc
+from mixc.codegen.recurrent import tile_dim
 
 from helpers import case_id, random_args, random_state
 from kernel_checks import check_against_reference
@@ -99,7 +100,6 @@ def test_recurrent_kernels_split_the_tile_dim(name, flags, monkeypatch):
     """Blocks of 4 along the tile dim (V, or Mamba's P): several programs per (sequence, head);
     what lacks the tile dim (q, k, z[K], mlstm's n[K], Mamba's B and C) gets its gradient as a
     sum of per-tile partials, and a final-state gradient of a state without it enters once."""
-    from mixc.codegen.recurrent import tile_dim
     import mixc.runtime.launch as launch
     monkeypatch.setattr(launch, "RECURRENT_TILE", 4)
     op = mixc.load(name)
@@ -164,20 +164,48 @@ CHUNK_TILED = [("gla", {}), ("simple_gla", {}), ("delta_rule", {}), ("rwkv7", {}
                ("mlstm", {}), ("linear_attn", {"normalize": True}), ("hgrn", {})]
 
 
-@pytest.mark.parametrize("name,flags", CHUNK_TILED, ids=[n + "".join(f"-{k}" for k in f) for n, f in CHUNK_TILED])
-def test_chunked_forward_splits_the_tile_dim(name, flags, monkeypatch):
-    """Blocks of 16 along the tile dim (V, Mamba-2's P, HGRN's D) in the chunked forward: three
-    programs per (sequence, head), the last block partial; each writes its slice of the output,
-    the final state and the checkpoints the (untiled) backward reads."""
-    from mixc.codegen.recurrent import tile_dim
+# two launches (the CUDA default) for all eight; the walk for one spec per class of partial
+TILED_PHASES = [(n, f, 2) for n, f in CHUNK_TILED] + [(n, f, 1) for n, f in CHUNK_TILED
+                                                       if n in ("gla", "delta_rule", "mlstm", "linear_attn")]
+
+
+@pytest.mark.parametrize("name,flags,phases", TILED_PHASES,
+                         ids=[n + "".join(f"-{k}" for k in f) + ("-phases" if p == 2 else "-walk")
+                              for n, f, p in TILED_PHASES])
+def test_chunked_kernels_split_the_tile_dim(name, flags, phases, monkeypatch):
+    """Blocks of 16 along the tile dim (V, Mamba-2's P, HGRN's D) in the chunked forward and
+    backward: three programs per (sequence, head), the last block partial; each writes its
+    slice of the output, the final state and the checkpoints, and in the backward its slice of
+    what has the tile dim and its partial of what lacks it (dq, dk, the decays, the params,
+    a normalizer's initial state). In two launches per direction, a state without the tile dim
+    keeps one dL/dS per block at each chunk's end."""
     import mixc.runtime.launch as launch
     monkeypatch.setattr(launch, "CHUNK_TILE", 16)
+    monkeypatch.setattr(launch, "CHUNK_PHASES", phases)
     op = mixc.load(name)
     tile = tile_dim(op.plan(**flags).kernel_ir)
     sizes = {d.name: 6 for d in op.ir.dims if not d.alias_of} | {tile: 40}
     args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes=sizes, dtype=torch.float32, requires_grad=True, seed=9)
     st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
     check_against_reference(op, flags, args, st, torch.float32, mode="chunk", chunk=16)
+
+
+@pytest.mark.parametrize("name", ["gla", "mamba2", "linear_attn"])
+def test_tiled_chunked_kernels_with_varlen(name, monkeypatch):
+    """Packed sequences through the tiled chunked kernels: the partials of dq, dk and the params
+    are laid out per token of the packed batch (B = 1, T = all tokens); in two launches per
+    direction, the params' per chunk slot."""
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "CHUNK_TILE", 16)
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    op = mixc.load(name)
+    flags = {"normalize": True} if name == "linear_attn" else {}
+    tile = tile_dim(op.plan(**flags).kernel_ir)
+    sizes = {d.name: 5 for d in op.ir.dims if not d.alias_of} | {tile: 33}
+    args, sizes = random_args(op.ir, B=1, T=23, H=2, sizes=sizes, dtype=torch.float32, requires_grad=True, seed=4)
+    st = random_state(op.ir, 3, 2, sizes, requires_grad=True)
+    check_against_reference(op, flags, args, st, torch.float32, mode="chunk", chunk=16,
+                            cu_seqlens=torch.tensor([0, 9, 9, 23]))
 
 
 def test_tiled_recurrent_kernels_with_varlen(monkeypatch):

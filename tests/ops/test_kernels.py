@@ -49,8 +49,17 @@ def test_recurrent_matches_reference(name, flags):
     check_against_reference(op, flags, args, st, torch.float32)
 
 
+@pytest.fixture(params=[1, 2], ids=["walk", "phases"])
+def chunk_phases(request, monkeypatch):
+    """The chunked kernels in one launch each (the walk over the chunks) or two (the walk for
+    the states, then every chunk at once: the CUDA default)."""
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "CHUNK_PHASES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name,flags", CHUNKED, ids=CHUNK_IDS)
-def test_chunk_matches_reference(name, flags):
+def test_chunk_matches_reference(name, flags, chunk_phases):
     """Chunks of 16 over T = 21 (a partial last chunk), backward from the chunk checkpoints."""
     op = mixc.load(name)
     args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes=_sizes(op), dtype=torch.float32, requires_grad=True,
@@ -89,9 +98,13 @@ def test_chunk_boundaries(T, CK):
 @pytest.mark.parametrize("name,mode", [("gla", "chunk"), ("gla", "recurrent"), ("delta_rule", "recurrent"),
                                        ("based", "chunk"), ("rwkv6", "chunk"), ("gated_delta_rule", "chunk"),
                                        ("rwkv7", "chunk"), ("mamba", "recurrent")])
-def test_cu_seqlens(name, mode):
+def test_cu_seqlens(name, mode, monkeypatch):
+    """Packed sequences, one empty; the chunked ones in two launches per direction (the chunk
+    programs find their sequence from the slot table), a sequence of 19 spanning two chunks."""
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     op = mixc.load(name)
-    lens = [3, 0, 6, 2]
+    lens = [3, 0, 19, 2] if mode == "chunk" else [3, 0, 6, 2]
     args, sizes = random_args(op.ir, B=1, T=sum(lens), H=2, sizes=_sizes(op, 4), dtype=torch.float32,
                               requires_grad=True, seed=3)
     st = random_state(op.ir, len(lens), 2, sizes, requires_grad=True)
