@@ -133,6 +133,18 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
     segments = [(0, T)] if cu_seqlens is None else list(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]))
     rows = slice(None) if cu_seqlens is None else slice(0, 1)
     Bs = B if cu_seqlens is None else 1
+    # Every per-token piece is split once into the chunks of every sequence (cu_seqlens runs
+    # from 0 to T): slicing each chunk out on its own costs, in the backward, a zero-filled
+    # full-length gradient per chunk (O(T^2 / C): the superlinear growth `mixc bench` showed
+    # past T = 4096); the backward of one split concatenates once.
+    lengths = [min(C, end - c0) for start, end in segments for c0 in range(start, end, C)]
+
+    def split(t):
+        return None if t is None else t[rows].split(lengths, 1)
+    ch = {k: {n: split(t) for n, t in pc[k].items()} for k in ("K", "V", "g", "L", "R")}
+    ch_q = {r: [(split(Q), split(sc)) for Q, sc in terms] for r, terms in pc["Q"].items()}
+    ch_gate = split(pc["gate"])
+    ci = -1                                   # the running chunk index over all sequences
     readout_vals = {r: [] for r in TORCH_READOUTS}
     finals = {s: [] for s in TORCH_STATES}
     m_rows = []
@@ -152,16 +164,17 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
         outs = {r: [] for r in TORCH_READOUTS}
         for c0 in range(start, end, C):
             c1 = min(c0 + C, end)
+            ci += 1
+            K_, V_, L_, R_ = ({n: v[ci] for n, v in ch[k].items() if v is not None} for k in ("K", "V", "L", "R"))
             chunk_b = {}
             for name in TORCH_STATES:
-                g = pc["g"][name]
-                if g is not None:
-                    b = g[rows, c0:c1].cumsum(1)
+                if ch["g"][name] is not None:
+                    b = ch["g"][name][ci].cumsum(1)
                     chunk_b[name] = (b, b[:, -1], torch.cat([torch.zeros_like(b[:, :1]), b[:, :-1]], 1))
             logs = None
             if TORCH_STABILIZED:
                 b, bl, _ = chunk_b[TORCH_STABILIZED[0]]
-                gi = pc["gate"][rows, c0:c1]
+                gi = ch_gate[ci]
                 causal = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=device).tril()
                 L = (b.unsqueeze(2) - b.unsqueeze(1) + gi.unsqueeze(1)).masked_fill(~causal[None, :, :, None],
                                                                                    float("-inf"))
@@ -173,29 +186,26 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
             wy = {}
             for name, st in TORCH_STATES.items():
                 if st["class"].startswith("rank1"):
-                    wy[name] = _rank1_setup(st["class"], pc["L"][name][rows, c0:c1], pc["R"][name][rows, c0:c1],
-                                            pc["K"][name][rows, c0:c1], pc["V"][name][rows, c0:c1], states[name],
+                    wy[name] = _rank1_setup(st["class"], L_[name], R_[name], K_[name], V_[name], states[name],
                                             chunk_b[name])
             for r, rd in TORCH_READOUTS.items():
                 s = rd["state"]
-                Kc, Vc = pc["K"][s][rows, c0:c1], pc["V"][s][rows, c0:c1]
                 total = 0
-                for Q, sc in pc["Q"][r]:
+                for Q, sc in ch_q[r]:
                     if s in wy:
-                        val = _rank1_readout(Q[rows, c0:c1], pc["L"][s][rows, c0:c1], Kc, Vc, states[s], *wy[s],
-                                             rd["prev"])
+                        val = _rank1_readout(Q[ci], L_[s], K_[s], V_[s], states[s], *wy[s], rd["prev"])
                     else:
-                        val = _readout(TORCH_STATES[s]["class"], Q[rows, c0:c1], Kc, Vc, states[s], chunk_b.get(s),
+                        val = _readout(TORCH_STATES[s]["class"], Q[ci], K_[s], V_[s], states[s], chunk_b.get(s),
                                        rd["prev"], logs if s in TORCH_STABILIZED else None)
-                    total = total + (val * sc[rows, c0:c1] if sc is not None else val)
+                    total = total + (val * sc[ci] if sc is not None else val)
                 outs[r].append(total)
             for name, st in TORCH_STATES.items():
                 if name in wy:
-                    states[name] = _rank1_advance(pc["L"][name][rows, c0:c1], pc["K"][name][rows, c0:c1],
-                                                  pc["V"][name][rows, c0:c1], states[name], wy[name][0], wy[name][1])
+                    states[name] = _rank1_advance(L_[name], K_[name], V_[name], states[name], wy[name][0],
+                                                  wy[name][1])
                     continue
-                states[name] = _advance(st["class"], pc["K"][name][rows, c0:c1], pc["V"][name][rows, c0:c1],
-                                        states[name], chunk_b.get(name), logs if name in TORCH_STABILIZED else None)
+                states[name] = _advance(st["class"], K_[name], V_[name], states[name], chunk_b.get(name),
+                                        logs if name in TORCH_STABILIZED else None)
             if logs is not None:
                 M = logs[3]
         for r, rd in TORCH_READOUTS.items():
