@@ -133,6 +133,12 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise ArgumentError(f"{opt.name}: expected a number, got {v!r}")
                 options[opt.name] = float(v)
+    if "cp_group" in kwargs:     # taken by op() of a recurrence before binding; anywhere else say why not
+        why = ("step() takes one token per sequence: context parallelism shards a whole sequence, "
+               "op(..., cp_group=group)" if step else
+               f"mixer '{mixer.name}' mixes with conv, mix or attend, which have no summary of a shard to pass "
+               "between ranks (attention over shards would need ring attention); only recurrences take it")
+        raise ArgumentError(f"cp_group: not accepted here; {why}")
     if kwargs:
         extra = sorted(kwargs)
         known = [d.name for d in (*mixer.inputs, *mixer.params)] + [o.name for o in mixer.options]

@@ -51,3 +51,24 @@ def test_context_parallel_through_the_interpreted_kernels(tmp_path):
     cases = [dict(name=n, mode=mode, dtype=torch.float32, T=20, sizes={"K": 4, "V": 4}, tol=1e-4)
              for n, mode in (("simple_gla", "chunk"), ("delta_rule", "chunk"))]
     spawn(2, cases, tmp_path)
+
+
+@pytest.mark.parametrize("where", ["sequence-mixer", "step"])
+def test_cp_group_refused_where_there_is_no_shard_summary(where):
+    """A sequence mixer (attention: would need ring attention) and step() (one token) say why
+    they take no cp_group, before any collective is attempted."""
+    import mixc
+    from mixc.runtime.inputs import random_args
+    from mixc.runtime.signature import ArgumentError
+    name = "attention" if where == "sequence-mixer" else "gla"
+    op = mixc.load(name)
+    kw, sizes = random_args(op.ir, B=1, T=4, H=1, sizes={d.name: 4 for d in op.ir.dims if not d.alias_of})
+    with pytest.raises(ArgumentError, match="cp_group: not accepted here; " +
+                       ("mixer 'attention' mixes with conv, mix or attend.*ring attention" if where == "sequence-mixer"
+                        else r"step\(\) takes one token per sequence")):
+        if where == "step":
+            names = {d.name for d in op.ir.inputs}
+            op.step(**{k: (v[:, 0] if k in names else v) for k, v in kw.items()},
+                    state={"S": torch.zeros(1, 1, 4, 4)}, cp_group=object())
+        else:
+            op(**kw, cp_group=object())
