@@ -51,15 +51,21 @@ def test_mamba2_through_fla_simple_gla_path_equals_mixc_mamba2():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-def test_fla_argument_order():
+def _recorders(table: dict) -> tuple[dict, dict]:
+    """Stand-ins for fla's functions of `table` that record their arguments in `seen` (name ->
+    (args, keywords)) and return (the first argument, the initial state keyword or None)."""
     seen = {}
 
     def rec(name):
         def f(*args, **kw):
             seen[name] = (args, kw)
-            return (args[0], None)
+            return (args[0], kw.get("initial_state"))
         return f
-    fns = {name: rec(name) for _, name in fla_ops.FLA_NAMES.values()}
+    return seen, {name: rec(name) for _, name in table.values()}
+
+
+def test_fla_argument_order():
+    seen, fns = _recorders(fla_ops.FLA_NAMES)
     for spec in fla_ops.SPECS:
         if spec == "mamba2":
             continue
@@ -78,14 +84,7 @@ def test_fla_argument_order():
 
 def test_fla_decode_argument_order():
     """fla's fused recurrent kernels at T = 1: mixc's inputs in fla's order, the state in and out."""
-    seen = {}
-
-    def rec(name):
-        def f(*args, **kw):
-            seen[name] = (args, kw)
-            return (args[0], kw["initial_state"])
-        return f
-    fns = {name: rec(name) for _, name in fla_ops.FLA_DECODE.values()}
+    seen, fns = _recorders(fla_ops.FLA_DECODE)
     for spec in fla_ops.SPECS:
         if spec == "mamba2":
             continue
