@@ -329,8 +329,9 @@ def _chunk_launch(plan: Plan, bound: Bound, C: int) -> tuple[int, dict]:
 
 def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,
                   checkpoints: bool = False, C: int | None = None):
-    """Run the fused chunked forward kernel. Same returns as recurrent_forward; its checkpoints
-    (the states at chunk starts) serve the recurrent backward with CK = C."""
+    """Run the chunked forward kernel (two launches or one: CHUNK_PHASES). Same returns as
+    recurrent_forward; its checkpoints (the states at chunk starts) serve the chunked backward
+    and the recurrent one with CK = C."""
     C = C or chunk_size(plan)
     x0 = next(iter(bound.inputs.values()))
     programs, common = _chunk_launch(plan, bound, C)
@@ -350,8 +351,8 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
 
 
 def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C: int):
-    """The chunked backward kernel: same returns as recurrent_backward, from the chunked
-    forward's checkpoints (chunks of C tokens)."""
+    """The chunked backward kernel (two launches or one: CHUNK_PHASES): same returns as
+    recurrent_backward, from the chunked forward's checkpoints (chunks of C tokens)."""
     x0 = next(iter(bound.inputs.values()))
     H = bound.H
     slots = checkpoint_slots(bound, C)
