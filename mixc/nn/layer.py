@@ -136,14 +136,18 @@ class MixerLayer(nn.Module):
         return {n: r.value(getattr(self, self._pname(n))) for n, r in self.param_roles.items()}
 
     # ---------------------------------------------------------------- shared pieces
-    def _project(self, x: torch.Tensor, conv_cache):
+    def _project(self, x: torch.Tensor, conv_cache, cp_group=None):
         """x [*lead, d_model] with lead (B, T) or (B,) -> (the op's inputs, the gate or None,
-        the new conv cache). conv_cache: [B, C, kernel - 1] or None (zeros: a fresh sequence)."""
+        the new conv cache, the gathered conv tails or None). conv_cache: [B, C, kernel - 1] or
+        None (zeros: a fresh sequence). cp_group: x is this rank's shard; the conv continues
+        from the previous rank's last kernel - 1 tokens (rank 0: from conv_cache)."""
         z = self.in_proj(x)
         step = x.dim() == 2
-        new_cache = None
+        new_cache, tails = None, None
         if self.conv is not None:
             c, rest = z[..., :self.conv_width], z[..., self.conv_width:]
+            if cp_group is not None:
+                conv_cache, tails = self._conv_halo(c, conv_cache, cp_group)
             c, new_cache = self._conv(c.unsqueeze(1) if step else c, conv_cache)
             z = torch.cat([F.silu(c.squeeze(1) if step else c), rest], -1)
         lead = z.shape[:-1]
@@ -156,7 +160,26 @@ class MixerLayer(nn.Module):
         done = {}
         for n in self.apply_order:
             done[n] = self.roles[n](raw[n], self, n, done)
-        return {n: done[n] for n in self.order}, gate, new_cache
+        return {n: done[n] for n in self.order}, gate, new_cache, tails
+
+    def _conv_halo(self, c: torch.Tensor, cache, group):
+        """(this rank's conv cache: the previous rank's last kernel - 1 conv inputs, rank 0's
+        own cache; every rank's tail [W, B, C, kernel - 1], gathered differentiably so that the
+        gradient reaches the rank that computed it). Every shard must hold kernel - 1 tokens:
+        checked on every rank from the gathered lengths, so all raise alike."""
+        import torch.distributed as dist
+
+        from ..runtime.context_parallel import _AllGather
+        k = self.conv_size
+        rank = dist.get_rank(group)
+        lengths = [torch.zeros(1, dtype=torch.int64, device=c.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(lengths, torch.tensor([c.shape[1]], device=c.device), group=group)
+        short = [(r, int(n)) for r, n in enumerate(lengths) if int(n) < k - 1]
+        if short:
+            raise ValueError(f"cp_group: rank {short[0][0]}'s shard has {short[0][1]} tokens; the short conv "
+                             f"(conv_size={k}) reads the previous {k - 1} tokens, so every shard needs at least {k - 1}")
+        tails = _AllGather.apply(c[:, c.shape[1] - (k - 1):].transpose(1, 2), group)       # [W, B, C, k - 1]
+        return (tails[rank - 1] if rank > 0 else cache), tails
 
     def _conv(self, c: torch.Tensor, cache):
         """Causal depthwise conv over [B, T, C], continuing from cache [B, C, kernel - 1]: a sum
@@ -182,15 +205,24 @@ class MixerLayer(nn.Module):
         return self.out_proj(o.reshape(lead + (self.n_heads * self.out_per_head,)))
 
     # ---------------------------------------------------------------- the two entry points
-    def forward(self, x: torch.Tensor, state: dict | None = None, use_cache: bool = False):
+    def forward(self, x: torch.Tensor, state: dict | None = None, use_cache: bool = False, cp_group=None):
         """x [B, T, d_model] -> (y [B, T, d_model], state): training and prefill. state continues
         a sequence (from a previous forward or step); with use_cache=True the returned state
-        continues it further, else it is None."""
-        inputs, gate, conv_cache = self._project(x, (state or {}).get("conv"))
+        continues it further, else it is None.
+
+        cp_group (context parallelism, docs/distributed.md): x is this rank's contiguous shard
+        of the sequence; state is the whole sequence's, read on rank 0; the returned state is
+        the one at the end of this rank's shard. The short conv takes the previous rank's last
+        conv_size - 1 tokens, the op its true initial state (op(..., cp_group=))."""
+        extra = {"cp_group": cp_group} if cp_group is not None else {}
+        inputs, gate, conv_cache, tails = self._project(x, (state or {}).get("conv"), cp_group)
         mixer_state = (state or {}).get("mixer")
         o, st = self.op(**inputs, **self.spec_params(), **self.options, initial_state=mixer_state,
-                        output_final_state=use_cache, mode=self.mode, **self.op_kwargs)
+                        output_final_state=use_cache, mode=self.mode, **self.op_kwargs, **extra)
         y = self._finish(o, gate)
+        if tails is not None:       # the last rank uses no tail, rank 0 none: all join the backward's all-reduce
+            from ..runtime.context_parallel import _Tie
+            y = _Tie.apply(y, tails)
         if not use_cache:
             return y, None
         return y, _state(st, conv_cache)
@@ -200,7 +232,7 @@ class MixerLayer(nn.Module):
         fresh sequence) -> (y [B, d_model], the state after it)."""
         if state is None:
             state = self.init_state(x.shape[0], x)
-        inputs, gate, conv_cache = self._project(x, state.get("conv"))
+        inputs, gate, conv_cache, _ = self._project(x, state.get("conv"))
         o, st = self.op.step(**inputs, **self.spec_params(), **self.options, state=state["mixer"], mode=self.mode)
         return self._finish(o, gate), _state(st, conv_cache)
 

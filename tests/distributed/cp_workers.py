@@ -91,3 +91,48 @@ def cp_cases(rank: int, world: int, store: str, cases: list) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def layer_cp(rank: int, world: int, store: str, names: list, lengths: list) -> None:
+    """MixerLayer(cp_group=...) on shards of `lengths` tokens (short conv across the shard
+    boundaries, the op's state carried over) against the layer on the whole sequence: the
+    output, the input's gradient and every param's gradient summed over the ranks; and a shard
+    shorter than conv_size - 1 is refused on every rank alike."""
+    import pytest
+
+    from mixc.nn import MixerLayer
+    init(rank, world, store)
+    try:
+        for name in names:
+            torch.manual_seed(0)
+            layer = MixerLayer(name, d_model=16, n_heads=2, mode="torch").double()
+            T = sum(lengths)
+            gen = torch.Generator().manual_seed(1)
+            x = torch.randn(2, T, 16, dtype=torch.float64, generator=gen)
+            w = torch.randn(2, T, 16, dtype=torch.float64, generator=gen)
+            whole = x.clone().requires_grad_(True)
+            y_want, _ = layer(whole)
+            (y_want * w).sum().backward()
+            want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+            layer.zero_grad()
+            start, end = shard_bounds(T, world, rank, lengths)
+            part = x[:, start:end].clone().requires_grad_(True)
+            y, _ = layer(part, cp_group=dist.group.WORLD)
+            # states travel between ranks in fp32 (the op's state dtype): agreement ~1e-8, not 1e-12
+            err = (y - y_want[:, start:end]).abs().max().item()
+            assert err < 1e-6, f"{name} rank {rank}: output error {err:.3g}"
+            (y * w[:, start:end]).sum().backward()
+            gerr = (part.grad - whole.grad[:, start:end]).abs().max().item()
+            assert gerr < 1e-6, f"{name} rank {rank}: dx error {gerr:.3g}"
+            for n, p in layer.named_parameters():
+                g = p.grad.clone()
+                dist.all_reduce(g)
+                perr = (g - want[n]).abs().max().item()
+                assert perr < 1e-6 * max(want[n].abs().max().item(), 1.0), f"{name} rank {rank}: d{n} error {perr:.3g}"
+            dist.barrier()
+        short = [2] + [5] * (world - 1)                 # rank 0 holds 2 tokens: conv_size 4 needs 3
+        start, end = shard_bounds(sum(short), world, rank, short)
+        with pytest.raises(ValueError, match="rank 0's shard has 2 tokens; the short conv"):
+            layer(torch.randn(1, end - start, 16, dtype=torch.float64), cp_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()

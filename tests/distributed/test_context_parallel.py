@@ -72,3 +72,10 @@ def test_cp_group_refused_where_there_is_no_shard_summary(where):
                     state={"S": torch.zeros(1, 1, 4, 4)}, cp_group=object())
         else:
             op(**kw, cp_group=object())
+
+
+def test_mixer_layer_with_cp_group(tmp_path):
+    """MixerLayer on 3 uneven shards (5, 3 and 9 tokens: the short conv of 4 reads across each
+    boundary) equals the layer on the whole sequence: output, dx and every param's gradient."""
+    mp.spawn(cp_workers.layer_cp, args=(3, str(tmp_path / "store"), ["gla", "mamba2"], [5, 3, 9]), nprocs=3,
+             join=True)

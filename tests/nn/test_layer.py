@@ -73,7 +73,7 @@ def test_spec_params_are_trained_module_parameters(spec):
 
 
 def _inputs(layer, x):
-    inputs, _, _ = layer._project(x, None)
+    inputs, _, _, _ = layer._project(x, None)
     return inputs
 
 
