@@ -292,15 +292,20 @@ def chunk_blocks(plan: Plan, bound: Bound) -> dict:
 # The chunked kernels in two launches each (forward: PHASE 1 walks the chunks for the states,
 # PHASE 2 computes every chunk's output at once, fla's chunk_fwd_h + chunk_fwd_o; backward:
 # PHASE 1 walks back for dL/dS at every chunk's end, PHASE 2 computes every chunk's gradients
-# at once, fla's dh + dq/dk/dv kernels) or in one walk each (PHASE 0). None: two on CUDA (the
-# tuner also tries one), one under the interpreter; the tests run both.
+# at once, fla's dh + dq/dk/dv kernels) or in one walk each (PHASE 0). None: the tuned config's
+# choice on CUDA (two without tuning), one under the interpreter; 1 or 2 forces it everywhere
+# (the tests run both; gpu_check's correctness section checks both on the GPU).
 CHUNK_PHASES: int | None = None
 
 
 def _phases(cfg: autotune.Config | None, device: torch.device) -> int:
+    """CHUNK_PHASES where set (a forced choice: the tests, gpu_check's correctness modes), else
+    the launch config's, else two on CUDA and one under the interpreter."""
+    if CHUNK_PHASES:
+        return CHUNK_PHASES
     if cfg is not None and cfg.phases:
         return cfg.phases
-    return CHUNK_PHASES or (2 if device.type == "cuda" and not interpreting() else 1)
+    return 2 if device.type == "cuda" and not interpreting() else 1
 
 
 def _one_stage(kw: dict) -> dict:

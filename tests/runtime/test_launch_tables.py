@@ -37,3 +37,17 @@ def test_chunk_slot_table_names_every_chunk_once(lens, C):
         if c < -(-(eos - bos) // C):
             got[slot] = (i, c)
     assert got == want
+
+
+def test_forced_phases_win_over_the_launch_config(monkeypatch):
+    """gpu_check's "chunk walk" mode sets CHUNK_PHASES = 1 while CUDA's untuned launch config
+    says two launches: the forced choice must win, or the mode would test the wrong form."""
+    from mixc.runtime.autotune import Config
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(launch, "CHUNK_PHASES", None)
+    assert launch._phases(Config(8, 3, phases=2), cpu) == 2 and launch._phases(Config(8, 1, phases=1), cpu) == 1
+    assert launch._phases(None, cpu) == 1                     # the interpreter's default: the walk
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 1)
+    assert launch._phases(Config(8, 3, phases=2), cpu) == 1
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    assert launch._phases(Config(8, 1, phases=1), cpu) == 2 and launch._phases(None, cpu) == 2
