@@ -15,8 +15,16 @@ SPECS = [("simple_gla", "chunk"), ("gla", "chunk"), ("linear_attn", "chunk"), ("
          ("gated_delta_rule", "chunk"), ("rwkv7", "chunk")]
 
 
-@pytest.mark.parametrize("name,mode", SPECS, ids=[f"{n}-{m}" for n, m in SPECS])
-@pytest.mark.parametrize("T,K,V", SHAPES, ids=[case_id(B=1, T=t, H=2, K=k, V=v) for t, k, v in SHAPES])
+def _shape_cases():
+    """Every (spec, shape) pair; the recurrent kernel's two longest shapes (7 s each in the
+    interpreter) behind -m slow, like the full grid."""
+    for n, m in SPECS:
+        for t, k, v in SHAPES:
+            marks = [pytest.mark.slow] if m == "recurrent" and t >= 64 else []
+            yield pytest.param(n, m, t, k, v, marks=marks, id=f"{case_id(B=1, T=t, H=2, K=k, V=v)}-{n}-{m}")
+
+
+@pytest.mark.parametrize("name,mode,T,K,V", list(_shape_cases()))
 def test_shapes(name, mode, T, K, V):
     op = mixc.load(name)
     flags = {"use_qk_l2norm_in_kernel": True} if "delta" in name else {}      # fla's use: unit keys
