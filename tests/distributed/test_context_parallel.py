@@ -47,6 +47,7 @@ def test_context_parallel_uneven_shards_and_packed_sequences(tmp_path):
     spawn(3, cases, tmp_path)
 
 
+@pytest.mark.slow     # 13 s; the CP logic runs for every chunked spec through the torch backend above
 def test_context_parallel_through_the_interpreted_kernels(tmp_path):
     cases = [dict(name=n, mode=mode, dtype=torch.float32, T=20, sizes={"K": 4, "V": 4}, tol=1e-4)
              for n, mode in (("simple_gla", "chunk"), ("delta_rule", "chunk"))]
