@@ -132,6 +132,18 @@ class Plan:
     def name(self) -> str:
         return self.ir.name
 
+    # A plan pickles as its spec and flags and is derived again on load: its symbol table
+    # holds read-only mappings (and sympy's caches), which do not pickle. It is immutable,
+    # so a copy is the plan itself.
+    def __reduce__(self):
+        return derive, (self.ir, dict(self.flags))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     @property
     def kernel_ir(self) -> ir.MixerIR:
         """The spec the recurrent kernels run: with a stabilizer, over S~ and the extra state _m."""

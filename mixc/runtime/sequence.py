@@ -44,6 +44,16 @@ class SequenceOp:
     def __repr__(self) -> str:
         return f"<mixc sequence op '{self.name}' from {self.ir.source.filename}>"
 
+    # pickles as its spec; copies share it (it holds no data): as MixerOp
+    def __reduce__(self):
+        return type(self), (self.ir,)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     def plan(self, **flags) -> Plan:
         return self._plan_for(flags)
 
