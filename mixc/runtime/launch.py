@@ -63,7 +63,9 @@ def n_splits(plan: Plan, bound: Bound, blocks: dict) -> int:
     split = split_dim(plan)
     if split is None or "_BLOCK__T" in blocks:
         return 1
-    return -(-bound.sizes[split] // blocks[f"_BLOCK_{split}"])
+    # at least one: a split dim of size 0 (gla K = 0, mamba2 N = 0) still needs block 0, which
+    # writes the state-free part of the output (zeros, D * x) and every gradient
+    return max(1, -(-bound.sizes[split] // blocks[f"_BLOCK_{split}"]))
 
 
 class KernelUnavailable(RuntimeError):
