@@ -215,10 +215,14 @@ def _expected(names) -> str:
 def _unexpected_character(err: lark.exceptions.UnexpectedCharacters, source: Source) -> SpecError:
     text, pos = source.text, err.pos_in_stream
     ch = text[pos] if pos < len(text) else "?"
-    span = Span.point(err.line, err.column)
     if ch == ">" and pos > 0 and text[pos - 1] == "-":
         return SpecError("'->' may only appear in rename(x, A -> B)", source,
                          Span(err.line, err.column - 1, err.line, err.column + 1))
+    return _unexpected_character_at(source, err.line, err.column, ch)
+
+
+def _unexpected_character_at(source: Source, line: int, column: int, ch: str) -> SpecError:
+    span = Span.point(line, column)
     mark = unicodedata.category(ch).startswith("M")     # a combining mark, drawn onto its neighbour
     if not ch.isprintable() or mark:    # invisible in the message: name it by its code point
         what = f"U+{ord(ch):04X}"
@@ -227,7 +231,9 @@ def _unexpected_character(err: lark.exceptions.UnexpectedCharacters, source: Sou
     else:
         what = f"'{ch}'"
     msg = f"unexpected character {what}"
-    if ch.isalnum() or mark:    # a letter, digit or accent outside ASCII, in what was meant as a name
+    if ch.isdigit():            # a digit of another script: numbers are written with 0-9 only
+        msg += " (numbers are written with the ASCII digits 0-9)"
+    elif ch.isalnum() or mark:    # a letter, digit or accent outside ASCII, in what was meant as a name
         msg += " (names are ASCII letters, digits and _)"
     notes = ()
     if not ch.isascii():
@@ -306,12 +312,25 @@ def _refuse_bidi_controls(source: Source) -> None:
                         "differently from how it is read; remove it", source, span)
 
 
+def _refuse_non_ascii_digits(source: Source) -> None:
+    """A digit of another script outside a comment is refused at itself, before lexing: in
+    `1e\u0663` the parser would otherwise stop at the `e` it cannot place, not at the digit."""
+    for number, line in enumerate(source.text.split("\n"), 1):
+        code = line.split("#", 1)[0]        # no token of the language holds '#': the rest is a comment
+        if code.isascii():
+            continue
+        for col, ch in enumerate(code, 1):
+            if not ch.isascii() and ch.isdigit():
+                raise _unexpected_character_at(source, number, col, ch)
+
+
 def parse_tree(text: str, filename: str = "<spec>") -> SpecTree:
     source = Source(text, filename)
     if len(text) > MAX_SPEC_CHARS:
         raise SpecError(f"spec is too long ({len(text)} characters; the limit is {MAX_SPEC_CHARS})",
                         source, None)
     _refuse_bidi_controls(source)
+    _refuse_non_ascii_digits(source)
     try:
         tree = _lark().parse(text)
     except _KeywordAsName as err:

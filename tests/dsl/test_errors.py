@@ -73,6 +73,12 @@ CASES = [
     C("accented-letter", spec("mixer m", "  dims K", "  input qé[K]"), 3, 10,
       "unexpected character 'é' (names are ASCII letters, digits and _)"),
     C("cjk-letter", out("q @ S + 中"), 6, 22, "unexpected character '中' (names are ASCII letters"),
+    # only ASCII 0-9 are digits: 1\u06605 was read as 105, fullwidth and mathematical digits alike
+    C("arabic-indic-digit", upd("1\u06605 * S + k * v"), 5, 15,
+      "unexpected character '\u0660' (numbers are written with the ASCII digits 0-9)"),
+    C("fullwidth-digits", upd("\uff11\uff12 * S + k * v"), 5, 14, "unexpected character '\uff11' (numbers are"),
+    C("mathematical-digit", upd("2 * \U0001d7cf * S + k * v"), 5, 18, "unexpected character '\U0001d7cf' (numbers"),
+    C("non-ascii-exponent-digit", upd("1e\u0663 * S + k * v"), 5, 16, "unexpected character '\u0663' (numbers"),
     C("zero-width-space", out("q @ S +\u200b k"), 6, 21, "unexpected character U+200B"),
     C("nul", out("q @ S + \x00"), 6, 22, "unexpected character U+0000"),
     C("arrow-outside-rename", out("q @ S + k->v"), 6, 23, "'->' may only appear in rename(x, A -> B)"),
