@@ -150,8 +150,8 @@ def cmd_compile(args) -> int:
         return 0
     suffix = "".join(f"__{k}_{int(v)}" for k, v in plan.flags if v != mixer.option(k).default)
     path = Path(args.output) / f"{mixer.name}{suffix}.py"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(source)
+    from .runtime.cache import write_output
+    write_output(path, source)          # replaces a symlink at path, never writes through it
     if plan.sequence is not None:
         print(f"wrote {path} ({plan.transition}; no Triton kernel: computed by torch)")
         return 0
