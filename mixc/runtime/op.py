@@ -72,6 +72,7 @@ class MixerOp:
                  mode: str = "auto", CK: int = 32, chunk: int | None = None, cp_group=None, **kwargs):
         if mode not in MODES:
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        check_flag_argument("output_final_state", output_final_state)
         if cp_group is not None:        # this rank holds a shard of the sequence (runtime/context_parallel.py)
             from .context_parallel import cp_call
             return cp_call(self, cp_group, kwargs=kwargs, initial_state=initial_state,
@@ -204,6 +205,12 @@ class MixerOp:
         if device.type == "cuda" or (device.type == "cpu" and interpreting()):
             return "auto"           # the kernels: chunked where the spec has that form
         return "torch"
+
+
+def check_flag_argument(name: str, value) -> None:
+    """A yes/no argument must be a bool: "no" or a tensor would be taken as true."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
 
 
 def _float_states(st):

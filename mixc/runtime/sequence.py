@@ -74,6 +74,9 @@ class SequenceOp:
     def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
                  mode: str = "auto", **kwargs):
         _check_mode(self.name, mode)
+        if not isinstance(output_final_state, bool):       # "no" would be taken as true
+            raise ArgumentError(f"output_final_state: expected True or False, got {output_final_state!r} "
+                                f"({type(output_final_state).__name__})")
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         plan = self._plan_for(bound.flags)
         seq = plan.sequence
@@ -165,6 +168,12 @@ def _cache_dims(mixer, plan: Plan, bound, windows) -> dict[str, tuple[tuple[str,
     return out
 
 
+def _windowed(plan: Plan, windows) -> set[str]:
+    """The cache entries of attend() with a window: min(window - 1, tokens seen) long, so that
+    a huge window over a short sequence allocates by the sequence."""
+    return {key for op in plan.sequence.ops if op.kind == "attend" and op.index in windows for key, _ in op.cache}
+
+
 def _check_cache(mixer, plan: Plan, bound, state, windows) -> dict[str, torch.Tensor]:
     """The cache given as initial_state (or step()'s state): its entries, shapes and positions."""
     arg = "initial_state"
@@ -172,6 +181,7 @@ def _check_cache(mixer, plan: Plan, bound, state, windows) -> dict[str, torch.Te
         raise ArgumentError(f"{arg}: expected the cache dict that output_final_state=True returns, got "
                             f"{type(state).__name__}")
     spec = _cache_dims(mixer, plan, bound, windows)
+    windowed = _windowed(plan, windows)
     keys = ("pos",) + tuple(spec)
     allowed = set(keys) | {k + "_scale" for k in spec}
     for k in state:
@@ -192,14 +202,19 @@ def _check_cache(mixer, plan: Plan, bound, state, windows) -> dict[str, torch.Te
     for key, (dims, length) in spec.items():
         x = state[key]
         sizes = tuple(bound.sizes[d] for d in dims)
+        # a window's cache holds the last min(window - 1, tokens seen) tokens: it grows up to the window
+        fewest = min(length, most) if key in windowed else length
+        held = x.shape[2] if isinstance(x, torch.Tensor) and x.dim() == 3 + len(dims) else None
         label = "[N, H, " + ("length" if length is None else str(length)) + "".join(", " + d for d in dims) + "]"
         if not isinstance(x, torch.Tensor) or x.dim() != 3 + len(dims) or tuple(x.shape[:2]) != (n, H) \
-                or tuple(x.shape[3:]) != sizes or (length is not None and x.shape[2] != length) \
+                or tuple(x.shape[3:]) != sizes or (length is not None and not fewest <= held <= length) \
                 or (length is None and x.shape[2] < most):
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             why = ""
-            if isinstance(x, torch.Tensor) and length is not None and x.dim() == 3 + len(dims) and x.shape[2] != length:
-                why = f"; it holds {x.shape[2]} past tokens where this call keeps {length} (was it made with another window or filter?)"
+            if held is not None and length is not None and held > length:
+                why = f"; it holds {held} past tokens where this call keeps {length} (was it made with another window or filter?)"
+            elif held is not None and length is not None and held < fewest:
+                why = f"; it holds {held} past tokens where this call needs the last {fewest} of {most}"
             raise ArgumentError(f"{arg}['{key}']: expected shape {label} with N={n}, H={H}"
                                 + "".join(f", {d}={s}" for d, s in zip(dims, sizes)) + f", got {got}{why}")
         if x.device != device:
@@ -243,9 +258,11 @@ def _run(mixer, plan: Plan, bound, opts, windows, cache, dtype, method, stabiliz
     st = {"pos": torch.tensor(new_pos, dtype=torch.int64, device=x0.device)}
     for key in caches[0] if caches else ():
         parts = [c[key] for c in caches]
+        most = max(t.shape[2] for t in parts)
         if key in full:                    # every past token: pad the shorter histories at the end
-            most = max(t.shape[2] for t in parts)
             parts = [torch.nn.functional.pad(t.movedim(2, -1), (0, most - t.shape[2])).movedim(-1, 2)
                      if t.shape[2] < most else t for t in parts]
+        elif any(t.shape[2] < most for t in parts):   # a window's last tokens: zeros in front (negative positions)
+            parts = [torch.nn.functional.pad(t.movedim(2, -1), (most - t.shape[2], 0)).movedim(-1, 2) for t in parts]
         st[key] = torch.cat(parts, 0)
     return o, st

@@ -294,7 +294,7 @@ class Evaluator:
                 kf = torch.cat([old, kf], 1)
                 vf = torch.cat([cached(f"{op.name}_v"), vf], 1)
                 k0 = r.p - old.shape[1]                 # a window cache's padding sits at negative positions
-            n = kf.shape[1] if window is None else window - 1
+            n = kf.shape[1] if window is None else min(window - 1, kf.shape[1])   # not more than was seen
             keep(f"{op.name}_k", kf, qd, n)
             keep(f"{op.name}_v", vf, vd, n)
         o = seqops.attention(qf, kf, vf, causal=op.causal, window=window, q0=r.p, k0=k0, method=r.method)
