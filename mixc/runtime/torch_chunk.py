@@ -23,37 +23,63 @@ def torch_chunked(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: 
                          cu_seqlens=bound.cu_seqlens, output_final_state=output_final_state, C=C)
 
 
+def _pair_logs(g, prev):
+    """[B, i, j, H, *]: the log decay from token j to the query row i, the sum of g_s over
+    j < s <= i (s <= i - 1 for a readout of S_{i-1}) where j is at or before that row, -inf
+    elsewhere. Summed per pair, not as a difference b_i - b_j of cumulative sums: a log
+    decay of -inf (a decay of 0, a state reset) gives -inf - -inf = NaN in the difference but
+    -inf in the pair's own sum; and at strong decay (b of -1000 over a chunk) the difference
+    rounds to ulp(b), 1e-4 relative in exp(g) for neighbours, while the pair's sum is exact
+    for neighbours. Its autograd is a reverse cumsum of the per-pair terms, each well scaled,
+    so dg does not cancel (the q dq - k dk identity subtracts the diagonal's O(1) terms)."""
+    c = g.shape[1]
+    ar = torch.arange(c, device=g.device)
+    shape = (1, c, c) + (1,) * (g.dim() - 2)
+    after = (ar[:, None] > ar[None, :]).view(shape)                          # [s, j]: s after j
+    seg = torch.where(after, g.unsqueeze(2), torch.zeros((), dtype=g.dtype, device=g.device)).cumsum(1)
+    if prev:                                  # row i takes the sum up to s = i - 1
+        seg = torch.cat([torch.zeros_like(seg[:, :1]), seg[:, :-1]], 1)
+    causal = (ar[:, None] - int(prev) >= ar[None, :]).view(shape)
+    return seg.masked_fill(~causal, float("-inf"))
+
+
+def _chunk_logs(g):
+    """(b: the cumulative log decay, b at the chunk's last token, b_{i-1}, the suffix sums
+    sum_{s > j} g_s, g). The suffix sum is the log weight of key j in S_C, summed from the
+    chunk's end (bl - b_j would be NaN after a reset and round at strong decay)."""
+    b = g.cumsum(1)
+    sfx = g.flip(1).cumsum(1).flip(1)
+    sfx = torch.cat([sfx[:, 1:], torch.zeros_like(sfx[:, :1])], 1)
+    return b, b[:, -1], torch.cat([torch.zeros_like(b[:, :1]), b[:, :-1]], 1), sfx, g
+
+
 def _readout(kind, Q, K, V, S, bb, prev, logs):
     """[B, c, H, VF]: the readouts of one chunk's tokens (S: the state at the chunk start)."""
     c = Q.shape[1]
     causal = torch.ones(c, c, dtype=torch.bool, device=Q.device).tril(-1 if prev else 0)
     if kind == "prefix":
-        A = torch.einsum("bihk,bjhk->bhij", Q, K) * causal
+        A = torch.einsum("bihk,bjhk->bhij", Q, K).masked_fill(~causal, 0.0)
         return torch.einsum("bihk,bhkv->bihv", Q, S) + torch.einsum("bhij,bjhv->bihv", A, V)
-    b, _, b_excl = bb
+    b, _, b_excl, _, g = bb
     bq = b_excl if prev else b
-    if kind == "scalar":                                                     # b: [B, c, H]
-        bk, b0 = b, bq
+    if kind == "scalar":                                                     # g: [B, c, H]
+        diff, b0 = _pair_logs(g, prev), bq                                    # [B, i, j, H]
         if logs is not None:        # stabilized: m off each query row, the gate on the keys
             mrow, gi, M0, _ = logs
-            bq, bk, b0 = bq - mrow, b - gi, bq + M0.unsqueeze(1) - mrow
-        diff = (bq.unsqueeze(2) - bk.unsqueeze(1)).permute(0, 3, 1, 2)      # [B, H, i, j]
-        A = torch.einsum("bihk,bjhk->bhij", Q, K) * torch.exp(diff.masked_fill(~causal, float("-inf")))
+            diff, b0 = diff - mrow.unsqueeze(2) + gi.unsqueeze(1), bq + M0.unsqueeze(1) - mrow
+        A = torch.einsum("bihk,bjhk->bhij", Q, K) * torch.exp(diff.permute(0, 3, 1, 2))
         return (torch.einsum("bihk,bhkv->bihv", Q * b0.exp().unsqueeze(-1), S)
                 + torch.einsum("bhij,bjhv->bihv", A, V))
-    if kind == "elementwise":                                                # b: [B, c, H, K, V]
-        w = torch.exp((bq.unsqueeze(2) - b.unsqueeze(1)).masked_fill(~causal[None, :, :, None, None, None],
-                                                                     float("-inf")))
+    if kind == "elementwise":                                                # g: [B, c, H, K, V]
+        w = torch.exp(_pair_logs(g, prev))
         return (torch.einsum("bthk,bhkv,bthkv->bthv", Q, S, bq.exp())
                 + torch.einsum("bthk,bjhk,bjhv,btjhkv->bthv", Q, K, V, w))
-    if kind == "key":                                                        # b: [B, c, H, K]
-        diff = bq.unsqueeze(2) - b.unsqueeze(1)                               # [B, i, j, H, K]
-        w = torch.exp(diff.masked_fill(~causal[None, :, :, None, None], float("-inf")))
+    if kind == "key":                                                        # g: [B, c, H, K]
+        w = torch.exp(_pair_logs(g, prev))                                    # [B, i, j, H, K]
         A = torch.einsum("bihk,bjhk,bijhk->bhij", Q, K, w)
         return torch.einsum("bihk,bhkv->bihv", Q * bq.exp(), S) + torch.einsum("bhij,bjhv->bihv", A, V)
-    A = torch.einsum("bihk,bjhk->bhij", Q, K) * causal                      # value: b [B, c, H, V]
-    diff = bq.unsqueeze(2) - b.unsqueeze(1)
-    w = torch.exp(diff.masked_fill(~causal[None, :, :, None, None], float("-inf")))
+    A = torch.einsum("bihk,bjhk->bhij", Q, K).masked_fill(~causal, 0.0)      # value: g [B, c, H, V]
+    w = torch.exp(_pair_logs(g, prev))
     return torch.einsum("bihk,bhkv->bihv", Q, S) * bq.exp() + torch.einsum("bhij,bijhv,bjhv->bihv", A, w, V)
 
 
@@ -65,37 +91,33 @@ def _rank1_setup(kind, L, R, K, V, S, bb):
 
         (I - A_rl) U = R^ S0 + A_rk V,   A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik), i < j
 
-    with R^ = R * exp(b_{j-1}). Returns (U [B, c, H, VF], b and b_{j-1} per key [B, c, H, KF])."""
-    b, _, b_excl = bb
+    with R^ = R * exp(b_{j-1}) (each exp(b_{j-1} - b_i) summed per pair: _pair_logs).
+    Returns (U [B, c, H, VF], the chunk's logs per key: _chunk_logs)."""
     if kind == "rank1":                     # a scalar decay: the same on every key
-        b, b_excl = b.unsqueeze(-1).expand(K.shape), b_excl.unsqueeze(-1).expand(K.shape)
+        bb = tuple(x.unsqueeze(-1).expand(x.shape + K.shape[-1:]) for x in bb)
     c = K.shape[1]
-    strict = torch.ones(c, c, dtype=torch.bool, device=K.device).tril(-1)
-    E = torch.exp((b_excl.unsqueeze(2) - b.unsqueeze(1)).masked_fill(~strict[None, :, :, None, None], float("-inf")))
+    E = torch.exp(_pair_logs(bb[4], True))                                  # [B, j, i, H, K]
     A_rl = torch.einsum("bjhk,bihk,bjihk->bhji", R, L, E)
     A_rk = torch.einsum("bjhk,bihk,bjihk->bhji", R, K, E)
-    Y = torch.einsum("bjhk,bhkv->bhjv", R * b_excl.exp(), S) + torch.einsum("bhji,bihv->bhjv", A_rk, V)
+    Y = torch.einsum("bjhk,bhkv->bhjv", R * bb[2].exp(), S) + torch.einsum("bhji,bihv->bhjv", A_rk, V)
     eye = torch.eye(c, dtype=K.dtype, device=K.device)
     U = torch.linalg.solve_triangular(eye - A_rl, Y, upper=False, unitriangular=True)
-    return U.permute(0, 2, 1, 3), b, b_excl
+    return U.permute(0, 2, 1, 3), bb
 
 
-def _rank1_readout(Q, L, K, V, S, U, b, b_excl, prev):
+def _rank1_readout(Q, L, K, V, S, U, bb, prev):
     """q . S_t (or S_{t-1}) for the chunk's rows: X_0 = S0 and the l~ u, k~ v terms so far."""
-    c = Q.shape[1]
-    causal = torch.ones(c, c, dtype=torch.bool, device=Q.device).tril(-1 if prev else 0)
-    bq = b_excl if prev else b
-    w = torch.exp((bq.unsqueeze(2) - b.unsqueeze(1)).masked_fill(~causal[None, :, :, None, None], float("-inf")))
+    bq = bb[2] if prev else bb[0]
+    w = torch.exp(_pair_logs(bb[4], prev))
     A_ql = torch.einsum("bthk,bjhk,btjhk->bhtj", Q, L, w)
     A_qk = torch.einsum("bthk,bjhk,btjhk->bhtj", Q, K, w)
     return (torch.einsum("bthk,bhkv->bthv", Q * bq.exp(), S) + torch.einsum("bhtj,bjhv->bthv", A_ql, U)
             + torch.einsum("bhtj,bjhv->bthv", A_qk, V))
 
 
-def _rank1_advance(L, K, V, S, U, b):
+def _rank1_advance(L, K, V, S, U, bb):
     """S_C = exp(b_C) S0 + (L * exp(b_C - b))^T U + (K * exp(b_C - b))^T V."""
-    bl = b[:, -1]
-    w = torch.exp(bl.unsqueeze(1) - b)
+    bl, w = bb[1], torch.exp(bb[3])
     return (bl.exp().unsqueeze(-1) * S + torch.einsum("bjhk,bjhv->bhkv", L * w, U)
             + torch.einsum("bjhk,bjhv->bhkv", K * w, V))
 
@@ -104,20 +126,32 @@ def _advance(kind, K, V, S, bb, logs):
     """The state at the chunk's end."""
     if kind == "prefix":
         return S + torch.einsum("bjhk,bjhv->bhkv", K, V)
-    b, bl, _ = bb
+    _, bl, _, sfx, _ = bb
     if kind == "scalar":
         if logs is not None:
             _, gi, M0, mnew = logs
-            w = torch.exp(bl.unsqueeze(1) - b + gi - mnew.unsqueeze(1))
+            w = torch.exp(sfx + gi - mnew.unsqueeze(1))
             return torch.exp(bl + M0 - mnew)[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
-        w = torch.exp(bl.unsqueeze(1) - b)                                    # [B, c, H]
+        w = torch.exp(sfx)                                                    # [B, c, H]
         return bl.exp()[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
-    w = torch.exp(bl.unsqueeze(1) - b)
+    w = torch.exp(sfx)
     if kind == "elementwise":                                                # [B, c, H, K, V]
         return bl.exp() * S + torch.einsum("bjhk,bjhv,bjhkv->bhkv", K, V, w)
     if kind == "key":                                                        # [B, c, H, K]
         return bl.exp().unsqueeze(-1) * S + torch.einsum("bjhk,bjhv->bhkv", K * w, V)
     return S * bl.exp().unsqueeze(-2) + torch.einsum("bjhk,bjhv->bhkv", K, V * w)
+
+
+def _nonfinite_rows(*xs):
+    """[B, c, H]: the tokens whose key-side values (key, value, the rank-1 vectors) hold an inf
+    or a NaN. They are zeroed before any matmul (0 * inf would be NaN in every row the matmul
+    mixes them into, earlier tokens included) and their rows on are set to NaN instead."""
+    bad = None
+    for x in xs:
+        if x is not None:
+            nf = ~torch.isfinite(x).flatten(3).all(-1)
+            bad = nf if bad is None else bad | nf
+    return bad
 
 
 def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens=None, output_final_state=False,
@@ -166,21 +200,31 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
             c1 = min(c0 + C, end)
             ci += 1
             K_, V_, L_, R_ = ({n: v[ci] for n, v in ch[k].items() if v is not None} for k in ("K", "V", "L", "R"))
+            # causality under non-finite input: the key-side rows of a token holding inf or NaN
+            # are zeroed before the matmuls, and the readouts from that token on are NaN
+            gi = ch_gate[ci] if TORCH_STABILIZED else None
+            gate_bad = ~torch.isfinite(gi) if gi is not None else None
+            bad = {}
+            for name in TORCH_STATES:
+                bad[name] = _nonfinite_rows(K_[name], V_[name], L_.get(name), R_.get(name))
+                if name in TORCH_STABILIZED:
+                    bad[name] = bad[name] | gate_bad
+                for part in (K_, V_, L_, R_):
+                    if name in part:
+                        part[name] = part[name].masked_fill(bad[name].unsqueeze(-1), 0.0)
+            if gi is not None:
+                gi = gi.masked_fill(gate_bad, 0.0)
             chunk_b = {}
             for name in TORCH_STATES:
                 if ch["g"][name] is not None:
-                    b = ch["g"][name][ci].cumsum(1)
-                    chunk_b[name] = (b, b[:, -1], torch.cat([torch.zeros_like(b[:, :1]), b[:, :-1]], 1))
+                    chunk_b[name] = _chunk_logs(ch["g"][name][ci])
             logs = None
             if TORCH_STABILIZED:
-                b, bl, _ = chunk_b[TORCH_STABILIZED[0]]
-                gi = ch_gate[ci]
-                causal = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=device).tril()
-                L = (b.unsqueeze(2) - b.unsqueeze(1) + gi.unsqueeze(1)).masked_fill(~causal[None, :, :, None],
-                                                                                   float("-inf"))
+                b, bl, _, sfx, g = chunk_b[TORCH_STABILIZED[0]]
+                L = _pair_logs(g, False) + gi.unsqueeze(1)                       # [B, i, j, H]
                 # m is a scale the gradients hold constant
                 mrow = torch.maximum(L.amax(2), b + M.unsqueeze(1)).detach()
-                mnew = torch.maximum(bl + M, (bl.unsqueeze(1) - b + gi).amax(1)).detach()
+                mnew = torch.maximum(bl + M, (sfx + gi).amax(1)).detach()
                 logs = (mrow, gi, M, mnew)
                 m_rows.append(mrow)
             wy = {}
@@ -198,7 +242,8 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
                         val = _readout(TORCH_STATES[s]["class"], Q[ci], K_[s], V_[s], states[s], chunk_b.get(s),
                                        rd["prev"], logs if s in TORCH_STABILIZED else None)
                     total = total + (val * sc[ci] if sc is not None else val)
-                outs[r].append(total)
+                seen = bad[s].cumsum(1) - (bad[s].to(torch.long) if rd["prev"] else 0)      # bad tokens up to the row
+                outs[r].append(total.masked_fill((seen > 0).unsqueeze(-1), float("nan")))
             for name, st in TORCH_STATES.items():
                 if name in wy:
                     states[name] = _rank1_advance(L_[name], K_[name], V_[name], states[name], wy[name][0],
@@ -206,6 +251,8 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
                     continue
                 states[name] = _advance(st["class"], K_[name], V_[name], states[name], chunk_b.get(name),
                                         logs if name in TORCH_STABILIZED else None)
+            for name in TORCH_STATES:
+                states[name] = states[name].masked_fill(bad[name].any(1)[:, :, None, None], float("nan"))
             if logs is not None:
                 M = logs[3]
         for r, rd in TORCH_READOUTS.items():
