@@ -231,7 +231,7 @@ class Evaluator:
                 old = t.new_zeros((t.shape[0], L - 1) + t.shape[2:])
             xs = torch.cat([old, t], 1)
             self._keep(f"{name}_x", xs[:, xs.shape[1] - (L - 1):], c)
-            y = seqops.causal_conv(taps, _align((xs, xd), out, LEAD), rows=r.Tn, method=r.method)
+            y = _causal_conv(taps, _align((xs, xd), out, LEAD), r.Tn, r.method)
             return Val(y, out, _sum_scales(ch, scale_of(c, xd)))
         # no tap dim: the taps run along time, h at token j is tap j
         hd = r.canon(h.dims)
@@ -246,7 +246,7 @@ class Evaluator:
         xs = torch.cat([oldx, tx], 1) if oldx is not None else tx
         self._keep(f"{name}_h", hs, chh)
         self._keep(f"{name}_x", xs, cx)
-        y = seqops.causal_conv(_align((hs, hd), out, LEAD), _align((xs, xd), out, LEAD), rows=r.Tn, method=r.method)
+        y = _causal_conv(_align((hs, hd), out, LEAD), _align((xs, xd), out, LEAD), r.Tn, r.method)
         return Val(y, out, _sum_scales(scale_of(chh, hd), scale_of(cx, xd)))
 
     def op_mix(self, e: ir.SeqOp, op) -> Val:
@@ -297,9 +297,35 @@ class Evaluator:
             n = kf.shape[1] if window is None else min(window - 1, kf.shape[1])   # not more than was seen
             keep(f"{op.name}_k", kf, qd, n)
             keep(f"{op.name}_v", vf, vd, n)
+        # a key or value holding inf or NaN is zeroed before the attention (0 * inf would be NaN
+        # in every query row, the ones that may not read it included) and the rows that read it
+        # are NaN, as the masked softmax written out gives
+        bad = ~(torch.isfinite(kf).all(-1) & torch.isfinite(vf).all(-1))           # [B, Tk, H]
+        kf, vf = kf.masked_fill(bad.unsqueeze(-1), 0.0), vf.masked_fill(bad.unsqueeze(-1), 0.0)
         o = seqops.attention(qf, kf, vf, causal=op.causal, window=window, q0=r.p, k0=k0, method=r.method)
+        allowed = seqops.attention_mask(qf.shape[1], kf.shape[1], r.p, k0, op.causal, window, qf.device)
+        if allowed is None:
+            reads_bad = bad.any(1, keepdim=True)
+        else:
+            reads_bad = torch.einsum("bjh,ij->bih", bad.to(o.dtype), allowed.to(o.dtype)) > 0
+        o = o.masked_fill(reads_bad.unsqueeze(-1), float("nan"))
         o = o.reshape(o.shape[:LEAD] + tuple(r.sizes[d] for d in vd))
         return Val(o, vd)
+
+
+def _causal_conv(h: torch.Tensor, x: torch.Tensor, rows: int, method: str) -> torch.Tensor:
+    """seqops.causal_conv with causality kept under non-finite input: the FFT mixes every input
+    into every output (an inf at a late token made all of them NaN), so the entries of x that
+    are not finite are zeroed before it and the outputs they reach (the L rows from theirs on,
+    per channel) are NaN, as the direct sum gives. A non-finite filter tap is the filter's
+    problem, not causality's: it is left as it is."""
+    bad = ~torch.isfinite(x)
+    y = seqops.causal_conv(h, x.masked_fill(bad, 0.0), rows=rows, method=method)
+    N, L = x.shape[1], h.shape[1]
+    seen = torch.cumsum(bad.to(torch.int32), 1)
+    out_of_reach = torch.cat([torch.zeros_like(seen[:, :L]), seen], 1)[:, :N]     # up to token i - L
+    reached = (seen - out_of_reach > 0)[:, N - rows:]
+    return y.masked_fill(reached, float("nan"))
 
 
 def _last(t: torch.Tensor, n: int) -> torch.Tensor:
