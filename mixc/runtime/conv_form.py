@@ -90,6 +90,15 @@ def _log_decay(kind: str, g, kf: int, vf: int) -> torch.Tensor:
 def _readout(kind, Q, K, V, g, S0, prev):
     """The readout q . S_t (S_{t-1} with prev) for the tokens of V [B, T, H, VF]; Q, K [H, KF]."""
     Tn = V.shape[1]
+    # causality under non-finite input: the FFT mixes every value into every output, so values
+    # that are not finite are zeroed before it and the outputs from theirs on are NaN (poison)
+    bad = ~torch.isfinite(V)
+    V = V.masked_fill(bad, 0.0)
+    poison = (torch.cumsum(bad.to(torch.int32), 1) - (bad.to(torch.int32) if prev else 0)) > 0
+    return _readout_finite(kind, Q, K, V, g, S0, prev, Tn).masked_fill(poison, float("nan"))
+
+
+def _readout_finite(kind, Q, K, V, g, S0, prev, Tn):
     lg = _log_decay(kind, g, K.shape[-1], V.shape[-1])
     QK = Q * K                                                             # [H, KF]
     if lg is None:                # a prefix sum: the kernel is constant, a cumulative sum
