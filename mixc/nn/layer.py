@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.op import load
+from ..runtime.signature import ArgumentError
 from .roles import DIM_DEFAULTS, OPTION_DEFAULTS, input_role, param_role
 
 
@@ -172,8 +173,18 @@ class MixerLayer(nn.Module):
         from ..runtime.context_parallel import _AllGather
         k = self.conv_size
         rank = dist.get_rank(group)
-        lengths = [torch.zeros(1, dtype=torch.int64, device=c.device) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(lengths, torch.tensor([c.shape[1]], device=c.device), group=group)
+        # each rank's (T, B, dtype): the tails gathered below must agree in shape and dtype
+        dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        mine = torch.tensor([c.shape[1], c.shape[0], dtypes.index(c.dtype) if c.dtype in dtypes else -1],
+                            device=c.device)
+        descs = [torch.zeros(3, dtype=torch.int64, device=c.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(descs, mine, group=group)
+        lengths = [int(d[0]) for d in descs]
+        for what, i, name in (("batch size B", 1, str), ("dtype", 2, lambda j: str(dtypes[j]) if j >= 0 else "?")):
+            bad = [r for r, d in enumerate(descs) if int(d[i]) != int(descs[0][i])]
+            if bad:
+                raise ArgumentError(f"cp_group: the ranks disagree on the {what} of x: rank 0 has "
+                                    f"{name(int(descs[0][i]))}, rank {bad[0]} has {name(int(descs[bad[0]][i]))}")
         short = [(r, int(n)) for r, n in enumerate(lengths) if int(n) < k - 1]
         if short:
             raise ValueError(f"cp_group: rank {short[0][0]}'s shard has {short[0][1]} tokens; the short conv "

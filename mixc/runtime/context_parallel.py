@@ -37,7 +37,16 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
     import torch.distributed as dist
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    bound = bind(op.ir, dict(kwargs, initial_state=None, cu_seqlens=None))
+    # Every rank checks its own arguments, then the ranks compare what they must agree on in one
+    # small all_gather, before any other collective: a rank that raised alone would leave the
+    # others waiting in a collective, and shapes that differ abort gloo's all_gather.
+    try:
+        bound = bind(op.ir, dict(kwargs, initial_state=None, cu_seqlens=None))
+        fields, refused = describe(op, bound, cu_seqlens), None
+    except ArgumentError as err:
+        bound, fields, refused = None, (), str(err)
+    lengths = torch.tensor([t for t, _ in agree(group, rank, world, fields, refused, bound.T if bound else 0)],
+                           dtype=torch.int64)
     plan = op.plan(**bound.flags)
     if "chunk" not in plan.forms and "scan" not in plan.forms:
         raise ArgumentError(f"cp_group: mixer '{op.name}' has no chunked form (its transition is "
@@ -45,12 +54,7 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
     x0 = next(iter(bound.inputs.values()))
     T = bound.T
 
-    # the shards' lengths and where this one starts in the whole sequence
-    lengths = torch.zeros(world, dtype=torch.int64)
-    mine = torch.tensor([T], dtype=torch.int64)
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    lengths = torch.cat(gathered)
+    # where this shard starts in the whole sequence
     offset = int(lengths[:rank].sum())
     total = int(lengths.sum())
 
@@ -130,6 +134,66 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
         state = {n: _apply(plan, n, phi[n], state[n]) + z[n] for n in state}
     o2, finals = call(initial_state=local_init(state), cu_seqlens=local_cu, output_final_state=True)
     return _Tie.apply(o2, everyone), (finals if output_final_state else None)
+
+
+DESCRIPTOR_BYTES = 4096
+
+
+def describe(op, bound: Bound, cu_seqlens) -> tuple[tuple[str, str], ...]:
+    """What every rank must agree on, as (what, value) pairs: the spec, B and H, the dims, each
+    tensor's dtype, the options and flags, and the packed stream's offsets. T may differ."""
+    import hashlib
+    out = [("spec", f"{op.name} ({hashlib.sha1(op.ir.source.text.encode()).hexdigest()[:12]})"),
+           ("B", str(bound.B)), ("H", str(bound.H))]
+    out += [(f"dim {d}", str(n)) for d, n in bound.sizes.items() if d != "T"]
+    out += [(f"the dtype of {n}", str(t.dtype).replace("torch.", ""))
+            for n, t in list(bound.inputs.items()) + list(bound.params.items())]
+    out += [(f"option {k}", repr(v)) for k, v in option_values(op.ir, bound).items()]
+    out += [(f"flag {o.name}", repr(bound.flags.get(o.name, o.default))) for o in op.ir.flags]
+    if cu_seqlens is None:
+        out.append(("cu_seqlens", "None"))
+    else:
+        cu = torch.as_tensor(cu_seqlens).tolist()
+        text = repr(cu) if len(cu) <= 8 else hashlib.sha1(repr(cu).encode()).hexdigest()[:12] + f" ({len(cu)} offsets)"
+        out.append(("cu_seqlens", text))
+    return tuple(out)
+
+
+def agree(group, rank: int, world: int, fields, refused: str | None, T: int) -> list[tuple[int, dict]]:
+    """All-gather every rank's (T, fields, error) as a fixed-size byte buffer; raise the same
+    ArgumentError on every rank when one refused its arguments or two disagree. Returns each
+    rank's (T, fields)."""
+    import json
+
+    import torch.distributed as dist
+    text = json.dumps({"T": T, "fields": list(fields), "refused": refused}).encode()
+    if len(text) > DESCRIPTOR_BYTES:         # a spec with very many tensors: compare a digest of the rest
+        import hashlib
+        text = json.dumps({"T": T, "fields": [["arguments", hashlib.sha1(text).hexdigest()]],
+                           "refused": refused and refused[:1000]}).encode()
+    buf = torch.zeros(DESCRIPTOR_BYTES + 8, dtype=torch.uint8)
+    buf[:8] = torch.tensor(list(len(text).to_bytes(8, "little")), dtype=torch.uint8)
+    buf[8:8 + len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    parts = [torch.empty_like(buf, device=device) for _ in range(world)]
+    dist.all_gather(parts, buf.to(device), group=group)
+    descs = []
+    for p in parts:
+        p = p.cpu()
+        n = int.from_bytes(bytes(p[:8].tolist()), "little")
+        descs.append(json.loads(bytes(p[8:8 + n].tolist()).decode()))
+    for r, d in enumerate(descs):
+        if d["refused"] is not None:
+            raise ArgumentError(f"cp_group: rank {r} refused its arguments: {d['refused']}")
+    first = dict(map(tuple, descs[0]["fields"]))
+    for r, d in enumerate(descs[1:], 1):
+        mine = dict(map(tuple, d["fields"]))
+        for what in list(first) + [w for w in mine if w not in first]:
+            if first.get(what) != mine.get(what):
+                raise ArgumentError(f"cp_group: the ranks disagree on {what}: rank 0 has {first.get(what, 'none')}, "
+                                    f"rank {r} has {mine.get(what, 'none')}; every rank must pass the same B, H, "
+                                    "dims, dtypes, options and cu_seqlens (only the shard's length T may differ)")
+    return [(d["T"], dict(map(tuple, d["fields"]))) for d in descs]
 
 
 class _AllGather(torch.autograd.Function):

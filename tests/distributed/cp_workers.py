@@ -136,3 +136,59 @@ def layer_cp(rank: int, world: int, store: str, names: list, lengths: list) -> N
             layer(torch.randn(1, end - start, 16, dtype=torch.float64), cp_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
+
+
+def disagreeing_ranks(rank: int, world: int, store: str) -> None:
+    """Rank 1 passes a different B, H, dim, dtype, option, flag or cu_seqlens than rank 0, or an
+    argument it alone refuses: every rank raises the same ArgumentError before the summaries'
+    collectives (no SIGABRT inside gloo, no rank left waiting); then an agreeing call works."""
+    from datetime import timedelta
+
+    import pytest
+
+    import mixc
+    from helpers import random_args
+    from mixc.nn import MixerLayer
+    from mixc.runtime.signature import ArgumentError
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        def call(name, B=2, T=6, H=2, K=4, dtype=torch.float32, **extra):
+            op = mixc.load(name)
+            kw, _ = random_args(op.ir, B=B, T=T, H=H, sizes={"K": K, "V": 4}, dtype=dtype, seed=rank)
+            kw.update(extra.pop("replace", {}))
+            return op(**kw, **extra, mode="torch", cp_group=dist.group.WORLD)
+
+        other = rank == 1
+        cases = [  # (what rank 1 changes, the message every rank gives)
+            (dict(H=3 if other else 2), "the ranks disagree on H: rank 0 has 2, rank 1 has 3"),
+            (dict(B=1 if other else 2), "the ranks disagree on B: rank 0 has 2, rank 1 has 1"),
+            (dict(K=8 if other else 4), "the ranks disagree on dim K: rank 0 has 4, rank 1 has 8"),
+            (dict(dtype=torch.float64 if other else torch.float32),
+             "the ranks disagree on the dtype of q: rank 0 has float32, rank 1 has float64"),
+            (dict(scale=0.5 if other else 0.25), "the ranks disagree on option scale: rank 0 has 0.25, rank 1 has 0.5"),
+        ]
+        for change, message in cases:
+            with pytest.raises(ArgumentError, match="cp_group: " + message.replace("(", r"\(")):
+                call("gla", **change)
+        with pytest.raises(ArgumentError, match="the ranks disagree on flag use_qk_l2norm_in_kernel: rank 0 has "
+                                                "False, rank 1 has True"):
+            call("delta_rule", use_qk_l2norm_in_kernel=other)
+        with pytest.raises(ArgumentError, match=r"the ranks disagree on cu_seqlens: rank 0 has \[0, 3, 12\], "
+                                                r"rank 1 has \[0, 5, 12\]"):
+            call("gla", B=1, cu_seqlens=torch.tensor([0, 5 if other else 3, 12]))
+        with pytest.raises(ArgumentError, match=r"cp_group: rank 1 refused its arguments: g: .*got shape \[2, 6, 2\]"):
+            call("gla", replace={"g": torch.randn(2, 6, 2)} if other else {})
+        with pytest.raises(ArgumentError, match="the ranks disagree on spec: rank 0 has gla"):
+            call("simple_gla" if other else "gla")
+        # the group still works: an agreeing call, shards of 6 and 5 tokens
+        o, _ = call("gla", T=6 - rank)
+        assert o.shape == (2, 6 - rank, 2, 4) and torch.isfinite(o).all()
+        layer = MixerLayer("gla", d_model=16, n_heads=2, mode="torch")
+        with pytest.raises(ArgumentError, match="cp_group: the ranks disagree on the batch size B of x: rank 0 has "
+                                                "2, rank 1 has 1"):
+            layer(torch.randn(1 if other else 2, 5, 16), cp_group=dist.group.WORLD)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

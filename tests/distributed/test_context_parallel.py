@@ -80,3 +80,9 @@ def test_mixer_layer_with_cp_group(tmp_path):
     boundary) equals the layer on the whole sequence: output, dx and every param's gradient."""
     mp.spawn(cp_workers.layer_cp, args=(3, str(tmp_path / "store"), ["gla", "mamba2"], [5, 3, 9]), nprocs=3,
              join=True)
+
+
+def test_ranks_that_disagree_raise_the_same_error_on_every_rank(tmp_path):
+    """B, H, K, dtype, an option, a flag, cu_seqlens or the spec differing across 2 ranks (or one
+    rank refusing its own arguments): the same ArgumentError on both, before any other collective."""
+    mp.spawn(cp_workers.disagreeing_ranks, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
