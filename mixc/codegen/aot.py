@@ -23,7 +23,7 @@ from ..runtime.launch import block
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # flag values used for the constexpr switches of every template
 _SWITCHES = {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "IS_VARLEN": False,
-             "STORE_CHECKPOINTS": True, "USE_FINAL_STATE_GRAD": True, "CK": 32, "_BLOCK__1": 16, "PHASE": 0}
+             "STORE_CHECKPOINTS": True, "USE_FINAL_STATE_GRAD": True, "USE_STATE_INDICES": False, "CK": 32, "_BLOCK__1": 16, "PHASE": 0}
 _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}
 
 
@@ -50,7 +50,7 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             else:
                 const[name] = _SWITCHES[name]
             sig[name] = "constexpr"
-        elif name in ("p_cu_seqlens", "p_chunk_seq"):
+        elif name in ("p_cu_seqlens", "p_chunk_seq", "p_state_indices"):
             sig[name] = "*i32"
         elif name.startswith("p_"):
             sig[name] = f"*{t}" if name in lowp else "*fp32"

@@ -237,10 +237,11 @@ def tile_base(plan: Plan, shape: tuple[str, ...], base: str) -> str:
 
 
 def state_base(kind: str) -> str:
-    """Row of a state in its buffer: per (sequence, head), or per checkpoint / scratch slot."""
+    """Row of a state in its buffer: per (sequence, head), per (cache slot, head) in the forward
+    (slot: the sequence's own row, or its entry of state_indices), or per checkpoint / scratch slot."""
     # checkpoint slots: sequence i's chunks start at bos // CK + i, which never overlaps sequence
     # i - 1's, so packed sequences need at most (total tokens) // CK + N + 1 slots
-    return {"seq": "(i_n * H + i_h)", "ckpt": "((bos // CK + i_n + _chunk) * H + i_h)",
+    return {"seq": "(i_n * H + i_h)", "slot": "(i_s * H + i_h)", "ckpt": "((bos // CK + i_n + _chunk) * H + i_h)",
             "scratch": "(((tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)"
                        " + tl.program_id(2)) * CK + _slot)"}[kind]
 
@@ -251,7 +252,7 @@ def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
     for s in m.states:
         init.append(f"{I1}s_{s.name} = {zeros(canon(order, s.shape))}")
         init.append(f"{I1}if USE_INITIAL_STATE:")
-        init += load(f"p_init_{s.name}", state_base("seq"), s.shape, order, I2, f"s_{s.name}")
+        init += load(f"p_init_{s.name}", state_base("slot"), s.shape, order, I2, f"s_{s.name}")
     ckpt = [f"{I2}if STORE_CHECKPOINTS:", f"{I3}if (_t - bos) % CK == 0:", f"{I3}    _chunk = (_t - bos) // CK"]
     for s in m.states:
         ckpt += store(f"p_ckpt_{s.name}", state_base("ckpt"), s.shape, order, I3 + "    ", f"s_{s.name}")
@@ -264,7 +265,7 @@ def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
     advance = [f"{I2}s_{s} = {v}" for s, v in tok.new.items()]
     final = []
     for s in m.states:
-        final += store(f"p_final_{s.name}", state_base("seq"), s.shape, order, I2, f"s_{s.name}")
+        final += store(f"p_final_{s.name}", state_base("slot"), s.shape, order, I2, f"s_{s.name}")
     return common_hooks(plan) | {
         "init_states": "\n".join(init),
         "checkpoint": "\n".join(ckpt),

@@ -94,12 +94,13 @@ def checkpoint_slots(bound: Bound, CK: int) -> int:
 
 def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, checkpoints: bool,
              chunk_tokens: int, out_dtype=None, ckpts_in: dict | None = None, write_out: bool = True,
-             grid0: int | None = None, **launch):
+             grid0: int | None = None, finals_into: dict | None = None, **launch):
     """Launch a forward kernel (arguments: inputs, params, options, then per state its initial,
     final and checkpoint buffers, the output, cu_seqlens, T, H, the dims as floats).
     ckpts_in: checkpoints to read (the chunked PHASE 2: its start states); write_out=False: the
     launch writes no output (PHASE 1), None is returned for it; grid0: programs along axis 0
-    (default: sequences x heads)."""
+    (default: sequences x heads); finals_into: the final states' buffers (float32, contiguous;
+    the initial ones for a step in place)."""
     m = plan.ir
     x0 = next(iter(bound.inputs.values()))
     device = x0.device
@@ -120,7 +121,8 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
             init = (bound.initial_state[s.name].to(torch.float32).contiguous() if s.name in bound.initial_state
                     else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
         if output_final_state:
-            finals[s.name] = _empty((n, H) + shape, torch.float32, device)
+            finals[s.name] = (finals_into[s.name] if finals_into is not None
+                              else _empty((n, H) + shape, torch.float32, device))
         if checkpoints:
             ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
         state_args += [init, finals.get(s.name, out), ckpts.get(s.name, out)]
@@ -138,15 +140,32 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
 
 
 def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,
-                      checkpoints: bool = False, CK: int = 32):
+                      checkpoints: bool = False, CK: int = 32, inplace: bool = False,
+                      state_indices: torch.Tensor | None = None):
     """Run the fused recurrent forward kernel.
 
     Returns (o, final states or None, checkpoints or None): with checkpoints=True the state at
-    the start of every chunk of CK tokens is kept for the backward ([slots, H, *dims])."""
+    the start of every chunk of CK tokens is kept for the backward ([slots, H, *dims]).
+    inplace=True (decode, runtime/decode.py): the final states overwrite bound.initial_state's
+    buffers (float32, contiguous); state_indices [n] int: sequence i's state is row
+    state_indices[i] of those buffers (a cache of slots)."""
+    x0 = next(iter(bound.inputs.values()))
+
     def run(cfg):
         kw = dim_kwargs(plan, bound, cfg) | (cfg.launch() if cfg is not None else {})
+        tile = tile_dim(plan.kernel_ir)
+        if inplace and tile is not None and any(tile not in s.shape for s in plan.kernel_ir.states):
+            # every tile program reads and writes a state without the tile dim whole: with one
+            # buffer, a later program could read what an earlier one wrote. One tile block.
+            kw[f"_BLOCK_{tile}"] = block(bound.sizes[tile])
         return _forward(plan, bound, "recurrent_fwd", output_final_state=output_final_state,
-                        checkpoints=checkpoints, chunk_tokens=CK, out_dtype=out_dtype, CK=CK, **kw)
+                        checkpoints=checkpoints, chunk_tokens=CK, out_dtype=out_dtype, CK=CK,
+                        finals_into=bound.initial_state if inplace else None,
+                        p_state_indices=state_indices if state_indices is not None else x0,
+                        USE_STATE_INDICES=state_indices is not None, **kw)
+    if inplace:     # no timing runs: each would advance the state again (and no capture-time tuning)
+        cuda = x0.device.type == "cuda" and not interpreting()
+        return run(autotune.default(plan, "recurrent_fwd", bound.sizes) if cuda else None)
     return run(_tuned(plan, bound, "recurrent_fwd", run))
 
 

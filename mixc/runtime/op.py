@@ -159,14 +159,23 @@ class MixerOp:
             self._plans[key] = _cached_plan(self.ir, self.ir.source, key)
         return self._plans[key]
 
-    def step(self, *, state, mode: str = "auto", **kwargs):
+    def step(self, *, state, mode: str = "auto", inplace: bool = False, state_indices=None, **kwargs):
         """One token per sequence: inputs [B, H, *dims] (a scalar per head [B, H]), params as
         usual, state the dict from output_final_state (or a previous step). Returns (o [B, H,
-        *dims], new state)."""
+        *dims], new state). inplace=True updates the given state buffers instead (float32,
+        contiguous) and returns them; state_indices [B] int: the state is a cache [N_slots, H,
+        ...] and sequence i uses slot state_indices[i] (runtime/decode.py: decode for serving)."""
         if mode not in MODES:
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
         if "initial_state" in kwargs:
             raise ArgumentError("initial_state: step() takes the state as state=..., not initial_state=")
+        if not isinstance(inplace, bool):
+            raise ArgumentError(f"inplace: expected True or False, got {inplace!r}")
+        if state_indices is not None and not inplace:
+            raise ArgumentError("state_indices: a cache of slots is updated in place; pass inplace=True too")
+        if inplace:
+            from .decode import step_inplace
+            return step_inplace(self, state=state, state_indices=state_indices, mode=mode, kwargs=kwargs)
         if not isinstance(state, (dict, torch.Tensor)):
             raise ArgumentError("state: step() needs the state dict that output_final_state=True returns")
         bound = bind(self.ir, dict(kwargs, initial_state=state), step=True)
