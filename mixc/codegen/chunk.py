@@ -194,6 +194,8 @@ class ChunkCode:
             per_state[st.name] = (K, V, g, kd, vd)
         body += em.lines[mark:]
         mark = len(em.lines)
+        for st in self.states:
+            body += self.sanitize(st, per_state)
 
         # cumulative log decays
         for st in self.states:
@@ -244,6 +246,9 @@ class ChunkCode:
                 body.append(f"{I2}{v} = tl.sum(tl.where(_mask__1[None, :], {total}, 0.0), axis=1)")
                 out_env[r.name] = (v, ("_T",))
             readouts.append((r, st, terms))
+            # the output rows at or after a token whose key-side values are not finite (hooks)
+            seen = f"tl.cumsum(_bad_{st.name}, axis=0){f' - _bad_{st.name}' if r.prev else ''} > 0"
+            body.append(f"{I2}_pz = {seen}" if len(readouts) == 1 else f"{I2}_pz = _pz | ({seen})")
         combine = self.plan.output.combine_ir
         if self.stab is not None:       # readouts of S~: the combine rewritten over them and m
             out_env["_m"] = ("_mrow", ("_T",))
@@ -268,6 +273,8 @@ class ChunkCode:
         value = expand(o_var, o_dims, want)
         if set(o_dims) != set(want):          # a value constant over tokens or dims: broadcast it
             value = f"({value} + tl.zeros([{', '.join(f'_BLOCK_{d}' for d in want)}], dtype=tl.float32))"
+        if self.plan.output.readouts:       # NaN from the first token with non-finite keys on
+            value = f"tl.where({expand('_pz', ('_T',), want)}, float('nan'), {value})"
         body.append(f"{I2}if PHASE != 1:")
         body.append(f"{I3}tl.store(p_out + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
                     f"{' + ' + offs if offs else ''}, {value}.to(p_out.dtype.element_ty), mask={mask})")
@@ -275,6 +282,7 @@ class ChunkCode:
         # state updates
         for st in self.states:
             body += self.advance(st, per_state[st.name])
+            body.append(f"{I2}s_{st.name} = tl.where(tl.max(_bad_{st.name}, axis=0) > 0, float('nan'), s_{st.name})")
         if self.stab is not None:
             body.append(f"{I2}s__m = _mnew")
 
@@ -305,6 +313,26 @@ class ChunkCode:
             "load_checkpoint": "\n".join(load_ckpt),
             "store_states": "\n".join(final),
         }
+
+    def sanitize(self, st: P.StatePlan, per_state: dict) -> list[str]:
+        """_bad_<S> [C]: 1 at the tokens whose key-side values (key, value, the rank-1 vectors)
+        hold an inf or a NaN; those rows are zeroed before any matmul (a 0/1 mask after a
+        matmul is too late: 0 * inf is NaN in every row the matmul mixes them into, earlier
+        tokens included). The readouts from such a token on are NaN (hooks: the store), the
+        state after its chunk too, as the recurrence would give."""
+        K, V, g, kd, vd = per_state[st.name]
+        n, I = st.name, I2
+        parts = [("K", K), ("V", V)] + list(zip(("L", "R"), self.rank1_parts.get(n, ())))
+        checks = [f"tl.max(tl.where(tl.abs({x}) < float('inf'), 0, 1), axis=1)" for _, x in parts]
+        lines = [f"{I}_bad_{n} = {' | '.join(checks)}"]
+        clean = {}
+        for role, x in parts:
+            clean[role] = f"_{role}c_{n}"
+            lines.append(f"{I}{clean[role]} = tl.where(_bad_{n}[:, None] > 0, 0.0, {x})")
+        per_state[n] = (clean["K"], clean["V"], g, kd, vd)
+        if n in self.rank1_parts:
+            self.rank1_parts[n] = (clean["L"], clean["R"])
+        return lines
 
     def _offsets(self, decl: tuple[str, ...], canonical: bool = False) -> str:
         """Offsets of a per-token block [C, *canonical dims] laid out in `decl` order."""
@@ -351,9 +379,10 @@ class ChunkCode:
         start = len(em.lines)
         gv = em(self.stab.log_gate)
         causal = "(_offs__T[:, None] >= _offs__T[None, :]) & _mask__T[None, :]"
+        gbad = [f"{I2}_bad_{x} = _bad_{x} | tl.where(tl.abs(_gi) < float('inf'), 0, 1)" for x in self.stab.states]
         return em.lines[start:] + [
             f"{I2}_gi = tl.where(_mask__T, {expand(gv[0], gv[1], ('_T',))} + tl.zeros([_BLOCK__T], dtype=tl.float32), "
-            "0.0)",
+            "0.0)"] + gbad + [f"{I2}_gi = tl.where(tl.abs(_gi) < float('inf'), _gi, 0.0)",
             f"{I2}_M0 = s__m",
             # padded rows get m = 0: their readouts are 0, and the combine must not divide 0 by 0
             f"{I2}_mrow = tl.where(_mask__T, tl.maximum(tl.max(tl.where({causal}, _b_{n}[:, None] - _b_{n}[None, :] "

@@ -1,0 +1,77 @@
+"""Causality under non-finite input (issue 19): a token's output depends only on the tokens at
+or before it, even when a later token holds inf or NaN (right-padded batches with garbage in
+the padding). The chunked forms zero such a token's key-side rows before their matmuls and set
+the readouts from it on to NaN; attention and the FFT convolution do the same per row."""
+import pytest
+import torch
+
+import mixc
+
+from helpers import random_args
+
+T, BAD = 40, 29
+T_FFT = 80           # past DIRECT_MAX_TAPS (64): the convolutions take the FFT path
+
+
+def _with(args, name, token, value):
+    out = dict(args)
+    out[name] = args[name].clone()
+    out[name][:, token] = value
+    return out
+
+
+def _same(got, want, fft=False):
+    """Bit for bit; through an FFT within its rounding (the FFT mixes every input's rounding,
+    the zeroed one's included, into every output)."""
+    if not fft:
+        assert torch.equal(got, want)
+        return
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("mode", ["chunk", "torch", pytest.param("recurrent", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name,first,second", [("gla", "k", "v"), ("delta_rule", "k", "beta"), ("mamba2", "B", "x")],
+                         ids=["gla", "delta_rule", "mamba2"])
+def test_a_late_inf_or_nan_leaves_earlier_outputs_unchanged(name, first, second, mode):
+    """B1-T40-H2-K8: inf at token 29 in one input, NaN at token 34 in another: the outputs of
+    tokens 0..28 equal those of the clean input bit for bit; those from token 29 on are not
+    finite (as the reference's)."""
+    op = mixc.load(name)
+    args, _ = random_args(op.ir, B=1, T=T, H=2, sizes={"K": 8, "V": 8, "N": 8, "P": 8}, dtype=torch.float32, seed=11)
+    clean, _ = op(**args, mode=mode, chunk=16) if mode == "chunk" else op(**args, mode=mode)
+    dirty_args = _with(_with(args, first, BAD, float("inf")), second, BAD + 5, float("nan"))
+    dirty, _ = op(**dirty_args, mode=mode, chunk=16) if mode == "chunk" else op(**dirty_args, mode=mode)
+    assert torch.equal(dirty[:, :BAD], clean[:, :BAD])
+    assert not torch.isfinite(dirty[:, BAD:]).all(dim=-1).any()
+
+
+@pytest.mark.parametrize("name,inp,reach", [("attention", "k", T), ("attention", "v", T), ("swa", "k", 8),
+                                            ("hyena", "v", T_FFT), ("hyena", "x1", T_FFT), ("hyena", "x2", 1)],
+                         ids=["attention-k", "attention-v", "swa-k", "hyena-v", "hyena-x1", "hyena-x2"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_sequence_mixers_in_torch_mode_stay_causal(name, inp, reach, value):
+    """B1-T40-H2 (Hyena T80, the FFT path): only the rows that read token 29 (all later ones; a
+    window of 8: rows 29..36; Hyena's gate x2: row 29) are not finite, the others equal the
+    clean input's."""
+    op = mixc.load(name)
+    kw = {"window": 8} if name == "swa" else {}
+    n = T_FFT if name == "hyena" else T
+    args, _ = random_args(op.ir, B=1, T=n, H=2, sizes={"K": 8, "V": 8, "D": 8}, dtype=torch.float32, seed=12)
+    clean, _ = op(**args, mode="torch", **kw)
+    dirty, _ = op(**_with(args, inp, BAD, value), mode="torch", **kw)
+    reached = torch.zeros(n, dtype=torch.bool)
+    reached[BAD:BAD + reach] = True
+    _same(dirty[:, ~reached], clean[:, ~reached], fft=name == "hyena")
+    assert not torch.isfinite(dirty[:, reached]).any()
+
+
+@pytest.mark.parametrize("name", ["s4d"])
+def test_the_fft_convolution_form_stays_causal(name):
+    """mode='conv', B1-T80-H2 (the FFT path): inf in x at token 29 leaves rows 0..28 as they were."""
+    op = mixc.load(name)
+    args, _ = random_args(op.ir, B=1, T=T_FFT, H=2, sizes={"N": 8, "D": 8}, dtype=torch.float32, seed=13)
+    clean, _ = op(**args, mode="conv")
+    dirty, _ = op(**_with(args, "x", BAD, float("inf")), mode="conv")
+    _same(dirty[:, :BAD], clean[:, :BAD], fft=True)
+    assert not torch.isfinite(dirty[:, BAD:]).all()
