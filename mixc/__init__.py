@@ -1,7 +1,14 @@
 """mixc: a compiler from short specs of sequence mixers to kernels and PyTorch ops."""
 __version__ = "0.1.0"
 
-from .dsl import SpecError, parse  # noqa: E402
+
+def __getattr__(name):
+    # SpecError and parse load the spec language (lark) on first use: a compiled module imports
+    # mixc.runtime.support without it
+    if name in ("SpecError", "parse"):
+        from . import dsl
+        return getattr(dsl, name)
+    raise AttributeError(f"module 'mixc' has no attribute {name!r}")
 
 
 def load(name_or_path, **kwargs):

@@ -11,9 +11,10 @@ import triton
 
 from .. import __version__
 from ..derive.plan import Plan
+from ..dsl import ir
 from .chunk import chunk_fwd_hooks, chunk_supported, torch_chunk_supported
 from .chunk_bwd import chunk_bwd_hooks
-from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
+from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks, split_dim, tile_dim
 from .torch_module import torch_hooks
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -46,6 +47,14 @@ def metadata(plan: Plan) -> dict:
         "options": [o.name for o in m.options if o.kind == "float"],
         "states": {s.name: list(s.shape) for s in m.states},
         "output": {"name": m.output.name, "shape": list(m.output.expr.shape)},
+        # what mixc.runtime.support needs to bind a call and launch the kernels without the spec
+        "dim_roots": {d.name: m.root_dim(d.name) for d in m.dims if d.alias_of},
+        "option_defaults": {o.name: _scalar_tree(o.default) for o in m.options if o.kind == "float"},
+        "kernel_states": {s.name: list(s.shape) for s in plan.kernel_ir.states},
+        "stabilized": list(plan.stabilizer.states) if plan.stabilizer is not None else [],
+        "tile": tile_dim(plan.kernel_ir),
+        "split": split_dim(plan),
+        "chunk_size": _chunk_size(plan),
         "kernels": {"recurrent_fwd": kernel_name(plan, "recurrent_fwd"),
                     "recurrent_bwd": kernel_name(plan, "recurrent_bwd")}
         | ({"chunk_fwd": kernel_name(plan, "chunk_fwd"), "chunk_bwd": kernel_name(plan, "chunk_bwd")}
@@ -56,6 +65,27 @@ def metadata(plan: Plan) -> dict:
     }
 
 
+def _scalar_tree(e: ir.Expr) -> list:
+    """An option's default as nested lists (mixc.runtime.support.scalar evaluates them)."""
+    if isinstance(e, ir.Num):
+        return ["num", e.value]
+    if isinstance(e, ir.Ref):
+        return ["dim" if e.kind == "dim" else "opt", e.name]
+    if isinstance(e, ir.Neg):
+        return ["neg", _scalar_tree(e.x)]
+    if isinstance(e, ir.BinOp):
+        return ["bin", e.op, _scalar_tree(e.left), _scalar_tree(e.right)]
+    if isinstance(e, ir.Call):
+        return ["call", e.fn, [_scalar_tree(x) for x in e.args]]
+    raise TypeError(f"an option default of {type(e).__name__}")
+
+
+def _chunk_size(plan: Plan) -> int:
+    # the rule lives with the launches (runtime/launch.py); imported late, as aot.py does
+    from ..runtime.launch import chunk_size
+    return chunk_size(plan)
+
+
 def _docstring_safe(text: str) -> str:
     """A file name inside the header docstring: its repr without the quotes (escapes quotes,
     backslashes and newlines), so no path can end the docstring."""
@@ -63,20 +93,42 @@ def _docstring_safe(text: str) -> str:
 
 
 def op_functions(plan: Plan) -> str:
-    """SPEC_TEXT, FLAGS and the module's op() and step(): the spec text travels as a Python
-    string literal (repr), never as code."""
+    """SPEC_TEXT, FLAGS and the module's op() and step(), which launch THIS module's kernels
+    through mixc.runtime.support (torch and triton only: no spec parsing, no derivation). The
+    spec text travels as a Python string literal (repr), never as code."""
+    return (f"SPEC_TEXT = {plan.ir.source.text!r}\n"
+            f"SPEC_FILE = {plan.ir.source.filename!r}\n"
+            f"FLAGS = {dict(plan.flags)!r}\n\n"
+            "from mixc.runtime.support import CompiledOp as _CompiledOp  # noqa: E402\n\n"
+            "_OP = _CompiledOp(METADATA, globals())\n\n\n"
+            "def op(**kwargs):\n"
+            '    """o, state = op(<inputs, params, options>, initial_state=None, output_final_state=False,\n'
+            '    cu_seqlens=None, mode="auto"): this module\'s kernels (mixc.runtime.support)."""\n'
+            "    return _OP(**kwargs)\n\n\n"
+            "def step(**kwargs):\n"
+            '    """o, new_state = step(<one token of each input>, state=...)"""\n'
+            "    return _OP.step(**kwargs)\n")
+
+
+def reparse_functions(plan: Plan) -> str:
+    """A sequence mixer's op() and step() (no kernels: torch ops driven by mixc.runtime.sequence
+    from the spec): the spec parsed once, at the first call."""
     return (f"SPEC_TEXT = {plan.ir.source.text!r}\n"
             f"SPEC_FILE = {plan.ir.source.filename!r}\n"
             f"FLAGS = {dict(plan.flags)!r}\n\n\n"
+            "_OP = []\n\n\n"
+            "def _op():\n"
+            "    if not _OP:\n"
+            "        from mixc.runtime.op import from_text\n"
+            "        _OP.append(from_text(SPEC_TEXT, SPEC_FILE))\n"
+            "    return _OP[0]\n\n\n"
             "def op(**kwargs):\n"
             '    """o, state = op(<inputs, params, options>, initial_state=None, output_final_state=False,\n'
             '    cu_seqlens=None, mode="auto")"""\n'
-            "    from mixc.runtime.op import from_text\n"
-            "    return from_text(SPEC_TEXT, SPEC_FILE)(**FLAGS, **kwargs)\n\n\n"
+            "    return _op()(**FLAGS, **kwargs)\n\n\n"
             "def step(**kwargs):\n"
             '    """o, new_state = step(<one token of each input>, state=...)"""\n'
-            "    from mixc.runtime.op import from_text\n"
-            "    return from_text(SPEC_TEXT, SPEC_FILE).step(**FLAGS, **kwargs)\n")
+            "    return _op().step(**FLAGS, **kwargs)\n")
 
 
 def generate(plan: Plan) -> str:
@@ -102,7 +154,7 @@ def generate(plan: Plan) -> str:
 
     if torch_chunk_supported(plan) is None:
         body += "\n\n" + _env().get_template("torch_chunk.py.j2").render(**torch_hooks(plan))
-    trailer = ("\n\n# The op: the same kernels through mixc's autograd.Function and argument checks.\n"
+    trailer = ("\n\n# The op: this module's kernels, launched by mixc.runtime.support from METADATA.\n"
                + op_functions(plan))
     return (header + "import triton\nimport triton.language as tl\n\n"
             f"METADATA = {pprint.pformat(meta, width=100, sort_dicts=False)}\n\n\n" + body + trailer)

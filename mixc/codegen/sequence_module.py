@@ -10,7 +10,7 @@ import pprint
 
 from .. import __version__
 from ..derive.plan import Plan
-from .module import _docstring_safe, op_functions
+from .module import _docstring_safe, reparse_functions
 
 
 def metadata(plan: Plan) -> dict:
@@ -43,5 +43,5 @@ def generate_sequence(plan: Plan) -> str:
               f'Do not edit: regenerate with `mixc compile {plan.name}`."""\n')
     body = (f"METADATA = {pprint.pformat(metadata(plan), width=100, sort_dicts=False)}\n\n"
             "# The spec travels as a Python string literal (repr), never as code.\n"
-            + op_functions(plan))
+            + reparse_functions(plan))
     return header + "\n" + body

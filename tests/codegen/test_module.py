@@ -165,3 +165,96 @@ def test_a_file_name_cannot_end_the_header_docstring(tmp_path):
     finally:
         __import__("os").chdir(cwd)
     assert not (tmp_path / "PWNED").exists() and ns["SPEC_FILE"] == evil + ".mix"
+
+
+# ---- the compiled module stands alone (issue 17 item 4) ----
+
+def _compile_to(tmp_path, name: str):
+    import importlib.util
+    from mixc.cli import main
+    assert main(["compile", name, "-o", str(tmp_path)]) == 0
+    path = tmp_path / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"compiled_{name}_{abs(hash(str(tmp_path)))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return path, mod
+
+
+@pytest.mark.parametrize("name,mode", [("gla", "chunk"), ("mamba", "recurrent")])   # chunked; recurrent only
+def test_compiled_module_op_equals_the_loaded_op(name, mode, tmp_path, capsys):
+    import torch
+    from helpers import random_args, random_state
+    _, mod = _compile_to(tmp_path, name)
+    assert ("chunk_fwd" in mod.METADATA["kernels"]) == (mode == "chunk")
+    op = mixc.load(name)
+    args, sizes = random_args(op.ir, B=2, T=9, H=2, sizes={}, dtype=torch.float32, seed=17, requires_grad=True)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    leaves = list(args.values()) + list(st.values())
+    outs = []
+    for call in (op, mod.op):
+        o, s = call(**args, initial_state=st, output_final_state=True)
+        w = torch.Generator().manual_seed(3)
+        loss = (o * torch.randn(o.shape, generator=w)).sum() + sum((v * torch.randn(v.shape, generator=w)).sum()
+                                                                   for v in s.values())
+        outs.append((o, s, torch.autograd.grad(loss, leaves)))
+    (o1, s1, g1), (o2, s2, g2) = outs
+    ref, _ = op.reference(**args, initial_state=st, output_final_state=True)
+    torch.testing.assert_close(o1.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o2, o1, rtol=1e-6, atol=1e-6)
+    for k in s1:
+        torch.testing.assert_close(s2[k], s1[k], rtol=1e-6, atol=1e-6)
+    for a, b in zip(g2, g1):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    names = {d.name for d in op.ir.inputs}
+    one = {k: (v[:, 0].detach() if k in names else v.detach()) for k, v in args.items()}
+    state = {k: v.detach() for k, v in st.items()}
+    o1, s1 = op.step(**one, state=state)
+    o2, s2 = mod.step(**one, state=state)
+    torch.testing.assert_close(o2, o1, rtol=1e-6, atol=1e-6)
+
+
+def test_editing_a_compiled_module_changes_what_runs(tmp_path, capsys):
+    """The module runs its own kernels: doubling the value its recurrent kernel stores doubles o."""
+    import importlib.util
+    import torch
+    from helpers import random_args
+    path, mod = _compile_to(tmp_path, "mamba2")
+    op = mixc.load("mamba2")
+    args, _ = random_args(op.ir, B=1, T=5, H=2, sizes={}, dtype=torch.float32, seed=18)
+    o, _ = mod.op(**args, mode="recurrent")
+    text = path.read_text()
+    kernel = text[text.index("def mamba2_recurrent_fwd("):text.index("def mamba2_recurrent_bwd(")]
+    edited = kernel.replace("_oj.to(p_out.dtype.element_ty)", "(_oj * 2.0).to(p_out.dtype.element_ty)")
+    assert edited != kernel
+    path.write_text(text.replace(kernel, edited))
+    spec = importlib.util.spec_from_file_location("compiled_mamba2_edited", path)
+    mod2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod2)
+    o2, _ = mod2.op(**args, mode="recurrent")
+    torch.testing.assert_close(o2, 2 * o, rtol=1e-6, atol=1e-6)
+    o3, _ = op(**args, mode="recurrent")             # mixc's own cached module is not the edited file
+    torch.testing.assert_close(o3, o, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_module_imports_no_compiler(tmp_path, capsys):
+    """Importing a compiled module and calling its op loads torch, triton and
+    mixc.runtime.support: no spec language, derivation, code generation, sympy or lark."""
+    import subprocess
+    import sys
+    path, _ = _compile_to(tmp_path, "gla")
+    code = (
+        "import importlib.util, sys, torch\n"
+        f"spec = importlib.util.spec_from_file_location('gla_compiled', {str(path)!r})\n"
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = lambda *s: torch.randn(*s, generator=g)\n"
+        "o, st = mod.op(q=x(1, 3, 2, 4), k=x(1, 3, 2, 4), v=x(1, 3, 2, 4), g=-torch.rand(1, 3, 2, 4, generator=g),\n"
+        "               output_final_state=True)\n"
+        "assert o.shape == (1, 3, 2, 4) and torch.isfinite(o).all()\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('sympy', 'lark', 'jinja2')\n"
+        "             or m.startswith(('mixc.dsl', 'mixc.derive', 'mixc.codegen')))\n"
+        "print('LOADED', bad)\n")
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "LOADED []" in run.stdout, run.stdout

@@ -1,0 +1,336 @@
+"""The runtime of a compiled module (`mixc compile -o DIR`): binds a call's arguments and
+launches the module's OWN kernels from its METADATA alone.
+
+It imports torch and triton only (no spec parsing, no derivation, no code generation: none of
+mixc.dsl, mixc.derive, mixc.codegen, sympy or lark), so a compiled module runs where only
+torch, triton and this file are installed, and an edit to the module's kernels changes what
+runs. The launches are the untuned ones mixc.load's op takes under Triton's interpreter: the
+recurrent kernels (tile and split blocks of 32 and 64) and the chunked kernels in one walk
+(PHASE 0), each with its backward through an autograd.Function. mixc.load's op adds the torch
+and reference backends, autotuning on CUDA, the two-launch chunked form, torch.compile custom
+ops and context parallelism (runtime/op.py); the numbers are the same kernels' (tested in
+tests/codegen/test_module.py)."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+RECURRENT_TILE, RECURRENT_SPLIT, CHUNK_TILE = 32, 64, 64       # as runtime/launch.py
+
+
+class ArgumentError(ValueError):
+    """A call's argument is missing, extra, or of the wrong shape or dtype."""
+
+
+_MATH = {
+    "exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "abs": abs,
+    "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)),
+    "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),
+    "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
+    "elu": lambda x: x if x > 0 else math.expm1(x), "relu": lambda x: max(x, 0.0),
+    "silu": lambda x: x / (1.0 + math.exp(-x)),
+    "max": max, "min": min,
+}
+
+
+def scalar(e, sizes: dict, values: dict) -> float:
+    """An option's default from METADATA["option_defaults"] (nested lists: ["num", v],
+    ["dim", name], ["opt", name], ["neg", x], ["bin", op, a, b], ["call", fn, [args]])."""
+    kind = e[0]
+    if kind == "num":
+        return float(e[1])
+    if kind == "dim":
+        return float(sizes[e[1]])
+    if kind == "opt":
+        return values[e[1]]
+    if kind == "neg":
+        return -scalar(e[1], sizes, values)
+    if kind == "bin":
+        a, b = scalar(e[2], sizes, values), scalar(e[3], sizes, values)
+        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else math.copysign(math.inf, a),
+                "**": a ** b if a > 0 or float(b).is_integer() else math.nan}[e[1]]
+    args = [scalar(x, sizes, values) for x in e[2]]
+    return _MATH[e[1]](*args)
+
+
+def _block(size: int) -> int:
+    return max(triton.next_power_of_2(size), 1)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("MIXC_POISON") == "1":
+        t.fill_(float("nan"))
+    return t
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class Bound:
+    def __init__(self, B, T, H, sizes, inputs, params, options, init, cu):
+        self.B, self.T, self.H, self.sizes = B, T, H, sizes
+        self.inputs, self.params, self.options, self.init, self.cu = inputs, params, options, init, cu
+        self.n = B if cu is None else cu.shape[0] - 1
+
+
+class CompiledOp:
+    """op(**kwargs) and op.step(**kwargs) of a compiled module: `meta` its METADATA, `kernels`
+    its namespace (the @triton.jit functions METADATA["kernels"] names)."""
+
+    def __init__(self, meta: dict, namespace: dict):
+        self.meta, self.ns = meta, namespace
+
+    # ---- binding ----
+    def _bind(self, kw: dict, state, cu, step: bool) -> Bound:
+        meta = self.meta
+        kw = dict(kw)
+        lead = ("B", "H") if step else ("B", "T", "H")
+        sizes, device = {}, []
+
+        def check(name, x, names, what):
+            if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+                got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ArgumentError(f"{name}: expected a floating-point tensor [{', '.join(names)}], got {got}")
+            if x.dim() != len(names):
+                raise ArgumentError(f"{name}: {what} of shape [{', '.join(names)}] (rank {len(names)}), "
+                                    f"got shape {list(x.shape)} (rank {x.dim()})")
+            for axis, (d, s) in enumerate(zip(names, x.shape)):
+                if sizes.setdefault(d, s) != s:
+                    raise ArgumentError(f"{name}: dim {d} (axis {axis}) is {s}, but an earlier argument gives "
+                                        f"{d} = {sizes[d]}")
+            if device and x.device != device[0]:
+                raise ArgumentError(f"{name}: on device {x.device}, but the inputs are on {device[0]}")
+            device.append(x.device)
+
+        inputs, params, options = {}, {}, {}
+        for name, shape in meta["inputs"].items():
+            if name not in kw:
+                raise ArgumentError(f"missing input '{name}' of shape [{', '.join(lead + tuple(shape))}]")
+            check(name, kw[name], lead + tuple(shape), "expected an input")
+            inputs[name] = kw.pop(name)
+        for name, shape in meta["params"].items():
+            if name not in kw:
+                raise ArgumentError(f"missing param '{name}' of shape [{', '.join(('H',) + tuple(shape))}]")
+            check(name, kw[name], ("H",) + tuple(shape), "expected a per-head param")
+            params[name] = kw.pop(name)
+        for name in meta["options"]:
+            v = kw.pop(name, None)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ArgumentError(f"{name}: expected a number, got {v!r}")
+                options[name] = float(v)
+        for name, value in meta["flags"].items():
+            if name in kw and kw.pop(name) != value:
+                raise ArgumentError(f"{name}: this module is compiled with {name}={value}; compile another "
+                                    f"(`mixc compile` with the flag) for the other value")
+        if kw:
+            raise ArgumentError(f"unexpected argument(s) {', '.join(map(repr, sorted(kw)))} for mixer "
+                                f"'{meta['mixer']}'")
+        for d, root in meta["dim_roots"].items():
+            if d not in sizes and root in sizes:
+                sizes[d] = sizes[root]
+            if sizes.get(d) != sizes.get(root):
+                raise ArgumentError(f"dim {d} = {root}, but the arguments give {d} = {sizes.get(d)} and "
+                                    f"{root} = {sizes.get(root)}")
+        B, H = sizes["B"], sizes["H"]
+        T = 1 if step else sizes["T"]
+        n = B if cu is None else cu.shape[0] - 1
+        if cu is not None and (not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64)
+                               or cu.dim() != 1 or B != 1):
+            raise ArgumentError("cu_seqlens: expected a 1-D int32 or int64 tensor of offsets, with B = 1")
+        init = None
+        if state is not None:
+            if isinstance(state, torch.Tensor) and len(meta["states"]) == 1:
+                state = {next(iter(meta["states"])): state}
+            if not isinstance(state, dict) or set(state) != set(meta["states"]):
+                raise ArgumentError(f"initial_state: expected a dict with the states {', '.join(meta['states'])}")
+            init = {}
+            for name, shape in meta["states"].items():
+                want = (n, H) + tuple(sizes[d] for d in shape)
+                x = state[name]
+                if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+                    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise ArgumentError(f"initial_state['{name}']: expected shape {list(want)}, got {got}")
+                init[name] = x
+        keep = {k: v for k, v in sizes.items() if k not in ("B", "T", "H")}
+        opts = {}
+        for name in meta["options"]:
+            opts[name] = options[name] if name in options else scalar(meta["option_defaults"][name], keep, opts)
+        return Bound(B, T, H, keep, inputs, params, opts, init, cu)
+
+    # ---- launches ----
+    def _blocks(self, b: Bound, chunked: bool, C: int) -> tuple[dict, int, int]:
+        meta, tile, split = self.meta, self.meta["tile"], self.meta["split"]
+        kw = {}
+        for d in meta["dims"]:
+            kw[f"_size_{d}"] = b.sizes[d]
+            blk = _block(b.sizes[d])
+            if chunked:
+                blk = max(16, min(blk, CHUNK_TILE) if d == tile else blk)
+            else:
+                blk = min(blk, RECURRENT_TILE) if d == tile else min(blk, RECURRENT_SPLIT) if d == split else blk
+            kw[f"_BLOCK_{d}"] = blk
+        tiles = -(-b.sizes[tile] // kw[f"_BLOCK_{tile}"]) if tile else 1
+        splits = max(1, -(-b.sizes[split] // kw[f"_BLOCK_{split}"])) if split and not chunked else 1
+        if chunked:
+            x0 = next(iter(b.inputs.values()))
+            dot = 0 if (x0.dtype == torch.bfloat16 and _interpreting()) else {torch.bfloat16: 1, torch.float16: 2}.get(
+                x0.dtype, 0)
+            kw.update(_BLOCK__T=C, _BLOCK__1=16, DOT=dot, _N_SEQS=b.n, p_chunk_seq=x0, PHASE=0)
+        else:
+            kw.update(CK=C)
+        return kw, tiles, splits
+
+    def _kernel(self, form: str, device):
+        if device.type == "cpu" and not _interpreting():
+            raise ArgumentError("Triton kernels run on CPU tensors only in Triton's interpreter: set "
+                                "TRITON_INTERPRET=1 before Python starts (or use mixc.load's op, mode='torch')")
+        return self.ns[self.meta["kernels"][form]]
+
+    def forward(self, b: Bound, chunked: bool, C: int, output_final_state: bool, checkpoints: bool):
+        meta = self.meta
+        x0 = next(iter(b.inputs.values()))
+        device = x0.device
+        kernel = self._kernel("chunk_fwd" if chunked else "recurrent_fwd", device)
+        kw, tiles, splits = self._blocks(b, chunked, C)
+        if not chunked:
+            kw.update(p_state_indices=x0, USE_STATE_INDICES=False)
+        o_shape = (b.B, b.T, b.H) + tuple(b.sizes[d] for d in meta["output"]["shape"])
+        out = _empty(((splits,) if splits > 1 else ()) + o_shape, torch.float32 if splits > 1 else x0.dtype, device)
+        slots = (b.B * b.T) // C + b.n + 1
+        state_args, finals, ckpts = [], {}, {}
+        for name, shape in meta["kernel_states"].items():
+            shape = tuple(b.sizes[d] for d in shape)
+            init = out
+            if b.init is not None:
+                init = (b.init[name].to(torch.float32).contiguous() if name in b.init
+                        else torch.zeros((b.n, b.H) + shape, dtype=torch.float32, device=device))
+            if output_final_state:
+                finals[name] = _empty((b.n, b.H) + shape, torch.float32, device)
+            if checkpoints:
+                ckpts[name] = _empty((slots, b.H) + shape, torch.float32, device)
+            state_args += [init, finals.get(name, out), ckpts.get(name, out)]
+        kernel[(b.n * b.H, tiles, splits)](
+            *[x.contiguous() for x in b.inputs.values()], *[x.contiguous() for x in b.params.values()],
+            *b.options.values(), *state_args, out, b.cu.to(device) if b.cu is not None else out, b.T, b.H,
+            *[float(b.sizes[d]) for d in meta["dims"]], USE_INITIAL_STATE=b.init is not None,
+            STORE_FINAL_STATE=output_final_state, IS_VARLEN=b.cu is not None, STORE_CHECKPOINTS=checkpoints, **kw)
+        if splits > 1:
+            out = out.sum(0).to(x0.dtype)
+        return out, finals, ckpts
+
+    def backward(self, b: Bound, chunked: bool, C: int, ckpts: dict, do: torch.Tensor, dfinal: dict | None):
+        meta, tile, split = self.meta, self.meta["tile"], self.meta["split"]
+        device = do.device
+        kernel = self._kernel("chunk_bwd" if chunked else "recurrent_bwd", device)
+        kw, tiles, splits = self._blocks(b, chunked, C)
+        n, H = b.n, b.H
+
+        def parts(dims) -> int:
+            return ((tiles if tile is not None and tile not in dims else 1)
+                    * (splits if split is not None and split not in dims else 1))
+
+        state_args, dinit = [], {}
+        for name, shape in meta["kernel_states"].items():
+            dims, shape = shape, tuple(b.sizes[d] for d in shape)
+            dinit[name] = _empty((parts(dims) * n, H) + shape, torch.float32, device)
+            dfin = None
+            if dfinal:
+                dfin = (dfinal[name].to(torch.float32).contiguous() if name in dfinal
+                        else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
+            if chunked:
+                state_args += [ckpts[name], dfin if dfin is not None else dinit[name], dinit[name], dinit[name]]
+            else:
+                scratch = _empty((n * H * tiles * splits * C,) + shape, torch.float32, device)
+                state_args += [ckpts[name], scratch, dfin if dfin is not None else scratch, dinit[name]]
+        dins = {k: (_empty(x.shape, x.dtype, device) if parts(meta["inputs"][k]) == 1
+                    else _empty((parts(meta["inputs"][k]),) + tuple(x.shape), torch.float32, device))
+                for k, x in b.inputs.items()}
+        dpars = {k: _empty((parts(meta["params"][k]) * n,) + tuple(x.shape), torch.float32, device)
+                 for k, x in b.params.items()}
+        kernel[(n * H, tiles, splits)](
+            *[x.contiguous() for x in b.inputs.values()], *[x.contiguous() for x in b.params.values()],
+            *b.options.values(), *state_args, do.contiguous(), *dins.values(), *dpars.values(),
+            b.cu.to(device) if b.cu is not None else do, b.T, H, *[float(b.sizes[d]) for d in meta["dims"]],
+            USE_FINAL_STATE_GRAD=dfinal is not None, IS_VARLEN=b.cu is not None, **kw)
+        dins = {k: v if v.shape == b.inputs[k].shape else v.sum(0).to(b.inputs[k].dtype) for k, v in dins.items()}
+        dpars = {k: v.sum(0).to(b.params[k].dtype) for k, v in dpars.items()}
+        dinit = {k: v if v.shape[0] == n else v.reshape((-1, n) + tuple(v.shape[1:])).sum(0) for k, v in dinit.items()}
+        return dins, dpars, dinit
+
+    # ---- the op ----
+    def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
+                 mode: str = "auto", CK: int = 32, chunk: int | None = None, **kwargs):
+        if mode not in ("auto", "chunk", "recurrent"):
+            raise ArgumentError(f"mode: a compiled module runs its kernels: 'auto', 'chunk' or 'recurrent', got "
+                                f"{mode!r} (mixc.load's op has the torch and reference backends)")
+        b = self._bind(kwargs, initial_state, cu_seqlens, step=False)
+        has_chunk = "chunk_fwd" in self.meta["kernels"]
+        if mode == "chunk" and not has_chunk:
+            raise ArgumentError(f"mode='chunk': mixer '{self.meta['mixer']}' has no chunked kernel "
+                                f"({self.meta['chunk_unsupported']}); use mode='recurrent'")
+        chunked = has_chunk and mode != "recurrent"
+        C = (chunk or self.meta["chunk_size"]) if chunked else CK
+        return _run(self, b, chunked, C, bool(output_final_state))
+
+    def step(self, *, state, **kwargs):
+        """One token per sequence: inputs [B, H, *dims], state the dict from output_final_state.
+        Returns (o [B, H, *dims], new state)."""
+        b = self._bind(kwargs, state, None, step=True)
+        b.inputs = {k: v.unsqueeze(1) for k, v in b.inputs.items()}       # T = 1
+        o, st = _run(self, b, False, 32, True)
+        return o[:, 0], st
+
+
+def _run(op: CompiledOp, b: Bound, chunked: bool, C: int, output_final_state: bool):
+    meta = op.meta
+    kstates = list(meta["kernel_states"])
+    init = [b.init[s] if (b.init is not None and s in b.init) else None for s in kstates]
+    if b.init is not None and len(kstates) > len(meta["states"]):      # a stabilizer's m starts at 0
+        x = init[0]
+        init = init[:len(meta["states"])] + [x.new_zeros(x.shape[:2], dtype=torch.float32)]
+    b.init = dict(zip(kstates, init)) if b.init is not None else None
+    tensors = list(b.inputs.values()) + list(b.params.values()) + (list(b.init.values()) if b.init else [])
+    outs = _Kernels.apply(op, b, chunked, C, output_final_state, *tensors)
+    o = outs[0]
+    if not output_final_state:
+        return o, None
+    st = dict(zip(kstates, outs[1:]))
+    if "_m" in st:          # the kernels keep S~ = S exp(-m); the spec's state is S
+        m = st.pop("_m")
+        for name in meta["stabilized"]:
+            x = st[name]
+            st[name] = x * torch.exp(m).reshape(m.shape + (1,) * (x.dim() - 2))
+    return o, st
+
+
+class _Kernels(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, b, chunked, C, output_final_state, *tensors):
+        save = any(t.requires_grad for t in tensors)
+        o, finals, ckpts = op.forward(b, chunked, C, output_final_state, checkpoints=save)
+        ctx.op, ctx.b, ctx.chunked, ctx.C, ctx.ofs, ctx.ckpts = op, b, chunked, C, output_final_state, ckpts
+        ctx.o_shape = o.shape
+        ctx.init_dtypes = [x.dtype for x in b.init.values()] if b.init else []
+        return (o,) + tuple(finals[s] for s in op.meta["kernel_states"]) if output_final_state else (o,)
+
+    @staticmethod
+    def backward(ctx, do, *dfinals):
+        op, b = ctx.op, ctx.b
+        kstates = list(op.meta["kernel_states"])
+        dfin = None
+        if ctx.ofs and any(g is not None for g in dfinals):
+            dfin = {s: g for s, g in zip(kstates, dfinals) if g is not None}
+        if do is None:
+            do = next(iter(b.inputs.values())).new_zeros(ctx.o_shape)
+        dins, dpars, dinit = op.backward(b, ctx.chunked, ctx.C, ctx.ckpts, do, dfin)
+        grads = list(dins.values()) + list(dpars.values())
+        if b.init:
+            grads += [dinit[s].to(dt) for s, dt in zip(kstates, ctx.init_dtypes)]
+        return (None, None, None, None, None) + tuple(grads)
