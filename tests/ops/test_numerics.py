@@ -99,3 +99,45 @@ def test_beta_near_the_ends_of_its_range(beta, mode):
     st = random_state(op.ir, 1, 2, sizes, requires_grad=True)
     check_against_reference(op, {"use_qk_l2norm_in_kernel": True}, args, st, torch.float32, mode=mode, CK=8,
                             chunk=16)
+
+
+def _reset_args(op, seed):
+    """B1-T40-H2-K8: log decays in [-1, 0] with -inf (a decay of 0: a state reset) at tokens 7,
+    20 and 21 (two resets in a row, and one in each chunk of 16)."""
+    args, _ = random_args(op.ir, B=1, T=40, H=2, sizes={"K": 8, "V": 8}, dtype=torch.float32, seed=seed)
+    args["g"] = -torch.rand(args["g"].shape, generator=torch.Generator().manual_seed(seed))
+    args["g"][:, [7, 20, 21]] = float("-inf")
+    return args
+
+
+@pytest.mark.parametrize("name", ["gla", "simple_gla", "gated_delta_rule"])
+def test_a_decay_of_zero_resets_the_state_in_the_torch_backend(name):
+    """exp(-inf) = 0: the output and final state equal the float64 reference's (the chunked
+    form sums the log decay per pair: b_i - b_j would be -inf - -inf = NaN)."""
+    op = mixc.load(name)
+    args = _reset_args(op, 21)
+    ref, ref_st = op(**{n: x.double() for n, x in args.items()}, mode="reference", output_final_state=True)
+    o, st = op(**args, mode="torch", output_final_state=True)
+    torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st["S"].double(), ref_st["S"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("low", [-8.0, -20.0], ids=lambda x: f"g{x:g}")
+@pytest.mark.parametrize("name", ["gla", "simple_gla", "gated_delta_rule"])
+def test_dg_at_strong_decay_in_the_torch_backend(name, low):
+    """B1-T40-H2-K8, log decays in [low - 0.5, low]: dg within 1e-5 (relative, in norm) of the
+    float64 reference in fp32, as the recurrent kernel (before: 4e-4 at -8, 1 to 3 at -20, the
+    q dq - k dk identity cancelling the diagonal's O(1) terms; docs/kernels.md has the table)."""
+    op = mixc.load(name)
+
+    def draw(shape, gen):
+        return low - 0.5 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    args, _ = random_args(op.ir, B=1, T=40, H=2, sizes={"K": 8, "V": 8}, dtype=torch.float32, seed=22,
+                          draw={"g": draw})
+    w = torch.randn(1, 40, 2, 8, generator=torch.Generator().manual_seed(23), dtype=torch.float64)
+    a64 = {n: x.double().requires_grad_() for n, x in args.items()}
+    (op(**a64, mode="reference")[0] * w).sum().backward()
+    a32 = {n: x.clone().requires_grad_() for n, x in args.items()}
+    (op(**a32, mode="torch")[0].double() * w).sum().backward()
+    want = a64["g"].grad
+    assert ((a32["g"].grad.double() - want).norm() / want.norm()).item() <= 1e-5
