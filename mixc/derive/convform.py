@@ -51,8 +51,20 @@ def _fft_blocker(plan: P.Plan) -> str | None:
     return None
 
 
+_FORMS: dict[int, tuple] = {}      # id(plan) -> (plan kept alive, its ConvForm or None)
+
+
 def conv_form(plan: P.Plan) -> ConvForm | None:
-    """The convolution form of the plan, or None when its transition is not time-invariant."""
+    """The convolution form of the plan, or None when its transition is not time-invariant.
+    Found once per plan (a plain dict afterwards: every call of mode="conv" asks, and
+    torch.compile can trace a dict lookup but not the sympy walk)."""
+    hit = _FORMS.get(id(plan))
+    if hit is None:
+        hit = _FORMS[id(plan)] = (plan, _conv_form(plan))
+    return hit[1]
+
+
+def _conv_form(plan: P.Plan) -> ConvForm | None:
     if plan.sequence is not None or "conv" not in plan.forms:
         return None
     why = _fft_blocker(plan)

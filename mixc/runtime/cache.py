@@ -221,11 +221,11 @@ def is_intact(path: Path) -> bool:
 def _source(plan: Plan) -> tuple[Path, str]:
     """(the entry's path, its verified text), written (again) if missing, truncated, corrupted,
     not ours, writable by others, or a directory."""
-    from ..codegen.module import generate
     path = module_path(plan)
     text = read_trusted(path)
     if text is not None:
         return path, text
+    from ..codegen.module import generate          # jinja2 and the templates: only on a miss
     body = generate(plan)
     body = body if body.endswith("\n") else body + "\n"
     text = body + _FOOTER + _checksum(body) + "\n"

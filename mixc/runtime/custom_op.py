@@ -2,8 +2,15 @@
 so that torch.compile(fullgraph=True) traces a model that calls a mixc op with no graph break.
 
 Per spec (and flag assignment) two ops: mixc::<name>_<hash>_fwd and ..._bwd. Tensors travel
-as lists in the spec's order; number options as a float list."""
+as lists in the spec's order; number options as a float list.
+
+Eager calls do not go through the registered ops (kernel_ops(plan).call): torch's dispatch of a
+Python custom op costs ~60 us a call and imports torch._dynamo (2-3 s) on its first call, so
+outside torch.compile the same forward runs directly (no gradient needed) or under a plain
+autograd.Function with the same backward. While torch.compile traces, the registered op."""
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -12,6 +19,13 @@ from .launch import checkpoint_slots, chunk_backward, chunk_forward, recurrent_b
 from .signature import Bound
 
 _OPS: dict[tuple, object] = {}
+_KERNEL_OPS: dict[tuple, "KernelOps"] = {}
+
+
+class KernelOps(NamedTuple):
+    fwd: object          # the registered custom ops (torch.compile traces these)
+    bwd: object
+    call: Callable       # the forward as op._kernels calls it: fwd's signature, dispatched as above
 
 FWD_SCHEMA = ("(Tensor[] inputs, Tensor[] params, Tensor[] initial_state, float[] options, Tensor? cu_seqlens, "
               "bool output_final_state, bool save_for_backward, bool chunked, int CK) -> Tensor[]")
@@ -40,9 +54,14 @@ def _bound(plan: Plan, inputs, params, initial_state, options, cu_seqlens) -> Bo
 
 def ops_for(plan: Plan):
     """(forward op, backward op) of a plan, registered once per process."""
+    return tuple(kernel_ops(plan)[:2])
+
+
+def kernel_ops(plan: Plan) -> KernelOps:
+    """The registered ops of a plan and its eager call, made once per process."""
     key = (plan.name, plan.ir.spec_hash, plan.flags)
-    if key in _OPS:
-        return _OPS[key]
+    if key in _KERNEL_OPS:
+        return _KERNEL_OPS[key]
     flag_part = "".join(f"_{k}{int(v)}" for k, v in plan.flags)
     base = f"mixc::{plan.name}_{plan.ir.spec_hash[:10]}{flag_part}"
     m = plan.kernel_ir        # its states: the spec's, and a stabilizer's m
@@ -50,9 +69,8 @@ def ops_for(plan: Plan):
     def state_shape(bound: Bound, s) -> tuple:
         return tuple(bound.sizes[d] for d in s.shape)
 
-    @torch.library.custom_op(base + "_fwd", mutates_args=(), schema=FWD_SCHEMA)
-    def fwd(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, chunked,
-            CK):
+    def fwd_impl(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward,
+                 chunked, CK):
         """The chunked (C = CK) or recurrent forward; either keeps the states at chunk starts
         for the recurrent backward."""
         bound = _bound(plan, inputs, params, initial_state, options, cu_seqlens)
@@ -64,6 +82,8 @@ def ops_for(plan: Plan):
             return o.new_empty(0, dtype=torch.float32)
         return ([o] + [finals[s.name] if finals else empty() for s in m.states]
                 + [ckpts[s.name] if ckpts else empty() for s in m.states])
+
+    fwd = torch.library.custom_op(base + "_fwd", fwd_impl, mutates_args=(), schema=FWD_SCHEMA)
 
     @fwd.register_fake
     def _(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, chunked, CK):
@@ -78,8 +98,7 @@ def ops_for(plan: Plan):
                              dtype=torch.float32) for s in m.states]
         return [o] + finals + ckpts
 
-    @torch.library.custom_op(base + "_bwd", mutates_args=(), schema=BWD_SCHEMA)
-    def bwd(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, chunked, CK):
+    def bwd_impl(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, chunked, CK):
         """The chunked backward (chunks of CK tokens) or the recurrent one."""
         bound = _bound(plan, inputs, params, [], options, cu_seqlens)
         ckpts = {s.name: c for s, c in zip(m.states, checkpoints)}
@@ -90,6 +109,8 @@ def ops_for(plan: Plan):
             dinputs, dparams, dinit = recurrent_backward(plan, bound, ckpts, do, dfin, CK=CK)
         return ([dinputs[d.name] for d in m.inputs] + [dparams[d.name] for d in m.params]
                 + [dinit[s.name] for s in m.states])
+
+    bwd = torch.library.custom_op(base + "_bwd", bwd_impl, mutates_args=(), schema=BWD_SCHEMA)
 
     @bwd.register_fake
     def _(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, chunked, CK):
@@ -107,7 +128,7 @@ def ops_for(plan: Plan):
                     [x.dtype for x in init], bool(init), chunked, CK, tuple(output[0].shape),
                     cu.shape[0] - 1 if cu is not None else ins[0].shape[0])
 
-    def backward(ctx, grads):
+    def backward(ctx, grads, bwd=bwd):
         (n_in, n_par, n_states, options, has_cu, output_final_state, init_dtypes, has_init, chunked, CK, o_shape,
          n_seqs) = ctx.meta
         saved = ctx.saved_tensors
@@ -128,5 +149,43 @@ def ops_for(plan: Plan):
         return list(dins), list(dpars), dinit, (None if options else []), None, None, None, None, None
 
     torch.library.register_autograd(base + "_fwd", backward, setup_context=setup_context)
-    _OPS[key] = (fwd, bwd)
-    return _OPS[key]
+
+    def call(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, chunked,
+             CK):
+        if torch.compiler.is_compiling():
+            return fwd(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward,
+                       chunked, CK)
+        if not save_for_backward:           # no gradient wanted: the kernels directly
+            return fwd_impl(inputs, params, initial_state, options, cu_seqlens, output_final_state, False,
+                            chunked, CK)
+        rest = (options, cu_seqlens, output_final_state, save_for_backward, chunked, CK)
+        return list(_EagerKernels.apply(fwd_impl, setup_context, lambda ctx, g: backward(ctx, g, bwd_impl),
+                                        (len(inputs), len(params), len(initial_state)), rest,
+                                        *inputs, *params, *initial_state))
+
+    _KERNEL_OPS[key] = KernelOps(fwd, bwd, call)
+    return _KERNEL_OPS[key]
+
+
+class _EagerKernels(torch.autograd.Function):
+    """The registered op's forward and backward as a plain autograd.Function (eager calls):
+    tensors flat in the spec's order (inputs, params, initial states), the rest as is."""
+
+    @staticmethod
+    def forward(ctx, fwd_impl, setup_context, backward, counts, rest, *tensors):
+        n_in, n_par, _ = counts
+        args = (list(tensors[:n_in]), list(tensors[n_in:n_in + n_par]), list(tensors[n_in + n_par:])) + rest
+        out = fwd_impl(*args)
+        setup_context(ctx, args, out)
+        ctx.backward_impl, ctx.counts = backward, counts
+        n_states = (len(out) - 1) // 2
+        ctx.mark_non_differentiable(*out[1 + n_states:])          # the checkpoints
+        ctx.set_materialize_grads(False)                           # None stays None, as for the op
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dins, dpars, dinit, *_ = ctx.backward_impl(ctx, list(grads))
+        n_init = ctx.counts[2]
+        dinit = list(dinit) if dinit else [None] * n_init
+        return (None, None, None, None, None, *dins, *dpars, *dinit)

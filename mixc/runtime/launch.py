@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,7 +41,7 @@ CHUNK_TILE = 64
 def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) -> dict:
     """Sizes and blocks of the recurrent kernels; a tuned config may set the tile and split blocks."""
     kw = {}
-    tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
+    tile, split = layout(plan)
     tile_block = config.tile if config is not None and config.tile else RECURRENT_TILE
     split_block = config.split if config is not None and config.split else RECURRENT_SPLIT
     for d in plan.ir.dim_names:
@@ -52,7 +53,7 @@ def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) 
 
 def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
     """Programs along the tile dim: 1 for specs without a tile dim."""
-    tile = tile_dim(plan.kernel_ir)
+    tile = layout(plan).tile
     if tile is None:
         return 1
     return -(-bound.sizes[tile] // blocks[f"_BLOCK_{tile}"])
@@ -60,12 +61,29 @@ def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
 
 def n_splits(plan: Plan, bound: Bound, blocks: dict) -> int:
     """Programs along the split dim: 1 for the chunked kernels and specs without a split dim."""
-    split = split_dim(plan)
+    split = layout(plan).split
     if split is None or "_BLOCK__T" in blocks:
         return 1
     # at least one: a split dim of size 0 (gla K = 0, mamba2 N = 0) still needs block 0, which
     # writes the state-free part of the output (zeros, D * x) and every gradient
     return max(1, -(-bound.sizes[split] // blocks[f"_BLOCK_{split}"]))
+
+
+class Layout(NamedTuple):
+    tile: str | None        # codegen.recurrent.tile_dim(plan.kernel_ir)
+    split: str | None       # codegen.recurrent.split_dim(plan)
+
+
+_LAYOUTS: dict[int, tuple[Plan, Layout]] = {}
+
+
+def layout(plan: Plan) -> Layout:
+    """The tile and split dims of a plan's kernels, found once per plan (each walks the IR:
+    ~100 us a call on the call path otherwise). Keyed by id, the plan kept alive beside it."""
+    hit = _LAYOUTS.get(id(plan))
+    if hit is None:
+        hit = _LAYOUTS[id(plan)] = (plan, Layout(tile_dim(plan.kernel_ir), split_dim(plan)))
+    return hit[1]
 
 
 class KernelUnavailable(RuntimeError):
@@ -153,7 +171,7 @@ def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out
 
     def run(cfg):
         kw = dim_kwargs(plan, bound, cfg) | (cfg.launch() if cfg is not None else {})
-        tile = tile_dim(plan.kernel_ir)
+        tile = layout(plan).tile
         if inplace and tile is not None and any(tile not in s.shape for s in plan.kernel_ir.states):
             # every tile program reads and writes a state without the tile dim whole: with one
             # buffer, a later program could read what an earlier one wrote. One tile block.
@@ -242,7 +260,7 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     opts = _options(m, bound)
     # what lacks the tile (split) dim gets one gradient partial per tile (split) block, summed below
     tiles, splits = n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
-    tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
+    tile, split = layout(plan)
 
     def parts(dims) -> int:
         return ((tiles if tile is not None and tile not in dims else 1)
@@ -304,7 +322,7 @@ def chunk_blocks(plan: Plan, bound: Bound) -> dict:
     dims = plan.ir.dim_names
     blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
     blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})
-    tile = tile_dim(plan.kernel_ir)
+    tile = layout(plan).tile
     if tile is not None:
         blocks[f"_BLOCK_{tile}"] = max(16, min(block(bound.sizes[tile]), CHUNK_TILE))
     return blocks
@@ -384,7 +402,7 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
     slots = checkpoint_slots(bound, C)
     chunk_programs, launch_kw = _chunk_launch(plan, bound, C)
     tiles = n_tiles(plan, bound, launch_kw)
-    tile = tile_dim(plan.kernel_ir)
+    tile = layout(plan).tile
 
     def run(cfg):
         common = dict(**launch_kw, **(cfg.launch() if cfg is not None else {}))

@@ -31,7 +31,7 @@ from . import reference as _reference
 from .cache import interpreting
 from ..codegen.chunk import chunk_supported, torch_chunk_supported
 from .launch import chunk_size, chunk_size_for
-from .signature import ArgumentError, bind, option_values
+from .signature import ArgumentError, Bound, bind, option_values
 
 MODES = ("auto", "recurrent", "chunk", "conv", "torch", "reference")
 
@@ -128,7 +128,7 @@ class MixerOp:
         kstates = plan.kernel_ir.states
         if init and len(kstates) > len(m.states):       # a stabilizer's m starts at 0 with a given state
             init = init + [init[0].new_zeros(init[0].shape[:2], dtype=torch.float32)]
-        fwd, _ = self.prepare(**bound.flags)
+        fwd = self.prepare(**bound.flags).call        # eager: no custom-op dispatch (custom_op.py)
         outs = fwd(inputs, params, init, [opts[o.name] for o in m.options if o.kind == "float"],
                    bound.cu_seqlens, output_final_state, save, chunked, CK)
         if not output_final_state:
@@ -146,11 +146,19 @@ class MixerOp:
     def prepare(self, **flags):
         """Derive and register the kernels' custom ops for these flags (the defaults otherwise).
         Calls look them up in a plain dict, so torch.compile traces no derivation: call
-        prepare() (or the op once) eagerly before compiling a model with other flag values."""
+        prepare() (or the op once) eagerly before compiling a model with other flag values.
+        The generated module is imported here too: torch.compile cannot trace the cache's file
+        work, and every mode but "reference" reads the module (the kernels, the torch backend's
+        chunked form, the convolution form)."""
         key = tuple(sorted(({o.name: o.default for o in self.ir.flags} | flags).items()))
         if key not in self._ops:
-            from .custom_op import ops_for
-            self._ops[key] = ops_for(self._plan_for(dict(key)))
+            from .cache import load_module
+            from .custom_op import kernel_ops
+            from ..derive.convform import conv_form
+            plan = self._plan_for(dict(key))
+            load_module(plan)
+            conv_form(plan)                 # remembered per plan: a dict lookup when traced
+            self._ops[key] = kernel_ops(plan)
         return self._ops[key]
 
     def _plan_for(self, flags: dict) -> Plan:
@@ -196,7 +204,8 @@ class MixerOp:
                 o = o.to(next(iter(bound.inputs.values())).dtype)
                 st = {k: v.float() for k, v in st.items()}
             return o, st
-        o, st = self(**seq, initial_state=state, output_final_state=True, mode="recurrent")
+        # the recurrent kernels on the arguments bound above (bound once, not again by __call__)
+        o, st = self._kernels(_as_sequence(bound), True, 32, False)
         return o[:, 0], st
 
     def reference(self, **kwargs):
@@ -220,6 +229,12 @@ def check_flag_argument(name: str, value) -> None:
     """A yes/no argument must be a bool: "no" or a tensor would be taken as true."""
     if not isinstance(value, bool):
         raise ArgumentError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
+
+
+def _as_sequence(bound: Bound) -> Bound:
+    """A step's bound arguments as a sequence of one token (inputs [B, 1, H, *dims])."""
+    return Bound(bound.B, 1, bound.H, bound.sizes, {k: v.unsqueeze(1) for k, v in bound.inputs.items()},
+                 bound.params, bound.options, bound.flags, bound.initial_state, None)
 
 
 def _float_states(st):

@@ -31,6 +31,12 @@ def fresh(tmp_path, monkeypatch):
     return tmp
 
 
+def _forget_modules(monkeypatch):
+    """As in a fresh process: mixc.load() has imported the module already (op.prepare)."""
+    monkeypatch.setattr(cache, "_BY_PLAN", {})
+    monkeypatch.setattr(cache, "_MODULES", {})
+
+
 def _unusable_cache_dir(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -166,6 +172,7 @@ def test_an_entry_not_ours_alone_is_rebuilt_not_run(fresh, tmp_path, monkeypatch
     path.write_text(_evil_entry(marker))
     spoil(path)
     assert not cache.is_intact(path)
+    _forget_modules(monkeypatch)
     mod = cache.load_module(plan)
     assert not marker.exists() and mod.METADATA["mixer"] == "linear_attn"
     assert not path.is_symlink() and os.stat(path).st_uid == os.geteuid() and _mode(path) == 0o600
@@ -176,7 +183,9 @@ def test_a_directory_in_place_of_an_entry_is_replaced(fresh, tmp_path, monkeypat
     monkeypatch.setenv("MIXC_CACHE_DIR", str(tmp_path / "c"))
     plan = mixc.load("linear_attn").plan()
     path = cache.module_path(plan)
+    path.unlink(missing_ok=True)
     (path / "inner").mkdir(parents=True)
+    _forget_modules(monkeypatch)
     mod = cache.load_module(plan)
     assert path.is_file() and cache.is_intact(path) and mod.METADATA["mixer"] == "linear_attn"
 
