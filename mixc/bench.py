@@ -153,8 +153,24 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+def writable_folder(path: str) -> Path:
+    """The output folder, created and tried with a test file now, so that a path onto a file
+    or an unwritable folder is refused before minutes of work (an OSError naming it)."""
+    import errno
+    import tempfile
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "the output must be a folder, not a file", str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out, prefix=".mixc-write-test-"):
+        pass
+    return out
+
+
 def main(args) -> int:
-    Ts = [int(x) for x in args.T.split(",")]
+    Ts = list(args.T) if not isinstance(args.T, str) else [int(x) for x in args.T.split(",")]
+    if args.out:
+        writable_folder(args.out)
     result = run(Ts, H=args.H, D=args.D, max_reference_T=args.max_reference_T,
                  max_quadratic_T=args.max_quadratic_T, backward=not args.forward_only)
     if args.out:

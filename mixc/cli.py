@@ -5,8 +5,17 @@ import argparse
 import sys
 import time
 
+from .argtypes import nonnegative_int, positive_float, positive_int, positive_ints
 from .dsl import SpecError, library_names, read_spec, parse
 from .dsl.unparse import spec_text
+
+# `mixc run`'s default tolerance: float32 against float64 over a few hundred tokens
+RUN_TOL = 1e-3
+
+
+class CommandError(Exception):
+    """A command's arguments cannot work (an unknown dim, a run too large for memory): printed
+    as `error: ...`, exit 1."""
 
 
 def _flags(pairs: list[str]) -> dict[str, bool]:
@@ -88,19 +97,79 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _run_sizes(op, given: dict[str, int]) -> dict[str, int]:
+    """Dim sizes for `mixc run`: 16 each, --dim NAME=SIZE for the spec's own dims only."""
+    roots = [d.name for d in op.ir.dims if not d.alias_of]
+    for name, size in given.items():
+        if name not in roots:
+            alias = next((d for d in op.ir.dims if d.name == name), None)
+            why = (f"{name} = {alias.alias_of} in this spec: give --dim {op.ir.root_dim(name)}=SIZE" if alias
+                   else f"spec '{op.name}' has dims {', '.join(roots) or 'none'}")
+            raise CommandError(f"--dim {name}={size}: {why}")
+    return {n: 16 for n in roots} | given
+
+
+def _memory_needed(op, B: int, T: int, H: int, sizes: dict[str, int]) -> int:
+    """Bytes a run needs, roughly: every input and param and its gradient in float32 and in
+    float64 for the reference, each state at every step (the reference loop keeps them for its
+    backward), and T x T scores for a sequence mixer."""
+    def count(shape):
+        n = 1
+        for d in shape:
+            n *= T if d == "T" else sizes[op.ir.root_dim(d)] if d in op.ir.dim_names else 1
+        return n
+    tensors = sum(B * T * H * count(d.shape) for d in op.ir.inputs) + sum(H * count(d.shape) for d in op.ir.params)
+    steps = sum(B * H * count(s.shape) for s in op.ir.states) * (T + 1)
+    scores = B * H * T * T if op.is_sequence else 0
+    return 8 * (4 * tensors + 3 * steps + 3 * scores)
+
+
+def _physical_memory() -> int:
+    import os
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} PB"
+
+
+def _rel(a, b) -> float:
+    """max |a - b| / max |b| (nan when a is not finite)."""
+    import torch
+    a, b = a.double(), b.double()
+    if not bool(torch.isfinite(a).all()):
+        return float("nan")
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
 def cmd_run(args) -> int:
     """Run the op on random inputs, forward and backward, and diff it against the float64
-    reference. mode auto: the Triton kernels on CUDA, or on CPU under TRITON_INTERPRET=1;
-    the torch backend otherwise."""
+    reference; exit 1 when an error exceeds --tol or a value is not finite. mode auto: the
+    Triton kernels on CUDA, or on CPU under TRITON_INTERPRET=1; the torch backend otherwise."""
     import torch
 
     from .runtime.inputs import random_args
     from .runtime.op import make_op
     op = make_op(_load(args.spec))
-    kw, sizes = random_args(op.ir, B=args.B, T=args.T, H=args.H, seed=args.seed, dtype=torch.float32,
-                            sizes={d.name: 16 for d in op.ir.dims if not d.alias_of} | _sizes(args.dim),
-                            requires_grad=True)
+    sizes = _run_sizes(op, _sizes(args.dim))
     flags = _flags(args.set)
+    op.plan(**flags)                                   # an unknown --set flag: a SpecError before any work
+    need, have = _memory_needed(op, args.B, args.T, args.H, sizes), _physical_memory()
+    if need > have // 2:
+        raise CommandError(f"--B {args.B} --T {args.T} --H {args.H} " + " ".join(f"{k}={v}" for k, v in sizes.items())
+                           + f": this run would need about {_bytes(need)} of memory (inputs, gradients and the "
+                           f"float64 reference's states at every step), more than half of this machine's "
+                           f"{_bytes(have)}; use a smaller --T, --B, --H or --dim")
+    # roles that keep every library recurrence bounded at any T (unit keys for the delta rules, ...)
+    kw, sizes = random_args(op.ir, B=args.B, T=args.T, H=args.H, seed=args.seed, dtype=torch.float32,
+                            sizes=sizes, requires_grad=True, bounded=True)
     # a sequence mixer's state is a cache of the past (none when it reads the future)
     want_state = not op.is_sequence or op.can_step(**flags)
     t0 = time.perf_counter()
@@ -115,20 +184,35 @@ def cmd_run(args) -> int:
     ro, rstate = op(**kw, **flags, output_final_state=want_state, mode="reference")
     rstate = {} if op.is_sequence else rstate
     (ro.square().sum() + sum(v.sum() for v in rstate.values())).backward()
-    err = ((o.double() - ro).abs().max() / ro.abs().max().clamp_min(1e-12)).item()
-    gerr = max(((grads[k].double() - v.grad).abs().max() / v.grad.abs().max().clamp_min(1e-12)).item()
-               for k, v in kw.items() if v.grad is not None and grads[k] is not None)
     from .runtime.cache import interpreting
     used = args.mode if args.mode != "auto" else ("kernels (Triton interpreter)" if interpreting() else "torch backend")
     print(f"{op.name}: mode {args.mode} -> {used}; B={args.B} T={args.T} H={args.H} "
           + " ".join(f"{k}={v}" for k, v in sizes.items()))
+    failed = []
+
+    def report(what: str, err: float, ref) -> str:
+        if not bool(torch.isfinite(ref).all()):
+            failed.append(f"the float64 reference's {what} is not finite")
+        elif err != err:
+            failed.append(f"{what} is not finite")
+        elif err > args.tol:
+            failed.append(f"{what}: relative error {err:.2e} > --tol {args.tol:g}")
+        return f"{err:.2e}"
+
+    text = report(f"output {op.ir.output.name}", _rel(o, ro), ro)
     print(f"  output {op.ir.output.name}: shape {list(o.shape)} {o.dtype}, max relative error vs the float64 "
-          f"reference {err:.2e}")
+          f"reference {text}")
     for k, v in state.items():
-        rel = ((v.double() - rstate[k]).abs().max() / rstate[k].abs().max().clamp_min(1e-12)).item()
-        print(f"  final state {k}: shape {list(v.shape)}, max relative error {rel:.2e}")
-    print(f"  gradients of {', '.join(kw)}: max relative error {gerr:.2e}")
+        print(f"  final state {k}: shape {list(v.shape)}, max relative error {report(f'final state {k}', _rel(v, rstate[k]), rstate[k])}")
+    gerrs = {k: _rel(grads[k], v.grad) for k, v in kw.items() if v.grad is not None and grads[k] is not None}
+    worst = max(gerrs, key=lambda k: gerrs[k] if gerrs[k] == gerrs[k] else float("inf"))
+    text = report(f"the gradient of {worst}", gerrs[worst], kw[worst].grad)
+    print(f"  gradients of {', '.join(kw)}: max relative error {text} ({worst})")
     print(f"  forward + backward {dt * 1e3:.1f} ms")
+    if failed:
+        print(f"FAIL: {'; '.join(failed)}", file=sys.stderr)
+        return 1
+    print(f"ok: every error within --tol {args.tol:g}")
     return 0
 
 
@@ -195,20 +279,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_compile)
     r = sub.add_parser("run", help="run a spec on random inputs and diff it against the float64 reference")
     r.add_argument("spec")
-    r.add_argument("--B", type=int, default=2)
-    r.add_argument("--T", type=int, default=64)
-    r.add_argument("--H", type=int, default=4)
+    r.add_argument("--B", type=positive_int, default=2)
+    r.add_argument("--T", type=positive_int, default=64)
+    r.add_argument("--H", type=positive_int, default=4)
     r.add_argument("--dim", action="append", metavar="NAME=SIZE", help="a dim size (default 16)")
     r.add_argument("--set", action="append", metavar="FLAG=true|false")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--mode", default="auto", choices=("auto", "chunk", "recurrent", "conv", "torch", "reference"))
+    r.add_argument("--tol", type=positive_float, default=RUN_TOL,
+                   help=f"largest relative error (max |x - ref| / max |ref|) that passes (default {RUN_TOL:g})")
     r.set_defaults(fn=cmd_run)
     b = sub.add_parser("bench", help="CPU benchmarks: the torch backend, the reference and a quadratic form vs T")
-    b.add_argument("--T", default="256,1024,4096,16384", help="comma-separated sequence lengths")
-    b.add_argument("--H", type=int, default=2)
-    b.add_argument("--D", type=int, default=32, help="K = V")
-    b.add_argument("--max-reference-T", type=int, default=4096, help="the float64 loop only up to this T")
-    b.add_argument("--max-quadratic-T", type=int, default=2048, help="the [T, T, K] form only up to this T")
+    b.add_argument("--T", type=positive_ints, default=(256, 1024, 4096, 16384), help="comma-separated sequence lengths")
+    b.add_argument("--H", type=positive_int, default=2)
+    b.add_argument("--D", type=positive_int, default=32, help="K = V")
+    b.add_argument("--max-reference-T", type=nonnegative_int, default=4096, help="the float64 loop only up to this T")
+    b.add_argument("--max-quadratic-T", type=nonnegative_int, default=2048, help="the [T, T, K] form only up to this T")
     b.add_argument("--forward-only", action="store_true")
     b.add_argument("-o", "--out", metavar="DIR", help="write DIR/cpu_bench.json (and cpu_bench.png)")
     b.set_defaults(fn=lambda a: __import__("mixc.bench", fromlist=["main"]).main(a))
@@ -222,15 +308,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Errors a user can cause print one line and exit 1 (argparse's usage errors: 2); a closed
+    pipe exits quietly (141, as a process killed by SIGPIPE); Ctrl-C exits 130 with one line."""
     try:
-        return args.fn(args)
+        args = build_parser().parse_args(argv)
+        code = args.fn(args)
+        sys.stdout.flush()          # a full disk or a closed pipe shows here, not at interpreter exit
+        return code
     except SpecError as err:
         print(str(err), file=sys.stderr)
         return 1
-    except ValueError as err:        # bad arguments to an op (ArgumentError)
+    except (CommandError, ValueError) as err:        # bad arguments to an op (ArgumentError)
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("mixc: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:                          # `mixc list | head -1`
+        _quiet_stdout()
+        return 141
+    except OSError as err:                           # a file or folder that cannot be read or written
+        try:
+            sys.stdout.flush()
+        except OSError:                              # stdout itself (/dev/full)
+            _quiet_stdout()
+        print(f"error: {_os_error(err)}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        from .runtime.launch import KernelUnavailable
+        if isinstance(err, KernelUnavailable):       # e.g. --mode chunk on the CPU without the interpreter
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _os_error(err: OSError) -> str:
+    if isinstance(err, FileExistsError) and err.filename:    # mkdir(exist_ok=True) onto a file
+        return f"{err.filename}: exists and is not a folder"
+    where = f": {err.filename}" if err.filename else ""
+    if err.filename2:
+        where += f" -> {err.filename2}"
+    return f"{err.strerror or err}{where}"
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush of what could not be
+    written (a closed pipe, a full disk) raises nothing more."""
+    import os
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):     # stdout replaced (pytest's capture): nothing to do
+        pass
 
 
 if __name__ == "__main__":

@@ -355,39 +355,56 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p) -> None:
+    from .argtypes import nonnegative_int, positive_float, positive_int, positive_ints
     d = RecallConfig()
     p.add_argument("--specs", default=",".join(d.specs),
                    help="comma-separated spec names; 'a+b' is a hybrid whose layers cycle a, b")
-    p.add_argument("--lengths", default=",".join(map(str, d.lengths)), help="sequence lengths")
-    p.add_argument("--widths", default=",".join(map(str, d.widths)), help="model widths (d_model)")
-    p.add_argument("--steps", type=int, default=d.steps, help="training steps per model")
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--kv-per-token", type=float, default=d.kv_per_token,
+    p.add_argument("--lengths", type=positive_ints, default=d.lengths, help="sequence lengths (comma-separated)")
+    p.add_argument("--widths", type=positive_ints, default=d.widths, help="model widths (d_model, comma-separated)")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps per model")
+    p.add_argument("--batch", type=positive_int, default=d.batch)
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--kv-per-token", type=positive_float, default=d.kv_per_token,
                    help="key-value pairs per token of the sequence (default 1/4: 16 pairs at T = 64)")
     p.add_argument("--queries", choices=("dense", "once"), default="dense",
                    help="dense: every slot after the context a query; once: each key asked once among "
                         "filler (Zoology's layout)")
     p.add_argument("--fixed-pairs", action="store_true",
                    help="train on n pairs only (default: a mixture of 1 .. n pairs per batch)")
-    p.add_argument("--vocab", type=int, default=d.vocab_size)
-    p.add_argument("--layers", type=int, default=d.n_layers)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--eval", type=int, default=d.eval_sequences, help="held-out sequences")
+    p.add_argument("--vocab", type=positive_int, default=d.vocab_size)
+    p.add_argument("--layers", type=positive_int, default=d.n_layers)
+    p.add_argument("--head-dim", type=positive_int, default=d.head_dim)
+    p.add_argument("--eval", type=positive_int, default=d.eval_sequences, help="held-out sequences")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--mode", default=d.mode, help="the ops' mode (torch: the CPU backend)")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+    p.add_argument("--mode", default=d.mode, choices=("auto", "chunk", "recurrent", "torch", "reference"),
+                   help="the ops' mode (torch: the CPU backend)")
+    p.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
                    help="models trained at once in worker processes (default: 2 where there are 2 cores)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads with --jobs 1 (0: torch's default)")
+    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch CPU threads with --jobs 1 (0: torch's default)")
     p.add_argument("-o", "--out", metavar="DIR", help="write results.md/.csv, config.json, recall.png to DIR")
 
 
 def config_from_args(a) -> RecallConfig:
-    return RecallConfig(specs=tuple(s for s in a.specs.split(",") if s), lengths=_ints(a.lengths),
-                        widths=_ints(a.widths), kv_per_token=a.kv_per_token, vocab_size=a.vocab,
+    ints = (lambda x: _ints(x) if isinstance(x, str) else tuple(x))
+    return RecallConfig(specs=tuple(s for s in a.specs.split(",") if s), lengths=ints(a.lengths),
+                        widths=ints(a.widths), kv_per_token=a.kv_per_token, vocab_size=a.vocab,
                         dense=a.queries == "dense", mixed=not a.fixed_pairs,
                         n_layers=a.layers, head_dim=a.head_dim, steps=a.steps, batch=a.batch, lr=a.lr,
                         eval_sequences=a.eval, seed=a.seed, mode=a.mode, jobs=a.jobs)
+
+
+def check_config(cfg: RecallConfig) -> str | None:
+    """What makes a configuration impossible, in the options' words (None when it can run)."""
+    if not cfg.specs:
+        return "--specs: expected at least one spec name"
+    for T in cfg.lengths:
+        n = cfg.kv_pairs(T)
+        if T < 4 * n:
+            return (f"--lengths {T}: {n} key-value pair{'s' if n > 1 else ''} (--kv-per-token {cfg.kv_per_token:g}) "
+                    f"and their queries need sequences of at least {4 * n} tokens")
+        if n > cfg.vocab_size // 2 - 1:
+            return (f"--lengths {T}: {n} distinct keys need --vocab of at least {2 * n + 2}, got {cfg.vocab_size}")
+    return None
 
 
 def main(a) -> int:
@@ -402,6 +419,13 @@ def main(a) -> int:
         print(f"error: no spec named {', '.join(missing)}; library specs: {', '.join(library_names())}",
               file=sys.stderr)
         return 1
+    problem = check_config(cfg)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    if a.out:                                  # a path onto a file or an unwritable folder: now, not after training
+        from .bench import writable_folder
+        writable_folder(a.out)
     rows = run(cfg, Path(a.out) if a.out else None)
     print(table(rows))
     return 0

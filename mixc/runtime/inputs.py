@@ -29,6 +29,26 @@ def _normal(shape, gen, dtype):
     return torch.randn(shape, generator=gen, dtype=dtype)
 
 
+def _unit_vector(shape, gen, dtype):
+    """Unit vectors over the last dim: a delta rule's write I - beta k k^T then stays a
+    contraction for beta in (0, 2) (fla normalizes its keys the same way)."""
+    return F.normalize(torch.randn(shape, generator=gen, dtype=dtype), dim=-1)
+
+
+class Tied:
+    """A role drawn from arguments drawn before it (`drawn`), as MixerLayer's roles tie RWKV-7's
+    b to a: fn(drawn, shape, gen, dtype)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def _rwkv7_b(drawn, shape, gen, dtype):
+    # b = kk * sigmoid(x) with a = -kk: diag(exp(w)) + b a^T = diag(exp(w)) - s kk kk^T, whose
+    # eigenvalues stay in [-1, 1] (fla's RWKV7 parametrization)
+    return -drawn["a"] * torch.sigmoid(torch.randn(shape, generator=gen, dtype=dtype))
+
+
 # Argument name -> role; (spec, name) entries override for one library spec.
 ROLES = {
     "g": _logdecay, "gk": _logdecay, "gv": _logdecay, "w": _logdecay,
@@ -37,22 +57,34 @@ ROLES = {
     ("s4d", "log_dt"): _negative,
 }
 
+# With bounded=True (mixc run, the benchmarks): what keeps every library recurrence bounded over
+# any length, the papers' parametrizations (mixc/nn/roles.py): unit keys for the delta rules,
+# RWKV-7's a = -kk and b = kk * sigmoid(x) (independent normal a, b grow the state as 2^T).
+BOUNDED_ROLES = {
+    ("delta_rule", "k"): _unit_vector, ("gated_delta_rule", "k"): _unit_vector,
+    ("rwkv7", "a"): lambda shape, gen, dtype: -_unit_vector(shape, gen, dtype),
+    ("rwkv7", "b"): Tied(_rwkv7_b),
+}
+
 
 def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=torch.float64,
-                requires_grad=False, roles=None, device="cpu"):
+                requires_grad=False, roles=None, device="cpu", bounded=False):
     """Random inputs [B, T, H, *dims] and params [H, *dims] (fresh values: never zeros or
-    ones). sizes: dim sizes (default 4; aliases follow their dim). Returns (kwargs, sizes)."""
+    ones). sizes: dim sizes (default 4; aliases follow their dim). bounded: the roles of
+    BOUNDED_ROLES too (states that stay bounded at any T). Returns (kwargs, sizes)."""
     sizes = dict(sizes or {})
     for d in mixer.dims:
         sizes.setdefault(d.name, sizes.get(mixer.root_dim(d.name), 4))
     gen = torch.Generator().manual_seed(seed)
-    table = dict(ROLES)
+    table = dict(ROLES) | (BOUNDED_ROLES if bounded else {})
     table.update(roles or {})
-    out = {}
+    out, drawn = {}, {}
     for decl, lead in [(d, (B, T, H)) for d in mixer.inputs] + [(d, (H,)) for d in mixer.params]:
         shape = lead + tuple(T if d == "T" else sizes[d] for d in decl.shape)    # [T, ...]: per position
         fn = table.get((mixer.name, decl.name)) or table.get(decl.name) or _normal
-        x = fn(shape, gen, torch.float64).to(device=device, dtype=dtype)
+        x = fn.fn(drawn, shape, gen, torch.float64) if isinstance(fn, Tied) else fn(shape, gen, torch.float64)
+        drawn[decl.name] = x
+        x = x.to(device=device, dtype=dtype)
         out[decl.name] = x.requires_grad_(True) if requires_grad else x
     return out, sizes
 
