@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import keyword
 
-from . import ir
+from . import ir, scalar
 from .errors import SpecError, Span, did_you_mean
 from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
                      Node, NumNode, SpecTree, Statement, UnaryNode)
@@ -91,10 +91,17 @@ class Checker:
         self.output: ir.Output | None = None
         self.declared_at: dict[str, tuple[Span, str]] = {}     # name -> (where, what kind)
         self.let_depth: dict[str, int] = {}                     # nesting of a let with its lets written out
+        self.option_defaults: dict[str, float] = {}             # number options whose default is a constant
         self.seq = SequenceChecks(self)                         # conv, mix, attend (sequence_check.py)
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
+
+    def source_text(self, span: Span | None, limit: int = 40) -> str | None:
+        """The text at span, quoted ('0 ** (0 - 1)'), or None where it spans lines or is long."""
+        if span is None or span.line != span.end_line or span.end_column - span.column > limit:
+            return None
+        return "'" + self.source.line(span.line)[span.column - 1:span.end_column - 1] + "'"
 
     # ---- declarations ---------------------------------------------------------------
 
@@ -249,9 +256,24 @@ class Checker:
                 if e.shape:
                     raise self.error(f"option '{b.name.name}' must be a scalar, but its default has shape "
                                      f"{_fmt(e.shape)}", b.expr.span)
+                self.check_option_default(b.name.name, e)
                 opt = ir.Option(b.name.name, "float", e, b.name.span)
             self.declare(b.name, "option")
             self.options[b.name.name] = opt
+
+    def check_option_default(self, name: str, e: ir.Expr) -> None:
+        """A default of numbers and constant options is evaluated here; one that reads a dim is
+        evaluated when a call binds the dims (runtime/signature.py)."""
+        try:
+            self.option_defaults[name] = scalar.evaluate(e, values=self.option_defaults)
+        except scalar.NotConstant:
+            return
+        except scalar.ScalarError as err:      # only through an option's default: constants failed earlier
+            read = sorted(ir.refs(err.node, "option"))
+            using = ", ".join(f"{o} = {self.option_defaults[o]:g}" for o in read)
+            raise self.error(f"the default of option '{name}' {err.reason}"
+                             + (f" with the defaults of the options it reads ({using})" if using else ""),
+                             err.node.span or e.span) from None
 
     def stmt_let(self, st: Statement) -> None:
         for b in st.items:
@@ -308,13 +330,32 @@ class _ExprChecker:
         self.ctx = ctx
         self.state = state
         self.order = list(checker.dims) + [ir.POSITIONS]     # T last: the source positions of a [T, T] row
+        self.consts: dict[int, tuple[ir.Expr, float]] = {}   # id of a number-only node -> (it, its value)
 
     def err(self, msg, span, notes=()):
         return self.c.error(msg, span, notes)
 
     def check(self, node: Node) -> ir.Expr:
         m = getattr(self, "node_" + type(node).__name__)
-        return m(node)
+        e = m(node)
+        self.fold(e)
+        return e
+
+    def fold(self, e: ir.Expr) -> None:
+        """Evaluate e when it is made of numbers only (its children were folded before it), and
+        refuse it at its place when it has no finite real value: 0 ** (0 - 1), log(0),
+        sqrt(-1), 10 ** 10 ** 10 would otherwise reach the kernels as inf or NaN."""
+        kids = ir.children(e)
+        if not isinstance(e, (ir.Num, ir.Neg, ir.BinOp, ir.Call)) or \
+                not all(self.consts.get(id(k), (None,))[0] is k for k in kids):
+            return
+        if isinstance(e, ir.Call) and e.fn not in scalar.FUNCTIONS and e.fn not in MINMAX_FNS:
+            return
+        try:
+            self.consts[id(e)] = (e, scalar.apply(e, [self.consts[id(k)][1] for k in kids]))
+        except scalar.ScalarError as err:
+            text = self.c.source_text(e.span)
+            raise self.err(f"{text} {err.reason}" if text else f"this expression {err.reason}", e.span) from None
 
     # leaves
     def node_NumNode(self, n: NumNode) -> ir.Expr:
@@ -399,6 +440,11 @@ class _ExprChecker:
             return ir.Contract(out, n.span, a, b, shared)
         if n.op == "**" and b.shape:
             raise self.err(f"the exponent of '**' must be a scalar, but it has shape {_fmt(b.shape)}", n.right.span)
+        if n.op == "**" and isinstance(a, ir.Num) and a.value <= 0 and not isinstance(b, ir.Num):
+            # d/db a ** b = a ** b * log(a): no real value for a number <= 0
+            self.fold(ir.BinOp((), n.span, "**", a, b))     # 0 ** (0 - 1): say that it divides by zero
+            raise self.err(f"a power of {a.value:g} takes a plain number as its exponent (its derivative in the "
+                           "exponent needs the log of the base); write e.g. 0 ** 2, or a positive base", n.span)
         return ir.BinOp(_union([a.shape, b.shape], self.order), n.span, n.op, a, b)
 
     def node_CondNode(self, n: CondNode) -> ir.Expr:

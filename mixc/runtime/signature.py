@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dsl import ir
+from ..dsl import ir, scalar
+from ..dsl.unparse import expr_text
 
 
 class ArgumentError(ValueError):
@@ -132,7 +133,13 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
                     v = float(v)
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise ArgumentError(f"{opt.name}: expected a number, got {v!r}")
-                options[opt.name] = float(v)
+                try:
+                    v = float(v)
+                except OverflowError:           # an int past float64's range
+                    v = math.inf
+                if not math.isfinite(v):        # every use of an option would be inf or NaN
+                    raise ArgumentError(f"{opt.name}: expected a finite number, got {v!r}")
+                options[opt.name] = v
     if "cp_group" in kwargs:     # taken by op() of a recurrence before binding; anywhere else say why not
         why = ("step() takes one token per sequence: context parallelism shards a whole sequence, "
                "op(..., cp_group=group)" if step else
@@ -231,35 +238,26 @@ def _check_state(mixer: ir.MixerIR, initial_state, n: int, H: int, sizes,
     return out
 
 
-_MATH = {
-    "exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "abs": abs,
-    "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)),
-    "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),
-    "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
-    "elu": lambda x: x if x > 0 else math.expm1(x), "relu": lambda x: max(x, 0.0),
-    "silu": lambda x: x / (1.0 + math.exp(-x)),
-}
-
-
-def _scalar(e: ir.Expr, sizes: dict[str, int], values: dict[str, float]) -> float:
-    """An option's default: numbers, dims, earlier options (plain Python, so that tracing under
-    torch.compile sees constants, not tensor reads)."""
-    if isinstance(e, ir.Num):
-        return e.value
-    if isinstance(e, ir.Ref):
-        return float(sizes[e.name]) if e.kind == "dim" else values[e.name]
-    if isinstance(e, ir.Neg):
-        return -_scalar(e.x, sizes, values)
-    if isinstance(e, ir.BinOp):
-        a, b = _scalar(e.left, sizes, values), _scalar(e.right, sizes, values)
-        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else math.copysign(math.inf, a),
-                "**": a ** b if a > 0 or float(b).is_integer() else math.nan}[e.op]
-    if isinstance(e, ir.Call):
-        args = [_scalar(x, sizes, values) for x in e.args]
-        if e.fn in ("max", "min"):
-            return (max if e.fn == "max" else min)(args)
-        return _MATH[e.fn](args[0])
-    raise ArgumentError(f"cannot evaluate the option default {type(e).__name__}")
+def _scalar(e: ir.Expr, sizes: dict[str, int], values: dict[str, float], head: str = "the value",
+            tail: str = "") -> float:
+    """A scalar of numbers, dims and number options (an option's default, a window), in plain
+    Python (so that tracing under torch.compile sees constants, not tensor reads). Each node's
+    own operator only is evaluated (dsl/scalar.py); one without a finite real value is an
+    ArgumentError that says which part fails and at which sizes: '{head} {e} ... {tail}'."""
+    try:
+        return scalar.evaluate(e, sizes, values)
+    except scalar.ScalarError as err:
+        at = ", ".join(f"{d} = {sizes[d]}" for d in sorted(ir.refs(e, "dim")) if d in sizes)
+        read = ", ".join(f"{o} = {values[o]:g}" for o in sorted(ir.refs(e, "option")) if o in values)
+        where = " and ".join(x for x in (at and f"at {at}", read and f"with {read}") if x)
+        where = f" {where}" if where else ""
+        if err.node is e:
+            msg = f"{head} {expr_text(e)} {err.reason}{where}"
+        else:
+            msg = f"{head} {expr_text(e)} has no finite real value{where}: {expr_text(err.node)} {err.reason}"
+        raise ArgumentError(msg + tail) from None
+    except scalar.NotConstant as err:
+        raise ArgumentError(f"cannot evaluate {head} {expr_text(e)}: '{err}' has no value here") from None
 
 
 def option_values(mixer: ir.MixerIR, bound: Bound) -> dict[str, float]:
@@ -268,5 +266,6 @@ def option_values(mixer: ir.MixerIR, bound: Bound) -> dict[str, float]:
     for opt in mixer.options:
         if opt.kind == "float":
             out[opt.name] = bound.options[opt.name] if opt.name in bound.options else _scalar(
-                opt.default, bound.sizes, out)
+                opt.default, bound.sizes, out, f"option '{opt.name}': its default",
+                f"; pass {opt.name}=<a number> or change the default")
     return out

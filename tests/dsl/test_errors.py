@@ -230,6 +230,22 @@ CASES = [
     C("option-reads-itself", HEAD + "  option a = a\n", 5, 14, "option 'a' refers to itself"),
     C("option-default-true-plus", HEAD + "  option a = true + 1\n", 5, 14,
       "true and false may only be the default of an option"),
+    # options and constants without a finite real value (were accepted; the op then gave NaN)
+    C("option-divides-by-zero", HEAD + "  option a = 1 / 0\n", 5, 14, "'1 / 0' divides by zero"),
+    C("option-zero-by-zero", HEAD + "  option a = 2, b = 0 / 0\n", 5, 21, "'0 / 0' divides by zero"),
+    C("option-through-an-option", HEAD + "  option a = 1000, b = a ** a\n", 5, 24,
+      "the default of option 'b' is too large for a float (past 1.8e308) with the defaults of the options it "
+      "reads (a = 1000)"),
+    C("zero-to-a-negative-power", upd("S + 0 ** (0 - 1) * k * v"), 5, 18,
+      "'0 ** (0 - 1)' divides by zero (0 to a negative power)"),
+    C("zero-to-a-varying-power", upd("S + 0 ** (q @ k) * k * v"), 5, 18,
+      "a power of 0 takes a plain number as its exponent"),
+    C("log-of-zero", upd("log(0) * S + k * v"), 5, 14, "'log(0)' is minus infinity (the log of 0)"),
+    C("sqrt-of-negative", out("q @ S * sqrt(0 - 1)"), 6, 22,
+      "'sqrt(0 - 1)' is not a real number (the square root of a negative number)"),
+    C("tower-of-powers", upd("S + 10 ** 10 ** 10 * k * v"), 5, 18,
+      "'10 ** 10 ** 10' is too large for a float"),
+    C("fractional-power-of-negative", upd("S + (0 - 8) ** (1/3) * k * v"), 5, 18, "is not a real number"),
 
     # ---- flags ----------------------------------------------------------------------
     C("if-on-number-option", HEAD + "  option scale = 1\n  update S = if scale then S else S + k * v\n"
@@ -393,7 +409,7 @@ def test_limits_are_the_documented_ones():
 
 
 def test_depth_limit_is_exact():
-    ok = out("q @ S + " + "exp(" * 63 + "1" + ")" * 63)     # 64 levels with the outer +
+    ok = out("q @ S + " + "tanh(" * 63 + "1" + ")" * 63)    # 64 levels with the outer + (63 exps overflow)
     derive(mixc.parse(ok))
     err = first_error(out("q @ S + " + "exp(" * 64 + "1" + ")" * 64))
     assert "nested too deeply" in err.message

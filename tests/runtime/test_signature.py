@@ -106,3 +106,60 @@ def test_empty_segment_and_zero_length():
     o, fin = gla.reference(**args, cu_seqlens=torch.tensor([0, 2, 2, 4]), initial_state=st, output_final_state=True)
     torch.testing.assert_close(fin["S"][1], st["S"][1])       # an empty sequence keeps its state
     assert o.shape[1] == 4
+
+
+OPTION_SPEC = """mixer m
+  dims   K, V
+  input  q[K], k[K], v[V]
+  option x = {default}
+  state  S[K, V]
+  update S = S + x * k * v
+  output o = q @ S
+"""
+
+
+@pytest.mark.parametrize("default,match", [
+    ("(0 - K) ** 0.5", r"option 'x': its default \(0 - K\) \*\* 0.5 is not a real number \(a negative number to a "
+                       r"fractional power\) at K = 4; pass x=<a number> or change the default"),
+    ("1 / (K - 4)", r"option 'x': its default 1 / \(K - 4\) divides by zero at K = 4"),
+    ("2 * K ** (K * 200)", r"its default 2 \* K \*\* \(K \* 200\) has no finite real value at K = 4: "
+                          r"K \*\* \(K \* 200\) is too large for a float"),
+], ids=["complex", "zero-division", "overflow"])
+@pytest.mark.parametrize("mode", ["reference", "torch"])
+def test_an_option_default_without_a_finite_value_at_the_bound_dims_is_an_argument_error(default, match, mode):
+    """Defaults that read dims are evaluated at the call (the checker cannot): these gave NaN."""
+    op = mixc.runtime.op.from_text(OPTION_SPEC.format(default=default))
+    args = _args(op)
+    with pytest.raises(ArgumentError, match=match):
+        op(**args, mode=mode)
+    o, _ = op(**args, x=0.5, mode=mode)        # a value passed replaces the default
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 10 ** 400],
+                         ids=["nan", "inf", "-inf", "int-past-float64"])
+def test_an_option_passed_must_be_finite(gla, value):
+    with pytest.raises(ArgumentError, match=r"scale: expected a finite number, got"):
+        gla.reference(**_args(gla), scale=value)
+
+
+@pytest.mark.parametrize("default,value", [("1000 + 1000", 2000.0), ("0 * (0 - 1)", 0.0), ("2 * 1024", 2048.0),
+                                           ("max(K, 2) ** 3 / 8", 8.0), ("sigmoid(0 - 800) + 1", 1.0)])
+def test_an_option_default_evaluates_only_its_own_operators(default, value):
+    """The evaluator computed every operator at once: `1000 + 1000` raised OverflowError
+    (from 1000 ** 1000) and `0 * (0 - 1)` ZeroDivisionError (from 0 ** -1) on every call."""
+    from mixc.runtime.signature import bind, option_values
+    op = mixc.runtime.op.from_text(OPTION_SPEC.format(default=default))
+    args = _args(op)
+    assert option_values(op.ir, bind(op.ir, args)) == {"x": value}
+    o, _ = op.reference(**args)
+    assert torch.isfinite(o).all()
+
+
+def test_a_window_of_two_thousand_tokens_runs():
+    """swa with window = 2 * 1024 could not run (2 ** 1024 overflowed while evaluating 2 * 1024)."""
+    text = mixc.dsl.read_spec("swa").text.replace("window = 512", "window = 2 * 1024")
+    op = mixc.runtime.op.from_text(text)
+    args, _ = random_args(op.ir, B=1, T=6, H=2, sizes={"K": 4, "V": 4}, dtype=torch.float64)
+    o, _ = op(**args)
+    torch.testing.assert_close(o, mixc.load("swa")(**args)[0])       # 2048 and 512 both cover 6 tokens
