@@ -191,10 +191,10 @@ class MixerOp:
         mode = self._resolve(mode, device)
         if mode == "conv":            # one token: the convolution form has nothing to gain; the torch step
             mode = "torch"
-        names = {d.name for d in self.ir.inputs}
-        seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
         if mode == "torch" and torch_chunk_supported(self._plan_for(bound.flags)) is None:
             # the torch backend's chunked form (stabilized where the spec has an exponential gate)
+            names = {d.name for d in self.ir.inputs}
+            seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
             o, st = self(**seq, initial_state=state, output_final_state=True, mode="torch")
             return o[:, 0], st
         if mode in ("torch", "reference"):
