@@ -2,6 +2,8 @@
 and the log rewriting that turns a decay into its log-space form."""
 from __future__ import annotations
 
+import math
+
 import sympy as sp
 
 
@@ -101,6 +103,39 @@ SYMPY_FUNCTIONS = {
     "sigmoid": sigmoid, "logsigmoid": logsigmoid, "softplus": softplus, "elu": elu,
     "relu": relu, "silu": silu,
 }
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+# The functions above in plain floats, by the names sympy prints them with (for lambdify):
+# the lint evaluates decays numerically where sympy's assumptions cannot decide.
+FLOAT_FUNCTIONS = {
+    "sigmoid": _sigmoid,
+    "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),
+    "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
+    "relu": lambda x: max(x, 0.0), "step": lambda x: 1.0 if x > 0 else 0.0,
+    "elu": lambda x: x if x > 0 else math.expm1(x), "silu": lambda x: x * _sigmoid(x),
+    "geq": lambda a, b: 1.0 if a >= b else 0.0, "maximum": max, "minimum": min,
+}
+
+
+def float_value(expr: sp.Expr, values: dict | None = None) -> float | None:
+    """expr as a float, its free symbols set to `values`; None where it has no finite real
+    value there (a log of 0, an overflow) or is not made of known functions."""
+    symbols = sorted(expr.free_symbols, key=str)
+    values = values or {}
+    if any(s not in values for s in symbols):
+        return None
+    try:
+        f = sp.lambdify(symbols, expr, modules=[FLOAT_FUNCTIONS, "math"])
+        v = f(*[float(values[s]) for s in symbols])
+    except (ArithmeticError, ValueError, TypeError, NameError):
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
 
 
 def log_of(expr: sp.Expr) -> sp.Expr:

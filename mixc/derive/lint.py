@@ -18,6 +18,7 @@ import sympy as sp
 from ..dsl import ir
 from ..dsl.errors import Span, SpecError
 from . import plan as P
+from .functions import float_value
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,19 @@ class LintWarning:
 
 def _nonpositive(expr: sp.Expr, table) -> bool:
     """expr <= 0 for every value of its inputs and params: by sympy's assumptions, or, for an
-    expression of the head index and dims only, at heads 0..63 and the dims at 1..4096."""
+    expression of the head index and dims only (or none), in floats at heads 0..63 and the
+    dims at 1..4096. Floats, not sympy's numbers: `1e308 ** (-5 - head)` at head 4096 as an
+    exact number never finished, and `log(max(0.5, 0.9)) <= 0` is no bool to sympy."""
     if expr.is_nonpositive:
         return True
     free = expr.free_symbols
-    if free and all(table.kinds.get(s) in ("head", "dim") for s in free):
-        for value in (0, 1, 2, 7, 31, 63, 4096):
-            v = expr.subs({s: value for s in free})
-            if not v.is_number or not (v <= 0):
-                return False
-        return True
-    return expr.is_number and bool(expr <= 0)
+    if not all(table.kinds.get(s) in ("head", "dim") for s in free):
+        return False
+    for value in ((0, 1, 2, 7, 31, 63, 4096) if free else (0,)):
+        v = float_value(expr, {s: value for s in free})
+        if v is None or v > 0:          # no real value (a decay <= 0) or above 0: not provable
+            return False
+    return True
 
 
 def _exp_calls(e: ir.Expr | None) -> list[ir.Call]:

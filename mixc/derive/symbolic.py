@@ -4,6 +4,7 @@ whose definition (kind, operands, dims) is kept on the side. Elementwise derivat
 then plain sympy.diff, and a node's backward rule is local (see NODE_VJP)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -98,10 +99,24 @@ def _number(value: float) -> sp.Expr:
     """Exact where it reads well (2, 1/2, 1/16), a float otherwise (1e-6 stays 1.0e-6)."""
     if float(value).is_integer() and abs(value) < 2**53:
         return sp.Integer(int(value))
+    if abs(value) >= 2**53:     # 1e308 as an exact integer makes every power of it a huge integer
+        return sp.Float(value)
     r = sp.Rational(repr(float(value)))
     if r.q <= 1024:
         return r
     return sp.Float(value)
+
+
+def _power(a: sp.Expr, b: sp.Expr) -> sp.Expr:
+    """a ** b; of two numbers exact only for a small integer exponent of a rational (2 ** -5 is
+    1/32), a float otherwise: sympy would build 1.0000001 ** 10000000 as an exact rational of
+    seventy million digits."""
+    if a.is_Number and b.is_Number and not (a.is_Rational and b.is_Integer and abs(b) <= 64):
+        try:
+            return _number(math.pow(float(a), float(b)))
+        except (ArithmeticError, ValueError):   # the checker refuses these constants; derived ones stay symbolic
+            return sp.Pow(a, b, evaluate=False)
+    return a ** b
 
 
 class ToSympy:
@@ -148,7 +163,7 @@ class ToSympy:
     def x_BinOp(self, e: ir.BinOp):
         a, b = self(e.left), self(e.right)
         return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b,
-                "/": lambda: a / b, "**": lambda: a ** b}[e.op]()
+                "/": lambda: a / b, "**": lambda: _power(a, b)}[e.op]()
 
     def x_Contract(self, e: ir.Contract):
         return self.t.node("dot", (self(e.left), self(e.right)), e.over, e.shape)

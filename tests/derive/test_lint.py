@@ -51,3 +51,27 @@ def test_check_prints_the_warnings(capsys):
     assert main(["check", "gla"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ok: gla") and "gla.mix:8:10: warning: the decay of S can exceed 1" in out
+
+
+@pytest.mark.parametrize("decay,warned", [("max(0.5, 0.9)", False), ("relu(0.9)", False), ("min(2, 3)", True),
+                                          ("(0 - 1)", True), ("1.0000001 ** 10000000", True)],
+                         ids=["max-of-constants", "relu-of-a-constant", "constant-above-one", "minus-one",
+                              "power-of-constants"])
+def test_constant_decays_are_decided_numerically(decay, warned, tmp_path, capsys):
+    """`mixc check` printed "ok" and then a TypeError from the lint for these (sympy cannot
+    order log(max(1/2, 9/10)) against 0, nor compare I*pi at all): 13% of the fuzz's specs."""
+    from mixc.cli import main
+    path = tmp_path / "m.mix"
+    path.write_text(BASE.format(decay=decay))
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok: m") and ("the decay of S can exceed 1" in out) == warned
+
+
+def test_a_per_head_decay_past_float_range_is_linted_quickly():
+    """`1 - 1e308 ** (-5 - head)` hung `mixc check` in the lint (sympy built 1e308 ** 4101 as
+    an exact integer); in floats it is 1 - 0 at the far heads: no warning, at once."""
+    import time
+    t0 = time.perf_counter()
+    assert lint(from_text(BASE.format(decay="(1 - 1e308 ** (-5 - head))")).plan()) == []
+    assert time.perf_counter() - t0 < 10
