@@ -381,13 +381,20 @@ class ChunkBackward(ChunkCode):
         b = f"_b_{n}"
         dK, dV, dS0, db = self.grad_names(G, "t", with_db=True)
         lines, bq = self.query_decay(st, prev)
+        # the pair of a row with the token it reads last (j = i, or i - 1 with prev) spans no
+        # log decay: its +E (query side) and -E (key side) cancel exactly in math, but in fp32
+        # they are O(1) against a dg of exp(g) ~ 1e-9 at g = -20; dropped from both (not
+        # stabilized: there the gate's gradient di needs every pair)
+        span = f"(_offs__T[:, None] - {int(prev)} > _offs__T[None, :])"
+        keep = (lambda e: e) if self.stabilized(st) else (lambda e: f"tl.where({span}, {e}, 0.0)")
+        keep3 = lambda e: f"tl.where({span}[:, :, None], {e}, 0.0)"
         if st.transition == P.SCALAR:
             lines, bq, bk, b0 = self.scalar_logs(st, prev)
             lines += [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
                       f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
                       f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
                       f"{I}_dP = _dA * _D",
-                      f"{I}_E = _dA * _A",
+                      f"{I}_E = {keep('_dA * _A')}",
                       f"{I}_eb = tl.exp({b0})",
                       f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
                       f"{I}{dQ} = _mixc_dot(_dP, {K}, DOT) + _Gq * _eb[:, None]",
@@ -405,7 +412,7 @@ class ChunkBackward(ChunkCode):
                       f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _W, axis=2)",
                       f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
                       f"{I}_X = _dA[:, :, None] * _W",
-                      f"{I}_E = _X * {Q}[:, None, :] * {K}[None, :, :]",
+                      f"{I}_E = {keep3(f'_X * {Q}[:, None, :] * {K}[None, :, :]')}",
                       f"{I}_eb = tl.exp({bq})",
                       f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
                       f"{I}{dQ} = tl.sum(_X * {K}[None, :, :], axis=1) + _Gq * _eb",
@@ -419,7 +426,7 @@ class ChunkBackward(ChunkCode):
                       f"{I}_W = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], "
                       "float('-inf')))",
                       f"{I}_Y = {dR}[:, None, :] * _W",
-                      f"{I}_E = _P[:, :, None] * _Y * {V}[None, :, :]",
+                      f"{I}_E = {keep3(f'_P[:, :, None] * _Y * {V}[None, :, :]')}",
                       f"{I}_dP = tl.where({causal}, tl.sum(_Y * {V}[None, :, :], axis=2), 0.0)",
                       f"{I}_eb = tl.exp({bq})",
                       f"{I}_Z = _mixc_dot({Q}, {S}, DOT)",
@@ -461,8 +468,9 @@ class ChunkBackward(ChunkCode):
                      f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
                      f"{I}{dK} = _dKw * _w[:, None]",
                      f"{I}_F = tl.sum(_dKw * {K}, axis=1) * _w",
-                     f"{I}{db} = -_F",
-                     f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}) * tl.exp({bs})"]
+                     f"{I}_Fb = {'_F' if self.stabilized(st) else f'tl.where({LAST}, 0.0, _F)'}",
+                     f"{I}{db} = -_Fb",
+                     f"{I}_dbl_{n} = tl.sum(_Fb, axis=0) + tl.sum({S} * {dS}) * tl.exp({bs})"]
             if self.stabilized(st):
                 G["di"].append(self.fresh("di"))
                 lines.append(f"{I}{G['di'][-1]} = _F")
@@ -473,7 +481,7 @@ class ChunkBackward(ChunkCode):
                     f"{I}{dV} = _mixc_dot({K} * _w, {dS}, DOT)",
                     f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
                     f"{I}{dK} = _dKw * _w",
-                    f"{I}_F = _dKw * {K} * _w",
+                    f"{I}_F = tl.where({LAST}[:, None], 0.0, _dKw * {K} * _w)",
                     f"{I}{db} = -_F",
                     f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=1) * tl.exp({bl})"]
         return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
@@ -481,9 +489,14 @@ class ChunkBackward(ChunkCode):
                 f"{I}{dK} = _mixc_dot({V} * _w, tl.trans({dS}), DOT)",
                 f"{I}_dVw = _mixc_dot({K}, {dS}, DOT)",
                 f"{I}{dV} = _dVw * _w",
-                f"{I}_F = _dVw * {V} * _w",
+                f"{I}_F = tl.where({LAST}[:, None], 0.0, _dVw * {V} * _w)",
                 f"{I}{db} = -_F",
                 f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=0) * tl.exp({bl})"]
+
+
+# the chunk's last token: its key weight in S_C, exp(bl - b_last) = 1, spans no log decay (its
+# -F into db and +F into dbl cancel in math, not in fp32): dropped from both
+LAST = "(_offs__T == _n_valid - 1)"
 
 
 def chunk_bwd_hooks(plan: Plan) -> dict:
