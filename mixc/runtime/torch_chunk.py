@@ -10,6 +10,7 @@ import torch
 from ..derive.plan import Plan
 from .cache import load_module
 from .signature import Bound, option_values
+from .torch_chunks import batched_supported, torch_forward_batched
 
 
 def torch_chunked(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: torch.dtype, C: int = 64):
@@ -158,7 +159,18 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
                   C=64):
     """(o [B, T, H, *out dims], final states {name: [N, H, *dims]} or None) of the generated
     module `mod`: inputs x [B, T, H, *dims] and params p [H, *dims] in the compute dtype,
-    options opt (numbers)."""
+    options opt (numbers). All chunks at once (torch_chunks.py) where the spec allows, else
+    the loop over chunks below (the stabilized and elementwise classes)."""
+    if batched_supported(mod):
+        return torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=initial_state,
+                                     cu_seqlens=cu_seqlens, output_final_state=output_final_state, C=C)
+    return torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                              output_final_state=output_final_state, C=C)
+
+
+def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens=None,
+                       output_final_state=False, C=64):
+    """torch_forward, one chunk at a time (for every class)."""
     TORCH_STATES, TORCH_READOUTS, TORCH_STABILIZED = mod.TORCH_STATES, mod.TORCH_READOUTS, mod.TORCH_STABILIZED
     x0 = next(iter(x.values()))
     dtype, device = x0.dtype, x0.device
