@@ -4,7 +4,9 @@ Rules in the user's words; each error points at the offending text.
 """
 from __future__ import annotations
 
+import functools
 import keyword
+import sys
 
 from . import ir, scalar
 from .errors import SpecError, Span, did_you_mean
@@ -32,6 +34,25 @@ RESERVED = frozenset(
        "exec", "eval", "compile", "open", "print", "input_", "getattr", "setattr", "globals",
        "locals", "vars", "type", "object", "super", "ctx"}
 )
+
+# Top-level modules a mixer's name may not take: `compile -o DIR` writes DIR/NAME.py, and
+# with DIR on sys.path (sys.path.insert(0, "build")) that file would hide the module of the
+# same name from every later import (torch, os, triton, numpy, mixc itself).
+DEPENDENCY_MODULES = frozenset({"torch", "triton", "numpy", "sympy", "lark", "jinja2", "mixc", "pytest",
+                                "hypothesis", "mpmath", "markupsafe"})
+
+
+@functools.lru_cache(maxsize=1)
+def python_modules() -> frozenset[str]:
+    """The standard library's modules, mixc's dependencies and every installed package's."""
+    names = set(sys.stdlib_module_names) | set(sys.builtin_module_names) | DEPENDENCY_MODULES
+    try:
+        from importlib.metadata import packages_distributions
+        names |= set(packages_distributions())
+    except Exception:           # a broken installation's metadata: the fixed lists still hold
+        pass
+    return frozenset(names)
+
 
 MAX_DIMS = 8
 MAX_RANK = 4
@@ -146,6 +167,10 @@ class Checker:
         mixer = tree.name
         if mixer.name in KEYWORDS or keyword.iskeyword(mixer.name) or mixer.name.startswith("_"):
             raise self.error(f"'{mixer.name}' cannot be a mixer name", mixer.span)
+        if mixer.name in python_modules():
+            raise self.error(f"mixer name '{mixer.name}' is the name of a Python module: the module that "
+                             f"`mixc compile -o DIR` writes, named after the mixer, would hide '{mixer.name}' from "
+                             "imports wherever DIR is on sys.path; choose another name", mixer.span)
         for st in tree.statements:
             getattr(self, f"stmt_{st.kind}")(st)
         self.check_kernel_arguments()
