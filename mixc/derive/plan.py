@@ -11,6 +11,7 @@ from ..dsl import ir
 from ..dsl.errors import SpecError
 from . import affine, stabilize
 from .stabilize import Stabilizer
+from .budget import Budget
 from .functions import log_of
 from .logspace import log_ir
 from .symbolic import NodeDef, SymbolTable, ToSympy, bounded_simplify, node_partial
@@ -161,7 +162,7 @@ class Plan:
         return next(s for s in self.states if s.name == name)
 
 
-def _partials(of: str, expr: sp.Expr, table: SymbolTable, kinds=("input", "param", "node")) -> tuple[Partial, ...]:
+def _partials(of: str, expr: sp.Expr, table: SymbolTable, kinds=("input", "param", "node", "let")) -> tuple[Partial, ...]:
     out = []
     for s in sorted(expr.free_symbols, key=str):
         if table.kinds.get(s) in kinds:
@@ -213,11 +214,14 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     table = SymbolTable(spec)
     conv = ToSympy(table, inline_lets=True)
     notes: list[str] = []
+    budget = Budget(spec)
 
     lets = []
     for let in spec.lets:
         e = conv(let.expr)
+        budget.check(let.span, f"let '{let.name}'", e)
         lets.append(LetPlan(let.name, let.expr.shape, e, _partials(let.name, e, table)))
+        budget.check(let.span, f"the derivatives of let '{let.name}'", *(p.expr for p in lets[-1].partials))
 
     # Output readouts first: they say which dims of each state are keys.
     combine_ir, readouts = affine.split_output(spec, spec.output.expr)
@@ -236,13 +240,22 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
         if s.name not in read:
             notes.append(f"state {s.name} is never read by the output")
 
-    states = [_state_plan(spec, u, key_dims[u.state], conv, table) for u in spec.updates]
+    budget.check(spec.output.span, "the output's readouts", *(x for r in r_plans for t in r.terms for x in t[:2]))
+
+    states = []
+    for u in spec.updates:
+        states.append(_state_plan(spec, u, key_dims[u.state], conv, table))
+        st = states[-1]
+        budget.check(u.span, f"the update of {u.state}", st.decay, st.log_decay, st.input_term,
+                     *(p.expr for p in st.log_decay_partials))
 
     combine = conv(combine_ir)
+    budget.check(spec.output.span, "the output", combine)
     readout_syms = {sp.Symbol(r.name, real=True) for r in r_plans}
     kind = _combine_kind(combine, readout_syms)
     out = OutputPlan(spec.output.name, spec.output.expr.shape, tuple(r_plans), combine, kind,
-                     _partials(spec.output.name, combine, table, ("input", "param", "node", "readout")), combine_ir)
+                     _partials(spec.output.name, combine, table, ("input", "param", "node", "let", "readout")),
+                     combine_ir)
 
     nodes = []
     for sym, nd in table.nodes.items():
@@ -250,6 +263,7 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
         for i, operand in enumerate(nd.operands):
             parts.append(Partial(str(sym), f"operand {i}", bounded_simplify(node_partial(nd, i))))
         nodes.append(NodePlan(nd, tuple(parts)))
+        budget.check(spec.output.span, f"the derivatives of {nd.describe()[:60]}", *(p.expr for p in parts))
 
     forms = ["recurrent", "step"]
     if all(s.transition in CHUNK_CLASSES for s in states):

@@ -41,6 +41,7 @@ class SymbolTable:
     shapes: dict[sp.Symbol, ir.Shape] = field(default_factory=dict)
     kinds: dict[sp.Symbol, str] = field(default_factory=dict)
     nodes: dict[sp.Symbol, NodeDef] = field(default_factory=dict)
+    lets: dict[sp.Symbol, sp.Expr] = field(default_factory=dict)    # lets kept as symbols: their value
 
     def tensor(self, name: str, kind: str, shape: ir.Shape) -> sp.Symbol:
         s = sp.Symbol(name, real=True)
@@ -77,6 +78,7 @@ class SymbolTable:
         self.shapes = MappingProxyType(dict(self.shapes))
         self.kinds = MappingProxyType(dict(self.kinds))
         self.nodes = MappingProxyType(dict(self.nodes))
+        self.lets = MappingProxyType(dict(self.lets))
         return self
 
     def leaves(self, expr: sp.Expr, kinds=("input", "param")) -> list[sp.Symbol]:
@@ -90,6 +92,8 @@ class SymbolTable:
                 seen.add(s)
                 if s in self.nodes:
                     stack.extend(self.nodes[s].operands)
+                elif s in self.lets:
+                    stack.append(self.lets[s])
                 elif self.kinds.get(s) in kinds:
                     out.append(s)
         return sorted(out, key=str)
@@ -119,8 +123,34 @@ def _power(a: sp.Expr, b: sp.Expr) -> sp.Expr:
     return a ** b
 
 
+# A let is inlined into what reads it while its written-out expression stays below this many
+# nodes (sharing counted once per use, as sympy walks it); past it the let is kept as a symbol
+# of its own. A chain `let a_i = sigmoid(a_{i-1}) + a_{i-1}` doubles at every line: inlined,
+# 14 lines took 25 s to derive and 18 over 90 s; kept, the chain is linear.
+LET_INLINE_MAX_NODES = 400
+
+
+def tree_size(e: sp.Expr, memo: dict | None = None) -> int:
+    """The number of nodes of e written out as a tree, in time linear in its shared form."""
+    memo = {} if memo is None else memo
+    stack = [e]
+    while stack:
+        x = stack[-1]
+        if x in memo:
+            stack.pop()
+            continue
+        todo = [a for a in x.args if a not in memo]
+        if todo:
+            stack.extend(todo)
+            continue
+        stack.pop()
+        memo[x] = 1 + sum(memo[a] for a in x.args)
+    return memo[e]
+
+
 class ToSympy:
-    """Convert IR expressions; lets are inlined (inline_lets) or kept as symbols."""
+    """Convert IR expressions; lets are inlined (inline_lets) or kept as symbols, and past
+    LET_INLINE_MAX_NODES kept as symbols in any case (the table records their value)."""
 
     def __init__(self, table: SymbolTable, inline_lets: bool = True, state_symbols=None):
         self.t = table
@@ -145,7 +175,12 @@ class ToSympy:
         if e.kind == "let":
             if self.inline_lets:
                 if e.name not in self._let_cache:
-                    self._let_cache[e.name] = self(mixer.let(e.name).expr)
+                    value = self(mixer.let(e.name).expr)
+                    if tree_size(value) > LET_INLINE_MAX_NODES:
+                        sym = t.tensor(e.name, "let", e.shape)
+                        t.lets[sym] = value
+                        value = sym
+                    self._let_cache[e.name] = value
                 return self._let_cache[e.name]
             return t.tensor(e.name, "let", e.shape)
         if e.kind == "state":
