@@ -10,3 +10,16 @@ mixer expsum
   update z = z + exp(i) * k
   output o = (q @ prev(S) + q @ S) / (abs(q @ z) + 1)
 """
+
+# RWKV-4's WKV as a spec: the gate exp(k) is stabilized in the states a, b, but the output's
+# own exp(u + k) is not (the lint warns; an output scale max(m, u + k) is still to build)
+RWKV4 = """
+mixer rwkv4
+  dims   V
+  input  k[], v[V]
+  param  w[], u[]
+  state  a[V], b[]
+  update a = exp(-exp(w)) * a + exp(k) * v
+  update b = exp(-exp(w)) * b + exp(k)
+  output o = (prev(a) + exp(u + k) * v) / (prev(b) + exp(u + k))
+"""

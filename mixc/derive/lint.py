@@ -75,6 +75,7 @@ def lint(plan: P.Plan) -> list[LintWarning]:
                     f"the input term of {st.name} takes an exponential that the max-stabilizer does not cover "
                     "(it covers one scalar exp(x) gate shared by its states): it overflows fp32 for arguments "
                     "above ~88", calls[0].span or upd.span))
+    out += _unstabilized_output_exps(plan)
     _, den = sp.fraction(sp.together(plan.output.combine))
     if den.free_symbols and not (den.is_positive or den.is_negative):
         names = {str(s) for s in den.free_symbols}
@@ -84,6 +85,25 @@ def lint(plan: P.Plan) -> list[LintWarning]:
             "nonzero: keep it away from 0 (positive feature maps, an eps, or max(|.|, 1) as mLSTM does)",
             spec.output.span))
     return out
+
+
+def _unstabilized_output_exps(plan: P.Plan) -> list[LintWarning]:
+    """An exponential the output takes beside stabilized states (RWKV-4's exp(u + k) in
+    (prev(a) + exp(u + k) * v) / (prev(b) + exp(u + k))): the stabilizer scales the states by
+    exp(-m) but evaluates this one as written, so it overflows for arguments above ~88 and the
+    output is inf / inf = NaN in every fp32 mode. Still to build: an output scale
+    max(m, u + k), as RWKV-4's own WKV kernel keeps."""
+    if plan.stabilizer is None:
+        return []
+    calls = _exp_calls(plan.ir.output.expr)
+    if not calls:
+        return []
+    states = ", ".join(plan.stabilizer.states)
+    return [LintWarning(
+        f"the output takes an exponential beside the stabilized states ({states}): the max-stabilizer scales "
+        "the states by exp(-m) but not this exponential, so it overflows fp32 for arguments above ~88 (inf / inf "
+        "= NaN in every mode); keep its argument below ~88, or fold it into the states' gate",
+        calls[0].span or plan.ir.output.span)]
 
 
 def _readout_text(r: P.ReadoutPlan) -> str:

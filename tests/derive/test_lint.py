@@ -75,3 +75,14 @@ def test_a_per_head_decay_past_float_range_is_linted_quickly():
     t0 = time.perf_counter()
     assert lint(from_text(BASE.format(decay="(1 - 1e308 ** (-5 - head))")).plan()) == []
     assert time.perf_counter() - t0 < 10
+
+
+def test_an_exponential_of_the_output_beside_stabilized_states_is_warned():
+    """RWKV-4 as a spec gave inf / inf = NaN for u + k > 88 in every fp32 mode with no warning:
+    the stabilizer covers exp(k) in the states, not exp(u + k) in the output."""
+    from stabilizer_specs import RWKV4
+    op = from_text(RWKV4, "rwkv4.mix")
+    assert op.plan().stabilizer.states == ("a", "b")
+    (w,) = [w for w in lint(op.plan()) if "beside the stabilized states (a, b)" in w.message]
+    assert w.render(op.ir.source).startswith("rwkv4.mix:9:25: warning: the output takes an exponential")
+    assert lint(mixc.load("mlstm").plan()) == []
