@@ -107,26 +107,18 @@ class MambaGate(Role):
 
     doc = "-exp(A_log) * softplus(x + dt_bias); A ~ U[1, 16], dt log-uniform [1e-3, 1e-1]"
 
+    def __init__(self, per_key: bool = False):
+        self.per_key = per_key        # KDA: dt_bias per key channel, [H, K] (A_log stays per head)
+
     def setup(self, layer, name, H, shape):
         layer.register_parameter(f"{name}_A_log", nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16))))
-        layer.register_parameter(f"{name}_dt_bias", nn.Parameter(_dt_bias((H,))))
+        layer.register_parameter(f"{name}_dt_bias", nn.Parameter(_dt_bias((H,) + (shape if self.per_key else ()))))
 
     def __call__(self, raw, layer, name, done):
         A = torch.exp(getattr(layer, f"{name}_A_log"))
+        if self.per_key:
+            A = A[:, None]
         return -A * F.softplus(raw + getattr(layer, f"{name}_dt_bias"))
-
-
-class SoftplusDt(Role):
-    """Mamba-1's dt[P] (the spec takes it already softplus'ed): softplus(x + dt_bias[H, P]),
-    softplus(dt_bias) log-uniform in [1e-3, 1e-1]."""
-
-    doc = "softplus(x + dt_bias), dt log-uniform [1e-3, 1e-1]"
-
-    def setup(self, layer, name, H, shape):
-        layer.register_parameter(f"{name}_dt_bias", nn.Parameter(_dt_bias((H,) + shape)))
-
-    def __call__(self, raw, layer, name, done):
-        return F.softplus(raw + getattr(layer, f"{name}_dt_bias"))
 
 
 class Rwkv7RemovalKey(Role):
@@ -184,7 +176,14 @@ INPUT_ROLES: dict = {
     ("mamba2", "x"): Feature(), ("mamba2", "B"): Feature(), ("mamba2", "C"): Feature(),
     ("mamba2", "dt"): Role(),                 # the spec applies softplus(dt + dt_bias) itself
     ("mamba", "x"): Feature(), ("mamba", "B"): Feature(), ("mamba", "C"): Feature(),
-    ("mamba", "dt"): SoftplusDt(),
+    ("mamba", "dt"): Role(),                  # the spec applies softplus(dt + dt_bias) itself
+    ("hgrn2", "i"): Role(),                   # HGRN2's input (fla: i_proj, no conv)
+    ("kda", "g"): MambaGate(per_key=True),    # fla's KDA gate: -exp(A_log) * softplus(x + dt_bias[K])
+    ("comba", "p"): Feature(), ("comba", "g"): MambaGate(),
+    ("gated_delta_product", "k1"): Feature(), ("gated_delta_product", "k2"): Feature(),
+    ("gated_delta_product", "v1"): Feature(), ("gated_delta_product", "v2"): Feature(),
+    ("gated_delta_product", "beta1"): Sigmoid(), ("gated_delta_product", "beta2"): Sigmoid(),
+    ("gated_delta_product", "g"): MambaGate(),
     ("mlstm", "f"): ForgetBias(),
     ("hgrn", "x"): HgrnInput(),
     ("s4d", "x"): Feature(),
@@ -295,6 +294,7 @@ PARAM_ROLES: dict = {
     ("mamba2", "A"): NegExpParam("uniform"),
     ("mamba2", "dt_bias"): DtBias(),
     ("mamba", "A"): NegExpParam("s4d_real"),
+    ("mamba", "dt_bias"): DtBias(),
     ("s4d", "A"): NegExpParam("s4d_real"),
     ("s4d", "B"): Ones(),
     ("s4d", "log_dt"): LogDt(),
@@ -326,6 +326,8 @@ DIM_DEFAULTS: dict = {
 OPTION_DEFAULTS: dict = {
     "delta_rule": {"use_qk_l2norm_in_kernel": True},         # fla's DeltaNet normalizes q, k
     "gated_delta_rule": {"use_qk_l2norm_in_kernel": True},
+    "kda": {"use_qk_l2norm_in_kernel": True}, "comba": {"use_qk_l2norm_in_kernel": True},
+    "gated_delta_product": {"use_qk_l2norm_in_kernel": True},
     "mlp_mixer": {"causal": True},                           # a decoder's layer must not see ahead
     "gmlp": {"causal": True},
 }

@@ -21,11 +21,17 @@ EXPECTED = {
     "gla": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "rwkv6": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "w"),
     "hgrn": (P.VALUE_DIAG, ("chunk", "recurrent", "step"), False, "g"),
-    "mamba": (P.ELEMENTWISE, ("scan", "recurrent", "step"), False, "A*dt"),
+    "mamba": (P.ELEMENTWISE, ("scan", "recurrent", "step"), False, "A*softplus(dt + dt_bias)"),
     "s4d": (P.KEY_DIAG, ("chunk", "recurrent", "step", "conv"), True, "A*exp(log_dt)"),
     "delta_rule": (P.RANK1, ("chunk", "recurrent", "step"), False, "0"),
     "gated_delta_rule": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "rwkv7": (P.RANK1, ("chunk", "recurrent", "step"), False, "w"),
+    "hgrn2": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "g"),
+    "lightning_attn": (P.SCALAR, ("chunk", "recurrent", "step", "conv"), True,
+                       "-8*head*(1 - layer_idx/num_layers)/num_heads"),
+    "kda": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
+    "comba": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
+    "gated_delta_product": (P.GENERAL, ("recurrent", "step"), False, "g"),   # rank 2: waits for the rank-r class
 }
 
 
@@ -61,7 +67,7 @@ def test_key_and_value_dims_come_from_the_readout():
     assert gla.key_dims == ("K",) and gla.value_dims == ("V",)
     m1 = mixc.load("mamba").plan().states[0]
     assert m1.key_dims == ("N",) and m1.decay_dims == ("N", "P")
-    assert str(m1.key) == "B" and str(m1.value) == "dt*x"
+    assert str(m1.key) == "B" and str(m1.value) == "x*softplus(dt + dt_bias)"
 
 
 def test_readouts_and_combine():

@@ -91,14 +91,14 @@ def mamba2_ssd(a, opts, s0):
 
 
 def mamba_selective_scan(a, opts, s0):
-    """mamba_ssm's selective scan (delta already softplus'ed), in its own layout:
+    """mamba_ssm's selective scan (delta_bias=dt_bias, delta_softplus=True), in its own layout:
     u, delta (b, d, l); A (d, n); B, C (b, g, n, l); D (d); state (b, d, n); d = H * P, g = H.
     x_t = exp(delta_t A) * x_{t-1} + delta_t B_t u_t;  y_t = sum_n x_t C_t + D u_t."""
     b, T, H, P = a["x"].shape
     N = a["B"].shape[-1]
     d = H * P
     u = a["x"].reshape(b, T, d).permute(0, 2, 1)                  # (b, d, l)
-    delta = a["dt"].reshape(b, T, d).permute(0, 2, 1)             # (b, d, l)
+    delta = _softplus(a["dt"] + a["dt_bias"]).reshape(b, T, d).permute(0, 2, 1)   # (b, d, l)
     A = a["A"].permute(0, 2, 1).reshape(d, N)                     # ours [H, N, P] -> (d, n)
     Bg = a["B"].permute(0, 2, 3, 1)                               # (b, g, n, l)
     Cg = a["C"].permute(0, 2, 3, 1)
