@@ -14,9 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import torch
+
 import mixc
+from mixc.codegen.module import generate
+from mixc.derive.lint import lint
 from mixc.derive.plan import derive
 from mixc.dsl import library_names, read_spec
+from mixc.runtime.inputs import random_args
+from mixc.pipeline import from_text
 
 from .spec_checks import parse_and_derive
 
@@ -243,16 +249,48 @@ def _typed(text):
     parse_and_derive(text, "typed.mix")
 
 
-@FAST
-@given(typed_spec())
-def test_typed_random_specs(text):
+def _pipeline(text, seed):
+    """The whole pipeline, as `mixc check` and a first call take it: parse, derive, lint,
+    generate the module source, and a small call in torch mode (float64) against the float64
+    reference. Refusals are SpecErrors (checked by parse_and_derive); anything else is a bug."""
+    if parse_and_derive(text, "typed.mix") is not None:
+        return
+    op = from_text(text, "typed.mix")
+    plan = op.plan()
+    for w in lint(plan):
+        assert w.render(op.ir.source).startswith("typed.mix:")
+    assert "def " in generate(plan)
+    args, _ = random_args(op.ir, B=1, T=6, H=2, sizes={"K": 3, "V": 2}, dtype=torch.float64, seed=seed)
+    ref, ref_state = op(**args, mode="reference", output_final_state=True)
+    if not (torch.isfinite(ref).all() and all(torch.isfinite(x).all() for x in ref_state.values())):
+        return                             # a random spec may overflow or divide by 0 in float64 too
+    got, _ = op(**args, mode="torch", output_final_state=True)
+    scale = ref.abs().max().item() + 1.0
+    assert (got - ref).abs().max().item() <= 1e-6 * scale, text
+
+
+# Fewer examples than the other fuzz tests: each one compiles and runs a module (~0.1 s).
+PIPELINE = settings(FAST, max_examples=40)
+
+
+@PIPELINE
+@given(typed_spec(), st.integers(0, 2**16))
+def test_typed_random_specs(text, seed):
     _typed(text)
+    _pipeline(text, seed)
 
 
 @pytest.mark.slow
 @SLOW
+@given(typed_spec(), st.integers(0, 2**16))
+def test_typed_random_specs_slow(text, seed):
+    _typed(text)
+    _pipeline(text, seed)
+
+
+@FAST
 @given(typed_spec())
-def test_typed_random_specs_slow(text):
+def test_typed_random_specs_derive(text):
     _typed(text)
 
 
