@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import mixc
+from mixc.runtime.op import from_text
 from mixc.runtime.signature import ArgumentError
 
 from helpers import random_args, random_state
@@ -128,7 +129,7 @@ OPTION_SPEC = """mixer m
 @pytest.mark.parametrize("mode", ["reference", "torch"])
 def test_an_option_default_without_a_finite_value_at_the_bound_dims_is_an_argument_error(default, match, mode):
     """Defaults that read dims are evaluated at the call (the checker cannot): these gave NaN."""
-    op = mixc.runtime.op.from_text(OPTION_SPEC.format(default=default))
+    op = from_text(OPTION_SPEC.format(default=default))
     args = _args(op)
     with pytest.raises(ArgumentError, match=match):
         op(**args, mode=mode)
@@ -149,7 +150,7 @@ def test_an_option_default_evaluates_only_its_own_operators(default, value):
     """The evaluator computed every operator at once: `1000 + 1000` raised OverflowError
     (from 1000 ** 1000) and `0 * (0 - 1)` ZeroDivisionError (from 0 ** -1) on every call."""
     from mixc.runtime.signature import bind, option_values
-    op = mixc.runtime.op.from_text(OPTION_SPEC.format(default=default))
+    op = from_text(OPTION_SPEC.format(default=default))
     args = _args(op)
     assert option_values(op.ir, bind(op.ir, args)) == {"x": value}
     o, _ = op.reference(**args)
@@ -159,7 +160,7 @@ def test_an_option_default_evaluates_only_its_own_operators(default, value):
 def test_a_window_of_two_thousand_tokens_runs():
     """swa with window = 2 * 1024 could not run (2 ** 1024 overflowed while evaluating 2 * 1024)."""
     text = mixc.dsl.read_spec("swa").text.replace("window = 512", "window = 2 * 1024")
-    op = mixc.runtime.op.from_text(text)
+    op = from_text(text)
     args, _ = random_args(op.ir, B=1, T=6, H=2, sizes={"K": 4, "V": 4}, dtype=torch.float64)
     o, _ = op(**args)
     torch.testing.assert_close(o, mixc.load("swa")(**args)[0])       # 2048 and 512 both cover 6 tokens
