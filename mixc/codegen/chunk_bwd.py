@@ -89,7 +89,9 @@ class ChunkBackward(ChunkCode):
                 db = " + ".join(G["db"]) or "0.0"
                 last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
                 L(f"{I2}_db_{n} = {db} + tl.where({last}, _dbl_{n}, 0.0)")
-                L(f"{I2}_dg_{n} = tl.cumsum(_db_{n}, axis=0, reverse=True)")
+                # a reset's pairs all weigh exp(-inf) = 0: its gradient is 0, not the rounding
+                # left by the cancelling pairs of the reverse cumsum
+                L(f"{I2}_dg_{n} = tl.where(_r_{n}, 0.0, tl.cumsum(_db_{n}, axis=0, reverse=True))")
                 on_keys = st.transition in (P.KEY_DIAG, P.RANK1)
                 gdims = ("_T",) if g_is_vector(st) else ("_T",) + (kd if on_keys else vd)
                 seeds.append((st.ir_pieces.log_decay, self._unflat(f"_dg_{n}", gdims), gdims))
@@ -236,14 +238,15 @@ class ChunkBackward(ChunkCode):
         dK, dV, dS0, db, dL, dU = self._rank1_names(G)
         causal = f"(_offs__T[:, None] {'>' if prev else '>='} _offs__T[None, :])"
         b = f"_b_{n}"
-        bq = f"_bx_{n}" if prev else b
+        bq, bq0, ok = self.rank1_query(st, prev)
+        span = _span(prev)
         if g_is_vector(st):
-            lines = [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
+            lines = [f"{I}_D = tl.exp(tl.where({causal} & {ok}, {bq}[:, None] - {b}[None, :], float('-inf')))",
                      f"{I}_Aql = _mixc_dot({Q}, tl.trans({L}), DOT) * _D",
                      f"{I}_Aqk = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
                      f"{I}_dAql = _mixc_dot({dR}, tl.trans({U}), DOT)",
                      f"{I}_dAqk = _mixc_dot({dR}, tl.trans({V}), DOT)",
-                     f"{I}_eb = tl.exp({bq})",
+                     f"{I}_eb = tl.exp({bq0})",
                      f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
                      f"{I}{dQ} = _mixc_dot(_dAql * _D, {L}, DOT) + _mixc_dot(_dAqk * _D, {K}, DOT) + _Gq * _eb[:, None]",
                      f"{I}{dL} = _mixc_dot(tl.trans(_dAql * _D), {Q}, DOT)",
@@ -251,17 +254,17 @@ class ChunkBackward(ChunkCode):
                      f"{I}{dU} = _mixc_dot(tl.trans(_Aql), {dR}, DOT)",
                      f"{I}{dV} = _mixc_dot(tl.trans(_Aqk), {dR}, DOT)",
                      f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb[:, None]), {dR}, DOT)",
-                     f"{I}_E = _dAql * _Aql + _dAqk * _Aqk",
+                     f"{I}_E = tl.where({span}, _dAql * _Aql + _dAqk * _Aqk, 0.0)",
                      f"{I}_dbq = tl.sum(_E, axis=1) + tl.sum(_Gq * {Q}, axis=1) * _eb",
                      f"{I}{db} = -tl.sum(_E, axis=0)"]
         else:
-            lines = [f"{I}_D = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], "
+            lines = [f"{I}_D = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
                      "float('-inf')))",
                      f"{I}_Aql = tl.sum({Q}[:, None, :] * {L}[None, :, :] * _D, axis=2)",
                      f"{I}_Aqk = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _D, axis=2)",
                      f"{I}_Xl = _mixc_dot({dR}, tl.trans({U}), DOT)[:, :, None] * _D",
                      f"{I}_Xk = _mixc_dot({dR}, tl.trans({V}), DOT)[:, :, None] * _D",
-                     f"{I}_eb = tl.exp({bq})",
+                     f"{I}_eb = tl.exp({bq0})",
                      f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
                      f"{I}{dQ} = tl.sum(_Xl * {L}[None, :, :], axis=1) + tl.sum(_Xk * {K}[None, :, :], axis=1) "
                      "+ _Gq * _eb",
@@ -270,7 +273,8 @@ class ChunkBackward(ChunkCode):
                      f"{I}{dU} = _mixc_dot(tl.trans(_Aql), {dR}, DOT)",
                      f"{I}{dV} = _mixc_dot(tl.trans(_Aqk), {dR}, DOT)",
                      f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb), {dR}, DOT)",
-                     f"{I}_E = _Xl * {Q}[:, None, :] * {L}[None, :, :] + _Xk * {Q}[:, None, :] * {K}[None, :, :]",
+                     f"{I}_E = tl.where({span}[:, :, None], _Xl * {Q}[:, None, :] * {L}[None, :, :] + "
+                     f"_Xk * {Q}[:, None, :] * {K}[None, :, :], 0.0)",
                      f"{I}_dbq = tl.sum(_E, axis=1) + _Gq * {Q} * _eb",
                      f"{I}{db} = -tl.sum(_E, axis=0)"]
         return lines + self._query_side(st, db, prev)
@@ -290,30 +294,30 @@ class ChunkBackward(ChunkCode):
         L, _ = self.rank1_parts[st.name]
         n, I, S, dS, U = st.name, I2, f"s_{st.name}", f"d_{st.name}", f"_U_{st.name}"
         dK, dV, dS0, db, dL, dU = self._rank1_names(G)
-        b, bl = f"_b_{n}", f"_bl_{n}"
+        kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         if g_is_vector(st):
-            return [f"{I}_w = tl.exp({bl} - {b})",
-                    f"{I}{dS0} = tl.exp({bl}) * {dS}",
+            return [f"{I}_w = tl.exp({kw})",
+                    f"{I}{dS0} = tl.exp({bl0}) * {dS}",
                     f"{I}_dLw = _mixc_dot({U}, tl.trans({dS}), DOT)",
                     f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
                     f"{I}{dL} = _dLw * _w[:, None]",
                     f"{I}{dK} = _dKw * _w[:, None]",
                     f"{I}{dU} = _mixc_dot({L} * _w[:, None], {dS}, DOT)",
                     f"{I}{dV} = _mixc_dot({K} * _w[:, None], {dS}, DOT)",
-                    f"{I}_F = (tl.sum(_dLw * {L}, axis=1) + tl.sum(_dKw * {K}, axis=1)) * _w",
+                    f"{I}_F = tl.where({LAST}, 0.0, (tl.sum(_dLw * {L}, axis=1) + tl.sum(_dKw * {K}, axis=1)) * _w)",
                     f"{I}{db} = -_F",
-                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}) * tl.exp({bl})"]
-        return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
-                f"{I}{dS0} = tl.exp({bl})[:, None] * {dS}",
+                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}) * tl.exp({bl0})"]
+        return [f"{I}_w = tl.exp({kw})",
+                f"{I}{dS0} = tl.exp({bl0})[:, None] * {dS}",
                 f"{I}_dLw = _mixc_dot({U}, tl.trans({dS}), DOT)",
                 f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
                 f"{I}{dL} = _dLw * _w",
                 f"{I}{dK} = _dKw * _w",
                 f"{I}{dU} = _mixc_dot({L} * _w, {dS}, DOT)",
                 f"{I}{dV} = _mixc_dot({K} * _w, {dS}, DOT)",
-                f"{I}_F = (_dLw * {L} + _dKw * {K}) * _w",
+                f"{I}_F = tl.where({LAST}[:, None], 0.0, (_dLw * {L} + _dKw * {K}) * _w)",
                 f"{I}{db} = -_F",
-                f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=1) * tl.exp({bl})"]
+                f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=1) * tl.exp({bl0})"]
 
     def rank1_solve_backward(self, st, parts, G, dR: str) -> list[str]:
         """Through (I - A_rl) U = R^ S0 + A_rk V: dY = (I - A_rl)^-T dU (back substitution),
@@ -328,6 +332,7 @@ class ChunkBackward(ChunkCode):
         strict = "(_offs__T[:, None] > _offs__T[None, :])"
         back = "(_offs__T[None, :] - 1 == _offs__T[:, None])"
         b, bx = f"_b_{n}", f"_bx_{n}"
+        ok, span = self.pair_ok(st, f"_zx_{n}"), _span(True)
         lines = [f"{I}_dY = _mixc_solve_upper_t(_Arl_{n}, {' + '.join(G['dU'])}, _offs__T, _BLOCK__T)",
                  f"{I}_dArl = tl.where({strict}, _mixc_dot(_dY, tl.trans({U}), DOT), 0.0)",
                  f"{I}_dArk = tl.where({strict}, _mixc_dot(_dY, tl.trans({V}), DOT), 0.0)",
@@ -335,25 +340,27 @@ class ChunkBackward(ChunkCode):
                  f"{I}{dV} = _mixc_dot(tl.trans(_Ark_{n}), _dY, DOT)",
                  f"{I}{dS0} = _mixc_dot(tl.trans(_Rh_{n}), _dY, DOT)"]
         if g_is_vector(st):
-            lines += [f"{I}_E = tl.exp(tl.where({strict}, {bx}[:, None] - {b}[None, :], float('-inf')))",
+            lines += [f"{I}_E = tl.exp(tl.where({strict} & {ok}, {bx}[:, None] - {b}[None, :], float('-inf')))",
                       f"{I}_Pl = _dArl * _E",
                       f"{I}_Pk = _dArk * _E",
-                      f"{I}{dR} = _dRh * tl.exp({bx})[:, None] + _mixc_dot(_Pl, {L}, DOT) + _mixc_dot(_Pk, {K}, DOT)",
+                      f"{I}{dR} = _dRh * tl.exp(_bx0_{n})[:, None] + _mixc_dot(_Pl, {L}, DOT) + "
+                      f"_mixc_dot(_Pk, {K}, DOT)",
                       f"{I}{dL} = _mixc_dot(tl.trans(_Pl), {R}, DOT)",
                       f"{I}{dK} = _mixc_dot(tl.trans(_Pk), {R}, DOT)",
-                      f"{I}_Ey = _dArl * _Arl_{n} + _dArk * _Ark_{n}",
+                      f"{I}_Ey = tl.where({span}, _dArl * _Arl_{n} + _dArk * _Ark_{n}, 0.0)",
                       f"{I}_dbx = tl.sum(_dRh * _Rh_{n}, axis=1) + tl.sum(_Ey, axis=1)",
                       f"{I}{db} = -tl.sum(_Ey, axis=0) + tl.sum(tl.where({back}, _dbx[None, :], 0.0), axis=1)"]
         else:
-            lines += [f"{I}_E = tl.exp(tl.where({strict}[:, :, None], {bx}[:, None, :] - {b}[None, :, :], "
+            lines += [f"{I}_E = tl.exp(tl.where({strict}[:, :, None] & {ok}, {bx}[:, None, :] - {b}[None, :, :], "
                       "float('-inf')))",
                       f"{I}_Pl = _dArl[:, :, None] * _E",
                       f"{I}_Pk = _dArk[:, :, None] * _E",
-                      f"{I}{dR} = _dRh * tl.exp({bx}) + tl.sum(_Pl * {L}[None, :, :], axis=1) + "
+                      f"{I}{dR} = _dRh * tl.exp(_bx0_{n}) + tl.sum(_Pl * {L}[None, :, :], axis=1) + "
                       f"tl.sum(_Pk * {K}[None, :, :], axis=1)",
                       f"{I}{dL} = tl.sum(_Pl * {R}[:, None, :], axis=0)",
                       f"{I}{dK} = tl.sum(_Pk * {R}[:, None, :], axis=0)",
-                      f"{I}_Ey = _Pl * {R}[:, None, :] * {L}[None, :, :] + _Pk * {R}[:, None, :] * {K}[None, :, :]",
+                      f"{I}_Ey = tl.where({span}[:, :, None], _Pl * {R}[:, None, :] * {L}[None, :, :] + "
+                      f"_Pk * {R}[:, None, :] * {K}[None, :, :], 0.0)",
                       f"{I}_dbx = _dRh * _Rh_{n} + tl.sum(_Ey, axis=1)",
                       f"{I}{db} = -tl.sum(_Ey, axis=0) + tl.sum(tl.where({back}[:, :, None], _dbx[None, :, :], 0.0), "
                       "axis=1)"]
@@ -385,12 +392,13 @@ class ChunkBackward(ChunkCode):
         # log decay: its +E (query side) and -E (key side) cancel exactly in math, but in fp32
         # they are O(1) against a dg of exp(g) ~ 1e-9 at g = -20; dropped from both (not
         # stabilized: there the gate's gradient di needs every pair)
-        span = f"(_offs__T[:, None] - {int(prev)} > _offs__T[None, :])"
+        span = _span(prev)
+        bq0, ok = self.query_b0(st, prev), self.pair_ok(st, self.query_z(st, prev))
         keep = (lambda e: e) if self.stabilized(st) else (lambda e: f"tl.where({span}, {e}, 0.0)")
         keep3 = lambda e: f"tl.where({span}[:, :, None], {e}, 0.0)"
         if st.transition == P.SCALAR:
             lines, bq, bk, b0 = self.scalar_logs(st, prev)
-            lines += [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
+            lines += [f"{I}_D = tl.exp(tl.where({causal} & {ok}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
                       f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
                       f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
                       f"{I}_dP = _dA * _D",
@@ -407,13 +415,13 @@ class ChunkBackward(ChunkCode):
                 G["di"].append(self.fresh("di"))
                 lines.append(f"{I}{G['di'][-1]} = -{db}")
         elif st.transition == P.KEY_DIAG:
-            lines += [f"{I}_W = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], "
+            lines += [f"{I}_W = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
                       "float('-inf')))",
                       f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _W, axis=2)",
                       f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
                       f"{I}_X = _dA[:, :, None] * _W",
                       f"{I}_E = {keep3(f'_X * {Q}[:, None, :] * {K}[None, :, :]')}",
-                      f"{I}_eb = tl.exp({bq})",
+                      f"{I}_eb = tl.exp({bq0})",
                       f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
                       f"{I}{dQ} = tl.sum(_X * {K}[None, :, :], axis=1) + _Gq * _eb",
                       f"{I}{dK} = tl.sum(_X * {Q}[:, None, :], axis=0)",
@@ -423,12 +431,12 @@ class ChunkBackward(ChunkCode):
                       f"{I}{db} = -tl.sum(_E, axis=0)"]
         else:       # value-diagonal
             lines += [f"{I}_P = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
-                      f"{I}_W = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], "
+                      f"{I}_W = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
                       "float('-inf')))",
                       f"{I}_Y = {dR}[:, None, :] * _W",
                       f"{I}_E = {keep3(f'_P[:, :, None] * _Y * {V}[None, :, :]')}",
                       f"{I}_dP = tl.where({causal}, tl.sum(_Y * {V}[None, :, :], axis=2), 0.0)",
-                      f"{I}_eb = tl.exp({bq})",
+                      f"{I}_eb = tl.exp({bq0})",
                       f"{I}_Z = _mixc_dot({Q}, {S}, DOT)",
                       f"{I}_dZ = {dR} * _eb",
                       f"{I}{dQ} = _mixc_dot(_dP, {K}, DOT) + _mixc_dot(_dZ, tl.trans({S}), DOT)",
@@ -458,7 +466,7 @@ class ChunkBackward(ChunkCode):
             return [f"{I}{dS0} = {dS}",
                     f"{I}{dK} = _mixc_dot({V}, tl.trans({dS}), DOT)",
                     f"{I}{dV} = _mixc_dot({K}, {dS}, DOT)"]
-        b, bl = f"_b_{n}", f"_bl_{n}"
+        kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         dK, dV, dS0, db = self.grad_names(G, "u", with_db=True)
         if st.transition == P.SCALAR:
             bs, kw = self.scalar_advance_logs(st)
@@ -476,22 +484,28 @@ class ChunkBackward(ChunkCode):
                 lines.append(f"{I}{G['di'][-1]} = _F")
             return lines
         if st.transition == P.KEY_DIAG:
-            return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
-                    f"{I}{dS0} = tl.exp({bl})[:, None] * {dS}",
+            return [f"{I}_w = tl.exp({kw})",
+                    f"{I}{dS0} = tl.exp({bl0})[:, None] * {dS}",
                     f"{I}{dV} = _mixc_dot({K} * _w, {dS}, DOT)",
                     f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
                     f"{I}{dK} = _dKw * _w",
                     f"{I}_F = tl.where({LAST}[:, None], 0.0, _dKw * {K} * _w)",
                     f"{I}{db} = -_F",
-                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=1) * tl.exp({bl})"]
-        return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
-                f"{I}{dS0} = {dS} * tl.exp({bl})[None, :]",
+                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=1) * tl.exp({bl0})"]
+        return [f"{I}_w = tl.exp({kw})",
+                f"{I}{dS0} = {dS} * tl.exp({bl0})[None, :]",
                 f"{I}{dK} = _mixc_dot({V} * _w, tl.trans({dS}), DOT)",
                 f"{I}_dVw = _mixc_dot({K}, {dS}, DOT)",
                 f"{I}{dV} = _dVw * _w",
                 f"{I}_F = tl.where({LAST}[:, None], 0.0, _dVw * {V} * _w)",
                 f"{I}{db} = -_F",
-                f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=0) * tl.exp({bl})"]
+                f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=0) * tl.exp({bl0})"]
+
+
+def _span(prev: bool) -> str:
+    """The pairs (query row i, key j) that span a log decay: i > j (i - 1 > j for a readout
+    of S_{i-1}, whose query side is b_{i-1})."""
+    return f"(_offs__T[:, None] - {int(prev)} > _offs__T[None, :])"
 
 
 # the chunk's last token: its key weight in S_C, exp(bl - b_last) = 1, spans no log decay (its

@@ -122,12 +122,42 @@ def test_a_decay_of_zero_resets_the_state_in_the_torch_backend(name):
     torch.testing.assert_close(st["S"].double(), ref_st["S"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["gla", "simple_gla", "gated_delta_rule"])
+def test_a_decay_of_zero_resets_the_state_in_the_chunk_kernels(name):
+    """The chunked kernels count the resets per token (z) and weigh the pairs across one 0,
+    where b_i - b_j gave NaN from the first reset on: output, final state and every gradient
+    (the initial state's too) within fp32 rounding of the float64 reference."""
+    op = mixc.load(name)
+    args = _reset_args(op, 21)
+    args["g"][:, 31] = float("-inf")        # and one at a chunk's last token (its weights into S_C)
+    st = {n: x.float() for n, x in random_state(op.ir, 1, 2, {"K": 8, "V": 8}).items()}
+    a64 = {n: x.double().requires_grad_() for n, x in list(args.items()) + list(st.items())}
+    a32 = {n: x.clone().requires_grad_() for n, x in list(args.items()) + list(st.items())}
+    ref, ref_st = op(**{n: a64[n] for n in args}, initial_state={"S": a64["S"]}, mode="reference",
+                     output_final_state=True)
+    o, fs = op(**{n: a32[n] for n in args}, initial_state={"S": a32["S"]}, mode="chunk", chunk=16,
+               output_final_state=True)
+    gen = torch.Generator().manual_seed(3)
+    w, ws = (torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (ref, ref_st["S"]))
+    ((ref * w).sum() + (ref_st["S"] * ws).sum()).backward()
+    ((o.double() * w).sum() + (fs["S"].double() * ws).sum()).backward()
+    torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fs["S"].double(), ref_st["S"], rtol=1e-4, atol=1e-5)
+    for n in a64:
+        got, want = a32[n].grad.double(), a64[n].grad
+        assert torch.isfinite(got).all(), n
+        assert ((got - want).norm() / want.norm()).item() <= 1e-5, n
+    assert (a32["g"].grad[:, [7, 20, 21, 31]] == 0).all()     # every pair across a reset weighs 0
+
+
 @pytest.mark.parametrize("low", [-8.0, -20.0], ids=lambda x: f"g{x:g}")
 @pytest.mark.parametrize("name", ["gla", "simple_gla", "gated_delta_rule"])
-def test_dg_at_strong_decay_in_the_torch_backend(name, low):
+@pytest.mark.parametrize("mode", ["torch", "chunk"])
+def test_dg_at_strong_decay(mode, name, low):
     """B1-T40-H2-K8, log decays in [low - 0.5, low]: dg within 1e-5 (relative, in norm) of the
     float64 reference in fp32, as the recurrent kernel (before: 4e-4 at -8, 1 to 3 at -20, the
-    q dq - k dk identity cancelling the diagonal's O(1) terms; docs/kernels.md has the table)."""
+    q dq - k dk identity cancelling the diagonal's O(1) terms; docs/kernels.md has the table).
+    The chunked kernels at C = 16 (the rank-1 class was 1e-4 at -8 and 0.7 at -20)."""
     op = mixc.load(name)
 
     def draw(shape, gen):
@@ -138,6 +168,6 @@ def test_dg_at_strong_decay_in_the_torch_backend(name, low):
     a64 = {n: x.double().requires_grad_() for n, x in args.items()}
     (op(**a64, mode="reference")[0] * w).sum().backward()
     a32 = {n: x.clone().requires_grad_() for n, x in args.items()}
-    (op(**a32, mode="torch")[0].double() * w).sum().backward()
+    (op(**a32, mode=mode, **({"chunk": 16} if mode == "chunk" else {}))[0].double() * w).sum().backward()
     want = a64["g"].grad
     assert ((a32["g"].grad.double() - want).norm() / want.norm()).item() <= 1e-5
