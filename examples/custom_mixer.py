@@ -6,7 +6,7 @@ import torch
 
 import mixc
 from mixc.derive.explain import explain
-from mixc.runtime.op import from_text
+from mixc.pipeline import from_text
 
 SPEC = """
 # A gated linear attention with a per-channel value gate and an output normalizer.

@@ -12,9 +12,11 @@ def __getattr__(name):
 
 
 def load(name_or_path, **kwargs):
-    """Load a library spec ('gla') or a .mix file as an op (see mixc.runtime.op.MixerOp)."""
-    from .runtime.op import load as _load
-    return _load(name_or_path, **kwargs)
+    """Load a library spec ('gla') or a .mix file as an op (see mixc.runtime.op.MixerOp): the
+    stages of mixc/pipeline.py."""
+    # lazy: a compiled module imports mixc.runtime.support without the compiler (lark, sympy)
+    from .pipeline import load_op
+    return load_op(name_or_path, **kwargs)
 
 
 __all__ = ["SpecError", "parse", "load", "__version__"]

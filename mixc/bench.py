@@ -78,12 +78,10 @@ def compile_latency(name: str = "gla") -> dict:
     """Spec text -> generated source (derive + codegen), and source -> the first torch-backend call."""
     import torch
 
-    from mixc.codegen.module import generate
-    from mixc.runtime.op import load
+    from mixc import pipeline
     t0 = time.perf_counter()
-    op = load(name)
-    plan = op.plan()
-    generate(plan)
+    op = pipeline.load_op(name)
+    pipeline.render(op.plan())
     t1 = time.perf_counter()
     from mixc.runtime.inputs import random_args
     args, _ = random_args(op.ir, B=1, T=64, H=2, sizes={d.name: 16 for d in op.ir.dims if not d.alias_of},

@@ -6,8 +6,10 @@ import sys
 import time
 
 from .argtypes import nonnegative_int, positive_float, positive_int, positive_ints
-from .dsl import SpecError, library_names, read_spec, parse
-from .dsl.unparse import spec_text
+from .dsl import SpecError, library_names
+
+# the stages `--dump` prints (mixc/pipeline.py's DUMPS; named here so that argparse needs no import)
+DUMPS = ("parse", "check", "derive", "render")
 
 # `mixc run`'s default tolerance: float32 against float64 over a few hundred tokens
 RUN_TOL = 1e-3
@@ -38,16 +40,18 @@ def _sizes(pairs: list[str]) -> dict[str, int]:
     return out
 
 
-def _load(target: str):
-    src = read_spec(target)
-    return parse(src.text, src.filename)
+def _pipeline():
+    """mixc/pipeline.py, the compiler's stages. Imported when a command runs: it loads sympy,
+    torch and Triton, which `mixc --help` and argparse's errors do without."""
+    from . import pipeline
+    return pipeline
 
 
 def cmd_list(args) -> int:
-    from .derive.plan import derive
+    pipeline = _pipeline()
     rows = []
     for name in library_names():
-        plan = derive(_load(name))
+        plan = pipeline.compile(name)
         if plan.sequence is not None:       # a cache of the past (none when it reads the future)
             seq = plan.sequence
             states = "cache: " + ", ".join(seq.cache_keys) if seq.no_step is None else "none (not causal)"
@@ -61,39 +65,34 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _dump(mixer, plan, what: str | None) -> bool:
-    if what == "ir":
-        print(spec_text(mixer))
-        return True
-    if what == "plan":
-        from .derive.explain import plan_json
-        print(plan_json(plan))
-        return True
-    return False
+def _dump(args) -> bool:
+    """--dump STAGE: print that stage's result (pipeline.dump) instead of the command's."""
+    if not args.dump:
+        return False
+    print(_pipeline().dump(args.dump, args.spec, _flags(args.set)))
+    return True
 
 
 def cmd_check(args) -> int:
-    from .derive.plan import derive
-    mixer = _load(args.spec)
-    plan = derive(mixer, _flags(args.set))
-    if _dump(mixer, plan, args.dump):
+    if _dump(args):
         return 0
+    from .derive.lint import lint        # numerical risks, at their line: warnings, not errors
+    pipeline = _pipeline()
+    mixer = pipeline.spec(args.spec)
+    plan = pipeline.derive(mixer, _flags(args.set))
     print(f"ok: {mixer.name} ({mixer.source.filename}): {plan.transition}; forms: {', '.join(plan.forms)}")
     for note in plan.notes:
         print(f"note: {note}")
-    from .derive.lint import lint        # numerical risks, at their line: warnings, not errors
     for warning in (lint(plan) if plan.sequence is None else ()):
         print(warning.render(mixer.source))
     return 0
 
 
 def cmd_explain(args) -> int:
+    if _dump(args):
+        return 0
     from .derive.explain import explain
-    from .derive.plan import derive
-    mixer = _load(args.spec)
-    plan = derive(mixer, _flags(args.set))
-    if not _dump(mixer, plan, args.dump):
-        print(explain(plan))
+    print(explain(_pipeline().compile(args.spec, _flags(args.set))))
     return 0
 
 
@@ -157,7 +156,7 @@ def cmd_run(args) -> int:
 
     from .runtime.inputs import random_args
     from .runtime.op import make_op
-    op = make_op(_load(args.spec))
+    op = make_op(_pipeline().spec(args.spec))
     sizes = _run_sizes(op, _sizes(args.dim))
     flags = _flags(args.set)
     op.plan(**flags)                                   # an unknown --set flag: a SpecError before any work
@@ -220,26 +219,25 @@ def cmd_compile(args) -> int:
     """Write the generated module (kernels, metadata, the op) to DIR/NAME.py, or print it."""
     from pathlib import Path
 
-    from .codegen.module import generate
-    from .derive.plan import derive
-    mixer = _load(args.spec)
-    plan = derive(mixer, _flags(args.set))
-    if _dump(mixer, plan, args.dump if args.dump != "source" else None):
+    from .codegen.module import metadata
+    from .runtime.cache import write_output
+    if _dump(args):
         return 0
+    pipeline = _pipeline()
+    mixer = pipeline.spec(args.spec)
+    plan = pipeline.derive(mixer, _flags(args.set))
     if args.report:
         return _report(args.spec, tuple(args.arch or (90, 80)))
-    source = generate(plan)
-    if args.dump == "source" or not args.output:
+    source = pipeline.render(plan)
+    if not args.output:
         print(source)
         return 0
     suffix = "".join(f"__{k}_{int(v)}" for k, v in plan.flags if v != mixer.option(k).default)
     path = Path(args.output) / f"{mixer.name}{suffix}.py"
-    from .runtime.cache import write_output
     write_output(path, source)          # replaces a symlink at path, never writes through it
     if plan.sequence is not None:
         print(f"wrote {path} ({plan.transition}; no Triton kernel: computed by torch)")
         return 0
-    from .codegen.module import metadata
     print(f"wrote {path} ({plan.transition}; kernels: {', '.join(metadata(plan)['kernels'])})")
     return 0
 
@@ -251,7 +249,7 @@ def _report(spec: str, archs=(90, 80)) -> int:
     import os
     import subprocess
     env = dict(os.environ, TRITON_INTERPRET="0")
-    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.codegen.aot", spec, "--table",
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.tools.aot", spec, "--table",
                         *[x for a in archs for x in ("--arch", str(a))]], env=env)
     return p.returncode
 
@@ -265,13 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=hlp)
         c.add_argument("spec", help="a library spec name (see `mixc list`) or a .mix file")
         c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option")
-        c.add_argument("--dump", choices=("ir", "plan"), help="print a pipeline stage instead")
+        c.add_argument("--dump", choices=DUMPS[:3] + ("ir", "plan"), metavar="STAGE",
+                       help=f"print a stage's result instead (mixc/pipeline.py): {', '.join(DUMPS[:3])}; "
+                            "ir and plan name check and derive")
         c.set_defaults(fn=fn)
     c = sub.add_parser("compile", help="generate the module of a spec (Triton kernels, metadata, the op)")
     c.add_argument("spec", help="a library spec name or a .mix file")
     c.add_argument("-o", "--output", metavar="DIR", help="write DIR/NAME.py (default: print the source)")
     c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option")
-    c.add_argument("--dump", choices=("ir", "plan", "source"), help="print a pipeline stage instead")
+    c.add_argument("--dump", choices=DUMPS + ("ir", "plan", "source"), metavar="STAGE",
+                   help=f"print a stage's result instead (mixc/pipeline.py): {', '.join(DUMPS)}; "
+                        "ir, plan and source name check, derive and render")
     c.add_argument("--report", action="store_true",
                    help="compile for sm_90 and sm_80 and print registers, spills, shared memory, tensor cores")
     c.add_argument("--arch", type=int, action="append", metavar="SM",

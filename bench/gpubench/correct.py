@@ -17,7 +17,7 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
     import torch
 
     import mixc
-    from mixc.codegen.chunk import chunk_supported
+    from mixc.derive.layout import chunk_supported
     from mixc.runtime.autotune import chunk_candidates
     from mixc.runtime.inputs import random_args, random_state
 

@@ -87,7 +87,7 @@ def usage(kernel, arch: int = 90) -> dict:
     import os
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from mixc.codegen.aot import ptxas_usage
+    from mixc.tools.aot import ptxas_usage
     ptx = kernel.asm["ptx"]
     tc = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None
     return {**ptxas_usage(ptx, arch), "shared_bytes": kernel.metadata.shared, "tensor_cores": tc}

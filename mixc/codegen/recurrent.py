@@ -94,7 +94,7 @@ class Token:
             self.o = self.out(m.output.expr)
             self.lines += self.out.lines
             self.out0 = None
-            if split_dim(self.plan) is not None:
+            if self.plan.layout.split is not None:
                 # the state-free part of the output (D * x) counts once: block 0 keeps it, the
                 # other blocks subtract it (out evaluated at zero states)
                 zero_env = dict(self.env)
@@ -130,91 +130,17 @@ def common_hooks(plan: Plan) -> dict[str, object]:
         "options": [o.name for o in m.options if o.kind == "float"],
         "states": [s.name for s in m.states],
         "dims": list(order),
-        "tile": tile_dim(m),
-        "split": split_dim(plan),
+        "tile": plan.layout.tile,
+        "split": plan.layout.split,
         "load_params": "\n".join(params) or f"{I1}pass",
     }
-
-
-def tile_dim(m: ir.MixerIR) -> str | None:
-    """A dim of the output that every expression treats pointwise (no contraction, reduction
-    or rename touches it, no alias names it): the recurrent kernels split it into blocks, one
-    program each (fla's BV blocks; Mamba's P). None where no dim qualifies."""
-    touched = {d.alias_of for d in m.dims if d.alias_of} | {d.name for d in m.dims if d.alias_of}
-    exprs = [x.expr for x in m.lets] + [u.expr for u in m.updates] + [m.output.expr]
-    for e in exprs:
-        for node in ir.walk(e):
-            if isinstance(node, (ir.Contract, ir.Reduce)):
-                touched |= set(node.over)
-            elif isinstance(node, ir.Rename):
-                touched |= {x for pair in node.mapping for x in pair}
-    free = [d for d in m.output.expr.shape if d not in touched]
-    return free[-1] if free else None
-
-
-def split_dim(plan: Plan) -> str | None:
-    """A dim every state has, that the lets and updates treat pointwise and the output only
-    contracts in terms linear in the states (Mamba's N, the key dim K of the linear
-    classes): the recurrent kernels also split it into blocks (grid axis 2). Block j's output
-    is out(S_j) - out(0) for j > 0 and out(S_0) for j = 0; out is affine in the states, so the
-    blocks' outputs sum to out(S) (fla's fused recurrent kernels sum NK partial outputs the
-    same way). None where no dim qualifies (an exponential-gate stabilizer, a normalized or
-    nonlinear readout, a dim some expression reduces or renames)."""
-    m = plan.kernel_ir
-    if plan.stabilizer is not None or plan.output.kind != "linear" or not m.states:
-        return None
-    tile = tile_dim(m)
-    touched = {d.alias_of for d in m.dims if d.alias_of} | {d.name for d in m.dims if d.alias_of}
-    for e in [x.expr for x in m.lets] + [u.expr for u in m.updates]:
-        for node in ir.walk(e):
-            if isinstance(node, (ir.Contract, ir.Reduce)):
-                touched |= set(node.over)
-            elif isinstance(node, ir.Rename):
-                touched |= {x for pair in node.mapping for x in pair}
-    for node in ir.walk(m.output.expr):
-        if isinstance(node, ir.Reduce):
-            touched |= set(node.over)
-        elif isinstance(node, ir.Rename):
-            touched |= {x for pair in node.mapping for x in pair}
-        elif isinstance(node, ir.Contract):
-            # each block contracts its own slice: only a contraction that vanishes with the
-            # states (a state-free value @ a value proportional to the states) is exact;
-            # r @ (S + u k v) would count r @ (u k v) once per block and keep only block 0's
-            pair = (node.left, node.right)
-            if not any(_vanishes_with_states(x) and not _reads_state(y) for x, y in (pair, pair[::-1])):
-                touched |= set(node.over)
-    every_state = set.intersection(*[set(s.shape) for s in m.states])
-    free = [d for d in m.dim_names if d in every_state and d not in touched and d != tile
-            and d not in m.output.expr.shape]
-    return free[0] if free else None
-
-
-def _vanishes_with_states(e: ir.Expr) -> bool:
-    """e is 0 whenever every state is 0 (a conservative, structural check)."""
-    if isinstance(e, ir.Prev) or (isinstance(e, ir.Ref) and e.kind == "state"):
-        return True
-    if isinstance(e, ir.Neg):
-        return _vanishes_with_states(e.x)
-    if isinstance(e, ir.BinOp) and e.op in "+-":
-        return _vanishes_with_states(e.left) and _vanishes_with_states(e.right)
-    if isinstance(e, ir.BinOp) and e.op == "*":
-        return _vanishes_with_states(e.left) or _vanishes_with_states(e.right)
-    if isinstance(e, ir.BinOp) and e.op == "/":
-        return _vanishes_with_states(e.left)
-    if isinstance(e, ir.Contract):
-        return _vanishes_with_states(e.left) or _vanishes_with_states(e.right)
-    return False
-
-
-def _reads_state(e: ir.Expr) -> bool:
-    return any(isinstance(n, ir.Prev) or (isinstance(n, ir.Ref) and n.kind == "state") for n in ir.walk(e))
 
 
 def partial_index(plan: Plan, shape: tuple[str, ...]) -> str | None:
     """Which partial a program writes for a gradient (or output) of this shape: what lacks the
     tile dim gets one per tile, what lacks the split dim one per split block (summed on the
     host). None where every program writes its own elements of one buffer."""
-    t, k = tile_dim(plan.kernel_ir), split_dim(plan)
+    t, k = plan.layout.tile, plan.layout.split
     by_tile = t is not None and t not in shape
     by_split = k is not None and k not in shape
     if by_tile and by_split:
@@ -259,7 +185,7 @@ def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
     tok = Token(plan, I2).build()
     o_var, o_dims = tok.o
     o_shape = m.output.expr.shape
-    out = store("p_out", tile_base(plan, o_shape, "_row") if split_dim(plan) else "_row", o_shape, order, I2,
+    out = store("p_out", tile_base(plan, o_shape, "_row") if plan.layout.split else "_row", o_shape, order, I2,
                 expand(o_var, o_dims, canon(order, o_shape)), cast=True)
     # the states advance after the output has read both the old and the new ones
     advance = [f"{I2}s_{s} = {v}" for s, v in tok.new.items()]
@@ -278,7 +204,7 @@ def recurrent_bwd_hooks(plan: Plan) -> dict[str, object]:
     m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     sdims = {s.name: canon(order, s.shape) for s in m.states}
     init = []
-    tile = tile_dim(m)
+    tile = plan.layout.tile
     for s in m.states:
         init.append(f"{I1}d_{s.name} = {zeros(sdims[s.name])}")
         if tile is None or tile in s.shape:

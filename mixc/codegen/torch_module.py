@@ -8,7 +8,7 @@ import pprint
 
 from ..derive import plan as P
 from ..derive.plan import Plan
-from .chunk import ChunkCode, torch_chunk_supported
+from .chunk import ChunkCode
 from .torch_expr import TorchEmitter
 from .triton_expr import canon
 

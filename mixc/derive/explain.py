@@ -129,8 +129,7 @@ def explain(plan: P.Plan) -> str:
 
 def _explain(plan: P.Plan) -> str:
     m = plan.ir
-    from ..codegen.chunk import chunk_supported
-    why = chunk_supported(plan)
+    why = plan.layout.chunk_unsupported
     kernels = "recurrent forward + backward, step" + (", chunked forward + backward" if why is None
                                                      else f" (no chunked kernel: {why})")
     out = [f"mixer {m.name}    ({m.source.filename}, spec hash {m.spec_hash})",

@@ -3,7 +3,7 @@ the output into readouts and token terms, and the derivatives the backward pass 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy as sp
 
@@ -12,21 +12,15 @@ from ..dsl.errors import SpecError
 from . import affine, stabilize
 from .stabilize import Stabilizer
 from .budget import Budget
+# the transition classes, named here too for the users of plan.PREFIX_SUM, plan.SCALAR, ...
+from .classes import (CHUNK_CLASSES, ELEMENTWISE, GENERAL, KEY_DIAG, PREFIX_SUM, RANK1, SCALAR,  # noqa: F401
+                      VALUE_DIAG)
 from .functions import log_of
+from .layout import KernelLayout, kernel_layout
 from .logspace import log_ir
+from .sequence import derive_sequence
 from .symbolic import NodeDef, SymbolTable, ToSympy, bounded_simplify, node_partial
 
-# Transition classes (DESIGN.md section 1).
-PREFIX_SUM = "prefix sum"
-SCALAR = "scalar decay"
-KEY_DIAG = "key-diagonal decay"
-VALUE_DIAG = "value-diagonal decay"
-ELEMENTWISE = "elementwise decay"
-RANK1 = "rank-1 correction"
-GENERAL = "general linear"
-
-# Parallel algorithm of each class (the recurrent and step forms exist for every class).
-CHUNK_CLASSES = (PREFIX_SUM, SCALAR, KEY_DIAG, VALUE_DIAG, RANK1)
 
 
 @dataclass(frozen=True)
@@ -128,6 +122,7 @@ class Plan:
     table: SymbolTable
     stabilizer: "Stabilizer | None" = None   # exponential input gates (derive/stabilize.py)
     sequence: "SequencePlan | None" = None   # a sequence mixer (conv, mix, attend): derive/sequence.py
+    layout: KernelLayout | None = None      # which kernels exist, tile/split dims, chunk size (derive/layout.py)
 
     @property
     def name(self) -> str:
@@ -207,8 +202,11 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
             known = ", ".join(o.name for o in mixer.flags) or "none"
             raise SpecError(f"'{name}' is not a flag of mixer '{mixer.name}' (flags: {known})")
     if mixer.is_sequence:            # conv, mix, attend: no recurrence to classify
-        from .sequence import derive_sequence
-        return derive_sequence(mixer, flags)
+        seq, forms, notes = derive_sequence(mixer, flags)
+        values = {o.name: o.default for o in mixer.flags} | flags
+        out = OutputPlan(mixer.output.name, mixer.output.expr.shape, (), sp.S.Zero, "sequence", ())
+        return Plan(mixer, tuple(sorted(values.items())), (), (), (), out, forms, notes,
+                    SymbolTable(mixer).freeze(), None, seq)
     values = {o.name: (flags[o.name] if o.name in flags else o.default) for o in mixer.flags}
     spec = affine.specialize(mixer, values)
     table = SymbolTable(spec)
@@ -278,8 +276,9 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     if all(s.time_invariant for s in states):
         forms.append("conv")
     stab = stabilize.find(spec, states, combine_ir, r_plans, notes)
-    return Plan(spec, tuple(sorted(values.items())), tuple(lets), tuple(nodes), tuple(states), out,
+    plan = Plan(spec, tuple(sorted(values.items())), tuple(lets), tuple(nodes), tuple(states), out,
                 tuple(forms), tuple(notes), table.freeze(), stab)
+    return replace(plan, layout=kernel_layout(plan))
 
 
 def _combine_kind(combine: sp.Expr, readout_syms) -> str:

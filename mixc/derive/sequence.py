@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
-
 from ..dsl import ir
 from ..dsl.unparse import expr_text
-from .symbolic import SymbolTable
 
 # The direct (no FFT) convolution: filters of at most this many taps, or at most this many
 # new tokens (decode); runtime/seqops.py uses the same numbers.
@@ -111,8 +108,8 @@ def _conv(op: ir.SeqOp, name: str, causal: bool, kind: str, h: str, x: str):
     return lines, cache
 
 
-def derive_sequence(mixer: ir.MixerIR, flags: dict[str, bool]):
-    from . import plan as P
+def derive_sequence(mixer: ir.MixerIR, flags: dict[str, bool]) -> tuple[SequencePlan, tuple[str, ...], tuple[str, ...]]:
+    """(the sequence plan, the forms, the notes) of a sequence mixer; derive() makes its Plan."""
     values = {o.name: o.default for o in mixer.flags} | flags
     ops, blockers = [], []
     for op in mixer.sequence_ops:
@@ -157,10 +154,8 @@ def derive_sequence(mixer: ir.MixerIR, flags: dict[str, bool]):
                      for e in [x.expr for x in mixer.lets] + [mixer.output.expr] for n in ir.walk(e))
     seq = SequencePlan(tuple(ops), no_step, stabilized)
     notes = [no_step + " (step(), initial_state and output_final_state are refused)"] if no_step else []
-    out = P.OutputPlan(mixer.output.name, mixer.output.expr.shape, (), sp.S.Zero, "sequence", ())
     forms = ("sequence",) if no_step else ("sequence", "step")
-    return P.Plan(mixer, tuple(sorted(values.items())), (), (), (), out, forms, tuple(notes),
-                  SymbolTable(mixer).freeze(), None, seq)
+    return seq, forms, tuple(notes)
 
 
 def _shape(shape) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from ..dsl import ir
 from . import affine
+from .classes import PREFIX_SUM, SCALAR
 
 M = "_m"                  # the stabilizer's name in the kernels (spec names never start with '_')
 
@@ -73,7 +74,6 @@ def split_gate(e: ir.Expr | None) -> tuple[ir.Expr | None, ir.Expr | None]:
 def find(spec: ir.MixerIR, states, combine_ir: ir.Expr, readouts, notes: list[str]) -> Stabilizer | None:
     """The stabilizer of a plan's states (StatePlans), or None where no state has an
     exponential input gate."""
-    from .plan import PREFIX_SUM, SCALAR
     gated = []
     for st in states:
         p = st.ir_pieces

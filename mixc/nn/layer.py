@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.op import load
+from ..pipeline import load_op as load
 from ..runtime.signature import ArgumentError
 from .roles import DIM_DEFAULTS, OPTION_DEFAULTS, input_role, param_role
 

@@ -28,12 +28,25 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import torch
+import triton
 
+from .. import __version__
 from ..derive.plan import Plan
+from .cache import cache_dir, interpreting, write_atomic
 
 # Triton's defaults for a CUDA launch without num_warps / num_stages: the untuned launch.
 DEFAULT_WARPS, DEFAULT_STAGES = 4, 3
 FORMS = ("chunk", "chunk_fwd", "chunk_bwd", "recurrent_fwd", "recurrent_bwd")
+# Blocks of the recurrent kernels' tile dim and split dim (plan.layout.tile, .split) in the
+# untuned launch: one program per block. fla's fused recurrent kernels take BV <= 32 (ours: the
+# tile) and BK <= 64 (ours: the split, Mamba's N or the key dim).
+RECURRENT_TILE = 32
+RECURRENT_SPLIT = 64
+
+
+def block(size: int) -> int:
+    """A dim's block: its next power of two (at least 1)."""
+    return max(triton.next_power_of_2(size), 1)
 
 _CACHE: dict[tuple, "Config"] = {}
 STATS = {"tuned": 0, "memory_hits": 0, "disk_hits": 0}
@@ -63,19 +76,17 @@ def mode() -> str:
 
 def active(device: torch.device) -> bool:
     """Tuning applies to compiled kernels on CUDA only: never under the interpreter."""
-    from .cache import interpreting
     return device.type == "cuda" and not interpreting() and mode() != "0"
 
 
 # ---- the configuration lists, per transition class ----
 
 def chunk_candidates(plan: Plan) -> list[int]:
-    """C values for the chunked kernels: the class's default (launch.chunk_size) first, then
+    """C values for the chunked kernels: the class's default (plan.layout.chunk_size) first, then
     half of it where the intra-chunk term is a [C, C] matrix (scalar decay, prefix sum, the
     rank-1 class with a scalar decay). The [C, C, dim] blocks of the key- and value-diagonal
     classes stay at 16 (32 would hold 32 x 32 x K values)."""
-    from .launch import chunk_size
-    c0 = chunk_size(plan)
+    c0 = plan.layout.chunk_size
     out = [c0]
     if c0 // 2 >= 16:
         out.append(c0 // 2)
@@ -100,8 +111,6 @@ def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[
     recurrent_*:    num_warps in {4, 2} x the tile block in {32, 16, 64} (where the spec has a
                     tile dim) x the split block in {64, 32} (where it has a split dim), blocks
                     no larger than the dim's power of two; num_stages 3"""
-    from ..codegen.recurrent import split_dim, tile_dim
-    from .launch import RECURRENT_SPLIT, RECURRENT_TILE, block
     if form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
     if form == "chunk":
@@ -109,7 +118,7 @@ def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[
     if form in ("chunk_fwd", "chunk_bwd"):
         return [Config(8, 3, phases=2), Config(4, 3, phases=2), Config(8, 1, phases=2), Config(8, 1, phases=1)]
     sizes = sizes or {}
-    tile, split = tile_dim(plan.kernel_ir), split_dim(plan)
+    tile, split = plan.layout.tile, plan.layout.split
 
     def blocks(dim, default, options):
         if dim is None:
@@ -147,10 +156,6 @@ def key(plan: Plan, form: str, sizes: dict, dtype: torch.dtype, programs: int, d
 
 
 def _disk_path(k: tuple):
-    import triton
-
-    from .. import __version__
-    from .cache import cache_dir
     h = hashlib.sha256(repr((k, __version__, triton.__version__)).encode()).hexdigest()[:32]
     return cache_dir() / "autotune" / f"{h}.json"
 
@@ -164,7 +169,6 @@ def _disk_get(k: tuple) -> Config | None:
 
 
 def _disk_put(k: tuple, cfg: Config, timings: list) -> None:
-    from .cache import write_atomic
     try:
         path = _disk_path(k)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +195,6 @@ def _quiet() -> bool:
 def bench(fn) -> float:
     """Median milliseconds of fn by the active Triton driver's benchmarker (what triton.autotune
     calls; bench/gpu_check serializes it across its warm-up processes)."""
-    import triton
     ms = triton.runtime.driver.active.get_benchmarker()(fn, quantiles=(0.5, 0.2, 0.8))
     return float(ms[0] if isinstance(ms, (list, tuple)) else ms)
 

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
-import triton
 
-from ..codegen.recurrent import split_dim, tile_dim
 from ..derive.plan import Plan
 from . import autotune
+from .autotune import RECURRENT_SPLIT, RECURRENT_TILE, block  # noqa: F401  (launch.block: aot, tests)
 from .cache import interpreting, load_module
 from .reference import _options
 from .signature import Bound
@@ -24,15 +22,6 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return t
 
 
-def block(size: int) -> int:
-    return max(triton.next_power_of_2(size), 1)
-
-
-# Blocks of the recurrent kernels' tile dim (codegen.recurrent.tile_dim) and split dim
-# (codegen.recurrent.split_dim): one program per block. fla's fused recurrent kernels take
-# BV <= 32 (ours: the tile) and BK <= 64 (ours: the split, Mamba's N or the key dim).
-RECURRENT_TILE = 32
-RECURRENT_SPLIT = 64
 # Block of the tile dim (V, Mamba-2's P) in the chunked kernels: the state per program is
 # [K, CHUNK_TILE] instead of [K, V] (sm_90 at K = V = 128 spilled 0.9-5 KB whole; bench/README.md).
 CHUNK_TILE = 64
@@ -41,7 +30,7 @@ CHUNK_TILE = 64
 def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) -> dict:
     """Sizes and blocks of the recurrent kernels; a tuned config may set the tile and split blocks."""
     kw = {}
-    tile, split = layout(plan)
+    tile, split = plan.layout.tile, plan.layout.split
     tile_block = config.tile if config is not None and config.tile else RECURRENT_TILE
     split_block = config.split if config is not None and config.split else RECURRENT_SPLIT
     for d in plan.ir.dim_names:
@@ -53,7 +42,7 @@ def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) 
 
 def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
     """Programs along the tile dim: 1 for specs without a tile dim."""
-    tile = layout(plan).tile
+    tile = plan.layout.tile
     if tile is None:
         return 1
     return -(-bound.sizes[tile] // blocks[f"_BLOCK_{tile}"])
@@ -61,29 +50,12 @@ def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
 
 def n_splits(plan: Plan, bound: Bound, blocks: dict) -> int:
     """Programs along the split dim: 1 for the chunked kernels and specs without a split dim."""
-    split = layout(plan).split
+    split = plan.layout.split
     if split is None or "_BLOCK__T" in blocks:
         return 1
     # at least one: a split dim of size 0 (gla K = 0, mamba2 N = 0) still needs block 0, which
     # writes the state-free part of the output (zeros, D * x) and every gradient
     return max(1, -(-bound.sizes[split] // blocks[f"_BLOCK_{split}"]))
-
-
-class Layout(NamedTuple):
-    tile: str | None        # codegen.recurrent.tile_dim(plan.kernel_ir)
-    split: str | None       # codegen.recurrent.split_dim(plan)
-
-
-_LAYOUTS: dict[int, tuple[Plan, Layout]] = {}
-
-
-def layout(plan: Plan) -> Layout:
-    """The tile and split dims of a plan's kernels, found once per plan (each walks the IR:
-    ~100 us a call on the call path otherwise). Keyed by id, the plan kept alive beside it."""
-    hit = _LAYOUTS.get(id(plan))
-    if hit is None:
-        hit = _LAYOUTS[id(plan)] = (plan, Layout(tile_dim(plan.kernel_ir), split_dim(plan)))
-    return hit[1]
 
 
 class KernelUnavailable(RuntimeError):
@@ -171,7 +143,7 @@ def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out
 
     def run(cfg):
         kw = dim_kwargs(plan, bound, cfg) | (cfg.launch() if cfg is not None else {})
-        tile = layout(plan).tile
+        tile = plan.layout.tile
         if inplace and tile is not None and any(tile not in s.shape for s in plan.kernel_ir.states):
             # every tile program reads and writes a state without the tile dim whole: with one
             # buffer, a later program could read what an earlier one wrote. One tile block.
@@ -226,12 +198,12 @@ def _tuned(plan: Plan, bound: Bound, form: str, run, C: int | None = None) -> au
 
 
 def chunk_size_for(plan: Plan, bound: Bound) -> int:
-    """C for the chunked kernels: chunk_size(plan), or on CUDA the fastest forward + backward
+    """C for the chunked kernels: plan.layout.chunk_size, or on CUDA the fastest forward + backward
     over autotune.chunk_candidates(plan) for these dims, dtype and parallelism (cached). While
     torch.compile traces, the default (C is a Python int in the traced call)."""
     x0 = next(iter(bound.inputs.values()))
     if not autotune.active(x0.device) or torch.compiler.is_compiling():
-        return chunk_size(plan)
+        return plan.layout.chunk_size
 
     def run(cfg):
         _, _, ck = chunk_forward(plan, bound, output_final_state=False, checkpoints=True, C=cfg.C)
@@ -260,7 +232,7 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     opts = _options(m, bound)
     # what lacks the tile (split) dim gets one gradient partial per tile (split) block, summed below
     tiles, splits = n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
-    tile, split = layout(plan)
+    tile, split = plan.layout.tile, plan.layout.split
 
     def parts(dims) -> int:
         return ((tiles if tile is not None and tile not in dims else 1)
@@ -293,19 +265,6 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     return dinputs, dparams, dinit
 
 
-def chunk_size(plan: Plan) -> int:
-    """C: 16 where the intra-chunk term is a [C, C, dim] block (key- or value-diagonal decay,
-    rank-1 with a per-key decay, the torch backend's elementwise form), 32 for the rank-1
-    class, 64 otherwise. The torch backend takes the same C."""
-    from ..derive import plan as P
-    diag = any(s.transition in (P.KEY_DIAG, P.VALUE_DIAG, P.ELEMENTWISE) or (s.transition == P.RANK1 and s.decay_dims)
-               for s in plan.states)
-    if diag:
-        return 16
-    # the rank-1 class keeps U, the [C, C] solve and its adjoint live: 64 spills on sm_90
-    return 32 if any(s.transition == P.RANK1 for s in plan.states) else 64
-
-
 def _dot_code(dtype: torch.dtype) -> int:
     """Matmul inputs of the chunked kernels: the inputs' precision on a GPU (tensor cores), fp32
     otherwise. Triton's interpreter (3.9) computes a bf16 tl.dot wrongly (garbage of 1e10,
@@ -322,7 +281,7 @@ def chunk_blocks(plan: Plan, bound: Bound) -> dict:
     dims = plan.ir.dim_names
     blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
     blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})
-    tile = layout(plan).tile
+    tile = plan.layout.tile
     if tile is not None:
         blocks[f"_BLOCK_{tile}"] = max(16, min(block(bound.sizes[tile]), CHUNK_TILE))
     return blocks
@@ -376,7 +335,7 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
     """Run the chunked forward kernel (two launches or one: CHUNK_PHASES). Same returns as
     recurrent_forward; its checkpoints (the states at chunk starts) serve the chunked backward
     and the recurrent one with CK = C."""
-    C = C or chunk_size(plan)
+    C = C or plan.layout.chunk_size
     x0 = next(iter(bound.inputs.values()))
     programs, common = _chunk_launch(plan, bound, C)
 
@@ -402,7 +361,7 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
     slots = checkpoint_slots(bound, C)
     chunk_programs, launch_kw = _chunk_launch(plan, bound, C)
     tiles = n_tiles(plan, bound, launch_kw)
-    tile = layout(plan).tile
+    tile = plan.layout.tile
 
     def run(cfg):
         common = dict(**launch_kw, **(cfg.launch() if cfg is not None else {}))

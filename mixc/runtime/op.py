@@ -26,11 +26,10 @@ from functools import lru_cache
 import torch
 
 from ..derive.plan import Plan, derive
-from ..dsl import MixerIR, parse, read_spec
+from ..dsl import MixerIR
 from . import reference as _reference
 from .cache import interpreting
-from ..codegen.chunk import chunk_supported, torch_chunk_supported
-from .launch import chunk_size, chunk_size_for
+from .launch import chunk_size_for
 from .signature import ArgumentError, Bound, bind, option_values
 
 MODES = ("auto", "recurrent", "chunk", "conv", "torch", "reference")
@@ -92,10 +91,10 @@ class MixerOp:
             from .conv_form import conv_forward
             o, st = conv_forward(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound))
             return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
-        if mode == "torch" and torch_chunk_supported(plan) is None:
+        if mode == "torch" and plan.layout.torch_chunked:
             from .torch_chunk import torch_chunked
             o, st = torch_chunked(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound),
-                                  C=chunk or chunk_size(plan))
+                                  C=chunk or plan.layout.chunk_size)
             return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
@@ -106,7 +105,7 @@ class MixerOp:
                 return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
             return o, st
         if mode == "chunk" or (mode == "auto" and "chunk" in plan.forms):
-            why = chunk_supported(plan)
+            why = plan.layout.chunk_unsupported
             if why is not None:
                 if mode == "chunk":
                     raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
@@ -191,7 +190,7 @@ class MixerOp:
         mode = self._resolve(mode, device)
         if mode == "conv":            # one token: the convolution form has nothing to gain; the torch step
             mode = "torch"
-        if mode == "torch" and torch_chunk_supported(self._plan_for(bound.flags)) is None:
+        if mode == "torch" and self._plan_for(bound.flags).layout.torch_chunked:
             # the torch backend's chunked form (stabilized where the spec has an exponential gate)
             names = {d.name for d in self.ir.inputs}
             seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
@@ -254,13 +253,6 @@ def _cached_plan(mixer: MixerIR, source, flags: tuple) -> Plan:
     return derive(mixer, dict(flags))
 
 
-def load(name_or_path):
-    """A library spec by name ('gla') or a .mix file by path -> MixerOp, its default flags
-    prepared (derived, custom ops registered). Raises SpecError."""
-    src = read_spec(name_or_path)
-    return from_text(src.text, src.filename)
-
-
 def make_op(mixer: MixerIR):
     """The op of a checked spec: a MixerOp for a recurrence, a SequenceOp for conv, mix, attend."""
     if mixer.is_sequence:
@@ -275,9 +267,3 @@ def use_conv_form(plan: Plan, bound) -> bool:
     from ..derive.convform import AUTO_MIN_T, conv_form
     cf = conv_form(plan)
     return cf is not None and cf.fft and bound.T >= AUTO_MIN_T
-
-
-def from_text(text: str, filename: str = "<spec>"):
-    op = make_op(parse(text, filename))
-    op.prepare()
-    return op

@@ -2,7 +2,8 @@
 the interpreter forgives (dtype rules, block shapes, shared memory) and shows the code.
 
 Needs compiled (not interpreted) kernels: run it in a process without TRITON_INTERPRET=1
-(`python -m mixc.codegen.aot NAME ...`)."""
+(`python -m mixc.tools.aot NAME ...`, `mixc compile NAME --report`). The spec goes through the
+stages of mixc/pipeline.py (compile: read, parse, check, derive; load: render, cache, import)."""
 from __future__ import annotations
 
 import argparse
@@ -10,14 +11,19 @@ import concurrent.futures
 import inspect
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from .. import pipeline
 from ..derive.plan import Plan
+from ..runtime.cache import interpreting
 from ..runtime.launch import block
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -30,7 +36,6 @@ _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}
 def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16") -> tuple[dict, dict]:
     """(signature, constexprs) of a generated kernel, read off its argument names: pointers to
     inputs, outputs and their gradients in `dtype`, everything else float32."""
-    from ..runtime.launch import chunk_size
     fn = kernel.fn if hasattr(kernel, "fn") else kernel
     t = _DTYPE[dtype]
     chunked = "_BLOCK__T" in inspect.signature(fn).parameters      # matmul blocks are at least 16
@@ -41,7 +46,7 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             if name.startswith("_size_"):
                 const[name] = sizes[name[len("_size_"):]]
             elif name == "_BLOCK__T":
-                const[name] = chunk_size(plan)
+                const[name] = plan.layout.chunk_size
             elif name == "DOT":
                 const[name] = _DOT[dtype]
             elif name.startswith("_BLOCK_") and name not in _SWITCHES:
@@ -73,14 +78,12 @@ def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warp
 def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16", phases=(0, 1, 2)) -> list[dict]:
     """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel,
     the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches)."""
-    from ..runtime.cache import interpreting, load_module
-    from ..runtime.op import load
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs compiled kernels: unset TRITON_INTERPRET")
-    plan = load(name).plan()
+    plan = pipeline.compile(name)
     if plan.sequence is not None:          # conv, mix, attend: computed by torch, no kernel to compile
         return []
-    mod = load_module(plan)
+    mod = pipeline.load(plan)
     sizes = {d: size for d in plan.ir.dim_names}
     out = []
     for form, kname in mod.METADATA["kernels"].items():
@@ -101,9 +104,6 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
 
 def ptxas_usage(ptx: str, arch: int) -> dict:
     """Registers and spills as ptxas reports them (-v), with the ptxas that Triton ships."""
-    import re
-    import subprocess
-    import tempfile
     try:                                  # the ptxas Triton itself uses for this arch
         from triton.backends.nvidia.compiler import get_ptxas
         ptxas = get_ptxas(arch).path

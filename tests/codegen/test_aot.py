@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import mixc
-from mixc.codegen.chunk import chunk_supported
+from mixc.derive.layout import chunk_supported
 from mixc.dsl import library_names
 
 
@@ -23,7 +23,7 @@ def test_every_kernel_compiles(tmp_path, archs, phases):
     too and PHASE 0 (the walk alone, the tuner's other choice); about 5 minutes on 2 cores."""
     env = dict(os.environ, TRITON_INTERPRET="0", MIXC_CACHE_DIR=str(tmp_path))
     arch_args = [x for a in archs for x in ("--arch", a[3:])]
-    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.codegen.aot", *arch_args,
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.tools.aot", *arch_args,
                         "--phases", ",".join(map(str, phases)), *library_names()],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

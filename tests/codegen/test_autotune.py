@@ -26,7 +26,7 @@ def test_chunk_candidates_per_class():
                    "gla": [16], "rwkv6": [16], "delta_rule": [32, 16], "gated_delta_rule": [32, 16], "rwkv7": [16]}
     for n in got:                       # the default C (the untuned launch) comes first
         plan = mixc.load(n).plan()
-        assert autotune.configs(plan, "chunk")[0].C == launch.chunk_size(plan)
+        assert autotune.configs(plan, "chunk")[0].C == plan.layout.chunk_size
 
 
 def test_kernel_config_lists_start_with_the_untuned_launch():
@@ -112,7 +112,7 @@ def test_interpreter_launch_is_untuned(monkeypatch):
     kw, _ = random_args(op.ir, B=1, T=8, H=1, sizes={"K": 16, "V": 16}, dtype=torch.float32)
     bound = bind(op.ir, kw)
     assert launch._tuned(op.plan(), bound, "chunk_fwd", lambda cfg: None, 64) is None
-    assert launch.chunk_size_for(op.plan(), bound) == launch.chunk_size(op.plan())
+    assert launch.chunk_size_for(op.plan(), bound) == op.plan().layout.chunk_size
     monkeypatch.setattr(autotune, "_device", lambda index: ("fake GPU", 132))
     k = [autotune.key(op.plan(), "chunk_fwd", bound.sizes, torch.bfloat16, p, torch.device("cuda", 0), 64)
          for p in (16, 1000)]
@@ -146,8 +146,7 @@ def test_tuned_blocks_compute_the_same(monkeypatch):
 
 SCRIPT = r"""
 import json, sys
-from mixc.codegen.aot import compile_kernel, signature
-from mixc.codegen.recurrent import split_dim, tile_dim
+from mixc.tools.aot import compile_kernel, signature
 from mixc.runtime import autotune
 from mixc.runtime.cache import load_module
 import mixc
@@ -170,8 +169,8 @@ for name, sizes in (("simple_gla", {"K": 16, "V": 16}), ("mamba", {"N": 16, "P":
         else:
             for cfg in autotune.configs(plan, form, sizes):
                 c = dict(const)
-                if cfg.tile: c["_BLOCK_" + tile_dim(plan.kernel_ir)] = cfg.tile
-                if cfg.split: c["_BLOCK_" + split_dim(plan)] = cfg.split
+                if cfg.tile: c["_BLOCK_" + plan.layout.tile] = cfg.tile
+                if cfg.split: c["_BLOCK_" + plan.layout.split] = cfg.split
                 ck = compile_kernel(kernel, sig, c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
                 out.append((name, form, cfg.tile, cfg.split, cfg.num_warps, len(ck.asm["cubin"]) > 0))
 print(json.dumps(out))

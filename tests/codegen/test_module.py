@@ -11,7 +11,7 @@ import mixc
 from mixc.codegen.module import generate
 from mixc.dsl import library_names
 from mixc.runtime import cache
-from mixc.runtime.op import from_text
+from mixc.pipeline import from_text
 
 
 @pytest.mark.parametrize("name", library_names("recurrent"))      # sequence mixers: test_sequence_module below
@@ -117,12 +117,12 @@ def test_interpreter_bf16_dot():
 @pytest.mark.parametrize("name,tile", [("gla", "V"), ("mamba", "P"), ("delta_rule", "V"), ("rwkv7", "V"),
                                        ("hgrn", "D"), ("mlstm", "V")])
 def test_tile_dim_is_a_pointwise_dim_of_the_output(name, tile):
-    from mixc.codegen.recurrent import tile_dim
+    from mixc.derive.layout import tile_dim
     assert tile_dim(mixc.load(name).plan().kernel_ir) == tile
 
 
 def test_no_tile_dim_where_the_output_dim_is_contracted_or_renamed():
-    from mixc.codegen.recurrent import tile_dim
+    from mixc.derive.layout import tile_dim
     text = ("mixer m\n  dims K, V\n  input q[K], k[K], v[V]\n  state S[K, V]\n  update S = S + k * v\n"
             "  output o = q * sum(q @ S, V)\n")
     assert tile_dim(from_text(text).plan().kernel_ir) is None

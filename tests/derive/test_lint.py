@@ -4,7 +4,7 @@ import pytest
 
 import mixc
 from mixc.derive.lint import lint
-from mixc.runtime.op import from_text
+from mixc.pipeline import from_text
 
 BASE = """mixer m
   dims   K, V

@@ -6,10 +6,12 @@ import sympy as sp
 import torch
 
 import mixc
-from mixc.codegen.torch_eval import NamedEval
 from mixc.dsl import library_names
 from mixc.runtime.reference import _align, _options
 from mixc.runtime.signature import bind
+
+from .torch_eval import NamedEval
+from .torch_printer import torch_callable
 
 from helpers import case_id, random_args
 
@@ -103,7 +105,6 @@ def test_plan_reproduces_reference(name, flags):
 def test_let_partials_match_autograd(name):
     """Each let's sympy partials (nodes held fixed) equal torch autograd of the same expression."""
     plan = mixc.load(name).plan()
-    from mixc.codegen.torch_printer import torch_callable
     gen = torch.Generator().manual_seed(3)
     for let in plan.lets + tuple(plan.states) + (plan.output,):
         exprs = ([(let.expr, let.partials)] if hasattr(let, "expr") else

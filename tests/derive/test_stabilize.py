@@ -8,7 +8,7 @@ import mixc
 from mixc.derive.stabilize import rewrite, m_ref
 from mixc.dsl import ir
 from mixc.dsl.unparse import expr_text, spec_text
-from mixc.runtime.op import from_text
+from mixc.pipeline import from_text
 from mixc.runtime.reference import reference
 
 from helpers import random_args, random_state

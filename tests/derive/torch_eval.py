@@ -1,13 +1,14 @@
 """Evaluate derived sympy expressions on named tensors (tensor, dims) with torch, nodes
-included (sum, norm, max, min, dot, rename). The Plan is checked numerically with this,
-and it is the seed of the torch backend."""
+included (sum, norm, max, min, dot, rename): test_plan_numeric.py checks the Plan
+numerically with it. A test helper (it was mixc/codegen/torch_eval.py)."""
 from __future__ import annotations
 
 import sympy as sp
 import torch
 
-from ..derive.symbolic import SymbolTable
-from ..runtime.reference import _align
+from mixc.derive.symbolic import SymbolTable
+from mixc.runtime.reference import _align
+
 from .torch_printer import torch_callable
 
 Value = tuple[torch.Tensor, tuple[str, ...]]

@@ -1,5 +1,7 @@
 """Derived sympy expressions -> callables over torch tensors (through sympy.lambdify with
-our function table). Used to check the derivation numerically and by the torch backend."""
+our function table). test_plan_numeric.py checks the derivation numerically with it (a test
+helper: it was mixc/codegen/torch_printer.py; the torch backend prints its own code,
+mixc/codegen/torch_expr.py)."""
 from __future__ import annotations
 
 import sympy as sp

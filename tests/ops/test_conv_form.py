@@ -7,7 +7,8 @@ import torch
 
 import mixc
 from mixc.derive.convform import AUTO_MIN_T, conv_form
-from mixc.runtime.op import from_text, use_conv_form
+from mixc.pipeline import from_text
+from mixc.runtime.op import use_conv_form
 from mixc.runtime.signature import ArgumentError, bind
 
 from helpers import case_id, random_args, random_state

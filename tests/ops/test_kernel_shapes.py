@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import mixc
-from mixc.codegen.recurrent import tile_dim
+from mixc.derive.layout import tile_dim
 
 from helpers import case_id, random_args, random_state
 from kernel_checks import check_against_reference
@@ -133,7 +133,7 @@ def test_recurrent_kernels_split_the_contracted_dim(name, dim, monkeypatch):
     each program's output is a partial (block j > 0 subtracts the state-free part D * x),
     summed on the host; what lacks the split dim (x, dt, D, v) gets its gradient as a sum of
     per-block partials."""
-    from mixc.codegen.recurrent import split_dim
+    from mixc.derive.layout import split_dim
     import mixc.runtime.launch as launch
     monkeypatch.setattr(launch, "RECURRENT_TILE", 4)
     monkeypatch.setattr(launch, "RECURRENT_SPLIT", 4)
@@ -167,7 +167,7 @@ def test_split_recurrent_kernels_with_varlen_and_step(monkeypatch):
 def test_no_split_dim_where_a_contraction_keeps_a_state_free_part():
     """r @ (S + u k v) (rwkv6's bonus) would count r @ (u k v) per block: K is not split; nor is
     anything split under a normalized readout or a stabilizer."""
-    from mixc.codegen.recurrent import split_dim
+    from mixc.derive.layout import split_dim
     for name in ("rwkv6", "linear_transformer", "mlstm", "delta_rule"):
         assert split_dim(mixc.load(name).plan()) is None, name
 

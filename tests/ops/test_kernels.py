@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mixc
-from mixc.codegen.chunk import chunk_supported
+from mixc.derive.layout import chunk_supported
 from mixc.dsl import library_names
 
 from helpers import case_id, random_args, random_state  # noqa: F401

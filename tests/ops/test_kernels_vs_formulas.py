@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mixc
-from mixc.codegen.chunk import chunk_supported
+from mixc.derive.layout import chunk_supported
 
 from helpers import random_state
 from kernel_checks import check_against_reference

@@ -362,7 +362,7 @@ def _direct(h, x, causal):
 def test_every_form_of_conv(T):
     """A tap dim (L taps, params), a filter per token and batch row (an input: taps along time),
     centred (causal=false) and a constant filter (a cumulative sum)."""
-    from mixc.runtime.op import from_text
+    from mixc.pipeline import from_text
     op = from_text(CONVS, "convs.mix")
     gen = torch.Generator().manual_seed(1)
     x, f = (torch.randn(2, T, 2, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))

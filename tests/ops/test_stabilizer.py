@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mixc
-from mixc.runtime.op import from_text
+from mixc.pipeline import from_text
 
 from helpers import random_args, random_state
 from stabilizer_specs import EXPSUM

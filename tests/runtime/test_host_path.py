@@ -61,10 +61,10 @@ def test_no_file_system_work_hashing_or_ir_walk_after_the_first_call(name, monke
     for owner, attr in FS_CALLS:
         monkeypatch.setattr(owner, attr, _counting(counts, f"{getattr(owner, '__name__', owner)}.{attr}",
                                                    getattr(owner, attr)))
-    from mixc.codegen import recurrent
-    for fn in ("tile_dim", "split_dim"):                       # the IR walks behind the launch layout
-        monkeypatch.setattr(launch, fn, _counting(counts, fn, getattr(launch, fn)))
-        monkeypatch.setattr(recurrent, fn, _counting(counts, fn, getattr(recurrent, fn)))
+    from mixc.derive import layout
+    for fn in ("kernel_layout", "tile_dim", "split_dim", "chunk_supported", "torch_chunk_supported"):
+        # the IR walks behind the launch layout: done once per plan, by derive
+        monkeypatch.setattr(layout, fn, _counting(counts, fn, getattr(layout, fn)))
     monkeypatch.setattr(op_module, "bind", _counting(counts, "bind", op_module.bind))
     calls()
     calls()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mixc
-from mixc.codegen.chunk import chunk_supported, torch_chunk_supported
+from mixc.derive.layout import chunk_supported, torch_chunk_supported
 from mixc.dsl import library_names
 
 from helpers import random_args, random_state
@@ -66,7 +66,7 @@ mixer printer
 
 
 def test_torch_printer_covers_every_construct():
-    from mixc.runtime.op import from_text
+    from mixc.pipeline import from_text
     op = from_text(PRINTER_SPEC, "printer.mix")
     assert chunk_supported(op.plan()) is None
     args, sizes = random_args(op.ir, B=2, T=9, H=3, sizes={"K": 4, "V": 3}, dtype=torch.float64,

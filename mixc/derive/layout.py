@@ -1,0 +1,163 @@
+"""Which kernels a plan gets and how they are laid out: a fact of the derivation, carried by
+the Plan (plan.layout) so that code generation renders from it and the runtime launches from
+it without asking the code generator (the generated module's METADATA carries the same).
+
+- chunk_unsupported: why the chunked kernels cannot serve the plan (None: they can);
+- torch_chunk_unsupported: why the torch backend has no chunked form (None: it has);
+- tile, split: the dims the recurrent kernels split into blocks, one program each (grid axes
+  1 and 2; fla's BV and BK blocks);
+- chunk_size: the default chunk C of the chunked kernels and of the torch backend's form."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dsl import ir
+from .classes import ELEMENTWISE, KEY_DIAG, PREFIX_SUM, RANK1, SCALAR, VALUE_DIAG
+
+__all__ = ["KernelLayout", "kernel_layout", "chunk_supported", "torch_chunk_supported", "chunk_size",
+           "tile_dim", "split_dim"]
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    chunk_unsupported: str | None
+    torch_chunk_unsupported: str | None
+    tile: str | None
+    split: str | None
+    chunk_size: int
+
+    @property
+    def chunked(self) -> bool:
+        """The chunked kernels exist."""
+        return self.chunk_unsupported is None
+
+    @property
+    def torch_chunked(self) -> bool:
+        """The torch backend has its chunked form."""
+        return self.torch_chunk_unsupported is None
+
+
+def kernel_layout(plan) -> KernelLayout:
+    """The layout of a recurrence's plan (derive() stores it as plan.layout)."""
+    return KernelLayout(chunk_supported(plan), torch_chunk_supported(plan), tile_dim(plan.kernel_ir),
+                        split_dim(plan), chunk_size(plan))
+
+
+def chunk_supported(plan) -> str | None:
+    """Why the chunked kernel cannot serve this plan, or None when it can."""
+    for st in plan.states:
+        if st.transition not in (PREFIX_SUM, SCALAR, KEY_DIAG, VALUE_DIAG, RANK1):
+            return f"state {st.name} is a {st.transition}"
+        if st.ir_pieces is None or st.ir_pieces.key is None:
+            return f"the input term of state {st.name} is not an outer product key (x) value"
+    for r in plan.output.readouts:
+        st = plan.state(r.state)
+        for t in r.terms_ir:
+            if t.proj is not None and set(t.over) != set(st.key_dims):
+                return f"readout {r.name} contracts {t.over}, not the key dims of {r.state}"
+            if t.proj is None and st.key_dims:
+                return f"readout {r.name} reads {r.state} without contracting its key dims"
+    return None
+
+
+def torch_chunk_supported(plan) -> str | None:
+    """Why the torch backend has no chunked form for this plan, or None: the kernels' classes
+    and the elementwise one (Mamba: exp(b_i - b_j) per element of the state)."""
+    if all(st.transition != ELEMENTWISE for st in plan.states):
+        return chunk_supported(plan)
+    for st in plan.states:      # the elementwise class: exp(b_i - b_j) per state element
+        if st.transition not in (PREFIX_SUM, SCALAR, KEY_DIAG, VALUE_DIAG, RANK1, ELEMENTWISE):
+            return f"state {st.name} is a {st.transition}"
+        if st.ir_pieces is None or st.ir_pieces.key is None:
+            return f"the input term of state {st.name} is not an outer product key (x) value"
+    for r in plan.output.readouts:
+        for t in r.terms_ir:
+            if t.proj is None or set(t.over) != set(plan.state(r.state).key_dims):
+                return f"readout {r.name} does not contract the key dims of {r.state}"
+    return None
+
+
+def chunk_size(plan) -> int:
+    """C: 16 where the intra-chunk term is a [C, C, dim] block (key- or value-diagonal decay,
+    rank-1 with a per-key decay, the torch backend's elementwise form), 32 for the rank-1
+    class, 64 otherwise. The torch backend takes the same C."""
+    diag = any(s.transition in (KEY_DIAG, VALUE_DIAG, ELEMENTWISE) or (s.transition == RANK1 and s.decay_dims)
+               for s in plan.states)
+    if diag:
+        return 16
+    # the rank-1 class keeps U, the [C, C] solve and its adjoint live: 64 spills on sm_90
+    return 32 if any(s.transition == RANK1 for s in plan.states) else 64
+
+
+def tile_dim(m: ir.MixerIR) -> str | None:
+    """A dim of the output that every expression treats pointwise (no contraction, reduction
+    or rename touches it, no alias names it): the recurrent kernels split it into blocks, one
+    program each (fla's BV blocks; Mamba's P). None where no dim qualifies."""
+    touched = {d.alias_of for d in m.dims if d.alias_of} | {d.name for d in m.dims if d.alias_of}
+    exprs = [x.expr for x in m.lets] + [u.expr for u in m.updates] + [m.output.expr]
+    for e in exprs:
+        for node in ir.walk(e):
+            if isinstance(node, (ir.Contract, ir.Reduce)):
+                touched |= set(node.over)
+            elif isinstance(node, ir.Rename):
+                touched |= {x for pair in node.mapping for x in pair}
+    free = [d for d in m.output.expr.shape if d not in touched]
+    return free[-1] if free else None
+
+
+def split_dim(plan) -> str | None:
+    """A dim every state has, that the lets and updates treat pointwise and the output only
+    contracts in terms linear in the states (Mamba's N, the key dim K of the linear
+    classes): the recurrent kernels also split it into blocks (grid axis 2). Block j's output
+    is out(S_j) - out(0) for j > 0 and out(S_0) for j = 0; out is affine in the states, so the
+    blocks' outputs sum to out(S) (fla's fused recurrent kernels sum NK partial outputs the
+    same way). None where no dim qualifies (an exponential-gate stabilizer, a normalized or
+    nonlinear readout, a dim some expression reduces or renames)."""
+    m = plan.kernel_ir
+    if plan.stabilizer is not None or plan.output.kind != "linear" or not m.states:
+        return None
+    tile = tile_dim(m)
+    touched = {d.alias_of for d in m.dims if d.alias_of} | {d.name for d in m.dims if d.alias_of}
+    for e in [x.expr for x in m.lets] + [u.expr for u in m.updates]:
+        for node in ir.walk(e):
+            if isinstance(node, (ir.Contract, ir.Reduce)):
+                touched |= set(node.over)
+            elif isinstance(node, ir.Rename):
+                touched |= {x for pair in node.mapping for x in pair}
+    for node in ir.walk(m.output.expr):
+        if isinstance(node, ir.Reduce):
+            touched |= set(node.over)
+        elif isinstance(node, ir.Rename):
+            touched |= {x for pair in node.mapping for x in pair}
+        elif isinstance(node, ir.Contract):
+            # each block contracts its own slice: only a contraction that vanishes with the
+            # states (a state-free value @ a value proportional to the states) is exact;
+            # r @ (S + u k v) would count r @ (u k v) once per block and keep only block 0's
+            pair = (node.left, node.right)
+            if not any(_vanishes_with_states(x) and not _reads_state(y) for x, y in (pair, pair[::-1])):
+                touched |= set(node.over)
+    every_state = set.intersection(*[set(s.shape) for s in m.states])
+    free = [d for d in m.dim_names if d in every_state and d not in touched and d != tile
+            and d not in m.output.expr.shape]
+    return free[0] if free else None
+
+
+def _vanishes_with_states(e: ir.Expr) -> bool:
+    """e is 0 whenever every state is 0 (a conservative, structural check)."""
+    if isinstance(e, ir.Prev) or (isinstance(e, ir.Ref) and e.kind == "state"):
+        return True
+    if isinstance(e, ir.Neg):
+        return _vanishes_with_states(e.x)
+    if isinstance(e, ir.BinOp) and e.op in "+-":
+        return _vanishes_with_states(e.left) and _vanishes_with_states(e.right)
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        return _vanishes_with_states(e.left) or _vanishes_with_states(e.right)
+    if isinstance(e, ir.BinOp) and e.op == "/":
+        return _vanishes_with_states(e.left)
+    if isinstance(e, ir.Contract):
+        return _vanishes_with_states(e.left) or _vanishes_with_states(e.right)
+    return False
+
+
+def _reads_state(e: ir.Expr) -> bool:
+    return any(isinstance(n, ir.Prev) or (isinstance(n, ir.Ref) and n.kind == "state") for n in ir.walk(e))

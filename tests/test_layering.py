@@ -1,0 +1,111 @@
+"""The stages only look down: dsl <- derive <- codegen <- runtime <- (pipeline, tools, nn, cli).
+Every module's imports, at module and function level, are read with ast: a stage that imports
+a stage above it (or the pipeline, the tools, the layers, the CLI) fails here, and so does an
+import cycle between modules."""
+import ast
+from pathlib import Path
+
+import pytest
+
+import mixc
+
+ROOT = Path(mixc.__file__).resolve().parent
+STAGES = ("dsl", "derive", "codegen", "runtime")
+
+
+def _module_name(path: Path) -> str:
+    parts = ("mixc",) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
+def _imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, imported module, at function level) for each import of a mixc module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for n in ast.walk(f)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from . import plan` imports the module mixc.derive.plan
+            targets = [f"{module}.{a.name}" if _is_module(f"{module}.{a.name}") else module for a in node.names]
+        else:
+            continue
+        out += [(node.lineno, t, id(node) in in_function) for t in targets if t == "mixc" or t.startswith("mixc.")]
+    return out
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in STAGES else None
+
+
+def _allowed(src: str, dst: str) -> bool:
+    """src may import dst: its own stage or one below, or the package root (__version__)."""
+    if dst == "mixc":
+        return True
+    s, d = _stage(src), _stage(dst)
+    if s is None:               # above the stages: pipeline, tools, nn, cli, ...
+        return True
+    return d is not None and STAGES.index(d) <= STAGES.index(s)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module_name(p))
+def test_stages_only_import_downwards(path):
+    src = _module_name(path)
+    bad = [f"{path.relative_to(ROOT.parent)}:{line}: imports {dst}" + (" (in a function)" if fn else "")
+           for line, dst, fn in _imports(path) if not _allowed(src, dst)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    """No module reaches itself through module-level imports (a cycle hidden in a function
+    body counts too: function-level imports are part of the graph)."""
+    graph = {}
+    names = {_module_name(p) for p in MODULES}
+    for p in MODULES:
+        deps = set()
+        for _, dst, _ in _imports(p):
+            while dst not in names and "." in dst:      # `from mixc.dsl import ir` -> mixc.dsl.ir, else up
+                dst = dst.rpartition(".")[0]
+            if dst in names and dst != "mixc":          # the package root holds only __version__ and load
+                deps.add(dst)
+        graph[_module_name(p)] = deps - {_module_name(p)}
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_dump_names_are_the_pipeline_stages():
+    from mixc import cli, pipeline
+    assert cli.DUMPS == pipeline.DUMPS
+    assert set(pipeline.DUMPS) <= set(pipeline.STAGES)
