@@ -25,7 +25,7 @@ BUILTIN_NAMES = ("head",)             # the head index, a scalar
 # Keyword arguments of a call besides the spec's own (op(...), op.step(...) and the reference
 # in mixc/runtime): an input or option of the same name would be taken by them instead.
 CALL_ARGUMENTS = frozenset({"initial_state", "output_final_state", "cu_seqlens", "mode", "state", "CK", "chunk",
-                            "dtype", "cp_group"})
+                            "dtype", "cp_group", "inplace", "state_indices"})
 
 # Names a spec may not take: they would shadow what generated code relies on.
 RESERVED = frozenset(
@@ -76,7 +76,8 @@ KERNEL_ARGUMENTS = {
 }
 FIXED_KERNEL_ARGUMENTS = {"p_out": "the output", "p_do": "the gradient of the output",
                           "p_cu_seqlens": "the sequence starts (cu_seqlens)",
-                          "p_chunk_seq": "the sequence of each chunk slot"}
+                          "p_chunk_seq": "the sequence of each chunk slot",
+                          "p_state_indices": "each sequence's slot of a decode cache (step's state_indices)"}
 # The max-stabilizer's extra state (derive/stabilize.M): its arguments are a state's
 # (p_ckpt__m, ...), and an input named ckpt__m would take one of them.
 STABILIZER_STATE = "_m"
