@@ -167,11 +167,7 @@ class ChunkCode:
         for st in self.states:
             K, V, g, kd, vd = per_state[st.name]
             if g is not None:
-                # b at the chunk's last token, read off b itself: a separate sum would round
-                # differently, and exp(b_C - b_last) must be exactly 1
-                last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
-                body += [f"{I2}_b_{st.name} = tl.cumsum({g}, axis=0)",
-                         f"{I2}_bl_{st.name} = tl.sum(tl.where({last}, _b_{st.name}, 0.0), axis=0)"]
+                body += self.cumulative_decay(st, g)
         if self.stab is not None:
             body += self.stabilizer_rows(em)
             mark = len(em.lines)
@@ -300,6 +296,35 @@ class ChunkCode:
             self.rank1_parts[n] = (clean["L"], clean["R"])
         return lines
 
+    def cumulative_decay(self, st: P.StatePlan, g: str) -> list[str]:
+        """_b_<S>: the cumulative log decay in the chunk, with a log decay of -inf (a decay of 0:
+        a state reset) counted apart in _z_<S> (resets at or before each token) and taken as 0
+        in b: b_i - b_j would be -inf - -inf = NaN, and a finite floor in its place would cost
+        b its precision. A pair (i, j) spans a reset where z_i > z_j (pair_ok masks it out);
+        the weights from the chunk's start (_b0_<S>, _bl0_<S>) and into S_C (_kw_<S>) likewise.
+        b and z at the chunk's last token are read off b and z themselves: a separate sum would
+        round differently, and exp(b_C - b_last) must be exactly 1."""
+        n, I = st.name, I2
+        last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
+        bl = f"_bl_{n}" if g_is_vector(st) else f"_bl_{n}[None, :]"
+        zl = f"_zl_{n}" if g_is_vector(st) else f"_zl_{n}[None, :]"
+        return [f"{I}_r_{n} = {g} == float('-inf')",
+                f"{I}_b_{n} = tl.cumsum(tl.where(_r_{n}, 0.0, {g}), axis=0)",
+                f"{I}_z_{n} = tl.cumsum(tl.where(_r_{n}, 1.0, 0.0), axis=0)",
+                f"{I}_bl_{n} = tl.sum(tl.where({last}, _b_{n}, 0.0), axis=0)",
+                f"{I}_zl_{n} = tl.sum(tl.where({last}, _z_{n}, 0.0), axis=0)",
+                f"{I}_b0_{n} = tl.where(_z_{n} > 0, float('-inf'), _b_{n})",
+                f"{I}_bl0_{n} = tl.where(_zl_{n} > 0, float('-inf'), _bl_{n})",
+                f"{I}_kw_{n} = tl.where(_z_{n} < {zl}, float('-inf'), {bl} - _b_{n})"]
+
+    def pair_ok(self, st: P.StatePlan, zq: str) -> str:
+        """The [C, C] (or [C, C, dim]) mask of the pairs (query row i, key j) with no reset
+        between them: z at the query row's read (zq) equals z at the key."""
+        z = f"_z_{st.name}"
+        if g_is_vector(st):
+            return f"({zq}[:, None] == {z}[None, :])"
+        return f"({zq}[:, None, :] == {z}[None, :, :])"
+
     def _offsets(self, decl: tuple[str, ...], canonical: bool = False) -> str:
         """Offsets of a per-token block [C, *canonical dims] laid out in `decl` order."""
         order = self.order
@@ -320,14 +345,27 @@ class ChunkCode:
     def query_decay(self, st: P.StatePlan, prev: bool) -> tuple[list[str], str]:
         """(lines, name) of the cumulative log decay at each query row: b itself, or for a
         readout of S_{t-1} b_{i-1}: b shifted by one row, selected exactly (b_i - g_i would
-        round, and exp(b_{i-1} - b_{i-1}) weighs the newest token of the state)."""
-        b = f"_b_{st.name}"
+        round, and exp(b_{i-1} - b_{i-1}) weighs the newest token of the state). The lines
+        also give the query rows' resets and weight from the chunk's start (query_z,
+        query_b0)."""
+        n = st.name
         if not prev:
-            return [], b
+            return [], f"_b_{n}"
+        return [self.shifted(st, f"_b_{n}", "_bp"), self.shifted(st, f"_z_{n}", "_zp"),
+                f"{I2}_bp0 = tl.where(_zp > 0, float('-inf'), _bp)"], "_bp"
+
+    def shifted(self, st: P.StatePlan, x: str, name: str) -> str:
+        """name = x one row down (x_{i-1}; 0 in row 0)."""
         shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
         if g_is_vector(st):
-            return [f"{I2}_bp = tl.sum(tl.where({shift}, {b}[None, :], 0.0), axis=1)"], "_bp"
-        return [f"{I2}_bp = tl.sum(tl.where({shift}[:, :, None], {b}[None, :, :], 0.0), axis=1)"], "_bp"
+            return f"{I2}{name} = tl.sum(tl.where({shift}, {x}[None, :], 0.0), axis=1)"
+        return f"{I2}{name} = tl.sum(tl.where({shift}[:, :, None], {x}[None, :, :], 0.0), axis=1)"
+
+    def query_z(self, st: P.StatePlan, prev: bool) -> str:
+        return "_zp" if prev else f"_z_{st.name}"
+
+    def query_b0(self, st: P.StatePlan, prev: bool) -> str:
+        return "_bp0" if prev else f"_b0_{st.name}"
 
     def grad_names(self, G: dict, stem: str, with_db: bool) -> tuple[str, ...]:
         """Fresh names for one term's dK, dV, dS0 (and db), registered in the state's lists."""
@@ -344,7 +382,7 @@ class ChunkCode:
         n = self.stab.states[0]                  # the group shares its decay, so b
         start = len(em.lines)
         gv = em(self.stab.log_gate)
-        causal = "(_offs__T[:, None] >= _offs__T[None, :]) & _mask__T[None, :]"
+        causal = f"(_offs__T[:, None] >= _offs__T[None, :]) & _mask__T[None, :] & (_z_{n}[:, None] == _z_{n}[None, :])"
         gbad = [f"{I2}_bad_{x} = _bad_{x} | tl.where(tl.abs(_gi) < float('inf'), 0, 1)" for x in self.stab.states]
         return em.lines[start:] + [
             f"{I2}_gi = tl.where(_mask__T, {expand(gv[0], gv[1], ('_T',))} + tl.zeros([_BLOCK__T], dtype=tl.float32), "
@@ -352,8 +390,8 @@ class ChunkCode:
             f"{I2}_M0 = s__m",
             # padded rows get m = 0: their readouts are 0, and the combine must not divide 0 by 0
             f"{I2}_mrow = tl.where(_mask__T, tl.maximum(tl.max(tl.where({causal}, _b_{n}[:, None] - _b_{n}[None, :] "
-            f"+ _gi[None, :], float('-inf')), axis=1), _b_{n} + _M0), 0.0)",
-            f"{I2}_mnew = tl.maximum(_bl_{n} + _M0, tl.max(tl.where(_mask__T, _bl_{n} - _b_{n} + _gi, float('-inf')), "
+            f"+ _gi[None, :], float('-inf')), axis=1), _b0_{n} + _M0), 0.0)",
+            f"{I2}_mnew = tl.maximum(_bl0_{n} + _M0, tl.max(tl.where(_mask__T, _kw_{n} + _gi, float('-inf')), "
             "axis=0))",
         ]
 
@@ -362,18 +400,19 @@ class ChunkCode:
         log weights of the intra-chunk term, exp(bq_i - bk_j), and the query rows' log weight
         of the inter-chunk term S0 (stabilized: m subtracted per row, the gate on the keys)."""
         pre, bq = self.query_decay(st, prev)
+        b0 = self.query_b0(st, prev)
         if not self.stabilized(st):
-            return pre, bq, f"_b_{st.name}", bq
+            return pre, bq, f"_b_{st.name}", b0
         # padded query rows weigh nothing (their m is 0, so exp(b - m) could overflow there)
         return pre + [f"{I2}_bq = tl.where(_mask__T, {bq} - _mrow, float('-inf'))", f"{I2}_bk = _b_{st.name} - _gi",
-                      f"{I2}_b0 = tl.where(_mask__T, {bq} + _M0 - _mrow, float('-inf'))"], "_bq", "_bk", "_b0"
+                      f"{I2}_b0 = tl.where(_mask__T, {b0} + _M0 - _mrow, float('-inf'))"], "_bq", "_bk", "_b0"
 
     def scalar_advance_logs(self, st: P.StatePlan) -> tuple[str, str]:
         """(log weight of S0 in S_C, log weights of the chunk's keys in S_C)."""
-        b, bl = f"_b_{st.name}", f"_bl_{st.name}"
+        bl0, kw = f"_bl0_{st.name}", f"_kw_{st.name}"
         if not self.stabilized(st):
-            return bl, f"{bl} - {b}"
-        return f"({bl} + _M0 - _mnew)", f"({bl} - {b} + _gi - _mnew)"
+            return bl0, kw
+        return f"({bl0} + _M0 - _mnew)", f"({kw} + _gi - _mnew)"
 
     # ---- the rank-1 class: the WY/UT form ----
     def rank1_setup(self, st: P.StatePlan, parts) -> list[str]:
@@ -383,26 +422,27 @@ class ChunkCode:
             (I - A_rl) U = (R * exp(b_{j-1})) S0 + A_rk V,
             A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik)  (i < j)
 
-        (a scalar decay: A_xy = (X Y^T) * exp(b_{j-1} - b_i)). Also _bx_<S> = b_{j-1}."""
+        (a scalar decay: A_xy = (X Y^T) * exp(b_{j-1} - b_i)). Also _bx_<S> = b_{j-1}, and its
+        resets _zx_<S> and weight from the chunk's start _bx0_<S>."""
         K, V, g, kd, vd = parts
         L, R = self.rank1_parts[st.name]
         n, I = st.name, I2
         strict = "(_offs__T[:, None] > _offs__T[None, :])"
-        shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
         b, bx = f"_b_{n}", f"_bx_{n}"
+        ok = self.pair_ok(st, f"_zx_{n}")
+        lines = [self.shifted(st, b, bx), self.shifted(st, f"_z_{n}", f"_zx_{n}"),
+                 f"{I}_bx0_{n} = tl.where(_zx_{n} > 0, float('-inf'), {bx})"]
         if g_is_vector(st):
-            lines = [f"{I}{bx} = tl.sum(tl.where({shift}, {b}[None, :], 0.0), axis=1)",
-                     f"{I}_E = tl.exp(tl.where({strict}, {bx}[:, None] - {b}[None, :], float('-inf')))",
-                     f"{I}_Arl_{n} = _mixc_dot({R}, tl.trans({L}), DOT) * _E",
-                     f"{I}_Ark_{n} = _mixc_dot({R}, tl.trans({K}), DOT) * _E",
-                     f"{I}_Rh_{n} = {R} * tl.exp({bx})[:, None]"]
+            lines += [f"{I}_E = tl.exp(tl.where({strict} & {ok}, {bx}[:, None] - {b}[None, :], float('-inf')))",
+                      f"{I}_Arl_{n} = _mixc_dot({R}, tl.trans({L}), DOT) * _E",
+                      f"{I}_Ark_{n} = _mixc_dot({R}, tl.trans({K}), DOT) * _E",
+                      f"{I}_Rh_{n} = {R} * tl.exp(_bx0_{n})[:, None]"]
         else:
-            lines = [f"{I}{bx} = tl.sum(tl.where({shift}[:, :, None], {b}[None, :, :], 0.0), axis=1)",
-                     f"{I}_E = tl.exp(tl.where({strict}[:, :, None], {bx}[:, None, :] - {b}[None, :, :], "
-                     "float('-inf')))",
-                     f"{I}_Arl_{n} = tl.sum({R}[:, None, :] * {L}[None, :, :] * _E, axis=2)",
-                     f"{I}_Ark_{n} = tl.sum({R}[:, None, :] * {K}[None, :, :] * _E, axis=2)",
-                     f"{I}_Rh_{n} = {R} * tl.exp({bx})"]
+            lines += [f"{I}_E = tl.exp(tl.where({strict}[:, :, None] & {ok}, {bx}[:, None, :] - {b}[None, :, :], "
+                      "float('-inf')))",
+                      f"{I}_Arl_{n} = tl.sum({R}[:, None, :] * {L}[None, :, :] * _E, axis=2)",
+                      f"{I}_Ark_{n} = tl.sum({R}[:, None, :] * {K}[None, :, :] * _E, axis=2)",
+                      f"{I}_Rh_{n} = {R} * tl.exp(_bx0_{n})"]
         lines += [f"{I}_Y_{n} = _mixc_dot(_Rh_{n}, s_{n}, DOT) + _mixc_dot(_Ark_{n}, {V}, DOT)",
                   f"{I}_U_{n} = _mixc_solve_lower(_Arl_{n}, _Y_{n}, _offs__T, _BLOCK__T)"]
         return lines
@@ -412,30 +452,39 @@ class ChunkCode:
         n, I = st.name, I2
         causal = f"(_offs__T[:, None] {'>' if prev else '>='} _offs__T[None, :])"
         b = f"_b_{n}"
-        bq = f"_bx_{n}" if prev else b
+        bq, bq0, ok = self.rank1_query(st, prev)
         if g_is_vector(st):
-            return [f"{I}_D = tl.exp(tl.where({causal}, {bq}[:, None] - {b}[None, :], float('-inf')))",
+            return [f"{I}_D = tl.exp(tl.where({causal} & {ok}, {bq}[:, None] - {b}[None, :], float('-inf')))",
                     f"{I}_Aql = _mixc_dot({Q}, tl.trans({L}), DOT) * _D",
                     f"{I}_Aqk = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
-                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq})[:, None], s_{n}, DOT) + _mixc_dot(_Aql, _U_{n}, DOT) "
+                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq0})[:, None], s_{n}, DOT) + _mixc_dot(_Aql, _U_{n}, DOT) "
                     f"+ _mixc_dot(_Aqk, {V}, DOT)"]
-        return [f"{I}_D = tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], float('-inf')))",
+        return [f"{I}_D = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
+                "float('-inf')))",
                 f"{I}_Aql = tl.sum({Q}[:, None, :] * {L}[None, :, :] * _D, axis=2)",
                 f"{I}_Aqk = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _D, axis=2)",
-                f"{I}{R} = _mixc_dot({Q} * tl.exp({bq}), s_{n}, DOT) + _mixc_dot(_Aql, _U_{n}, DOT) "
+                f"{I}{R} = _mixc_dot({Q} * tl.exp({bq0}), s_{n}, DOT) + _mixc_dot(_Aql, _U_{n}, DOT) "
                 f"+ _mixc_dot(_Aqk, {V}, DOT)"]
+
+    def rank1_query(self, st: P.StatePlan, prev: bool) -> tuple[str, str, str]:
+        """(b at the query rows, their weight from the chunk's start, the no-reset pair mask)
+        of a rank-1 readout (b_{i-1} from rank1_setup for prev)."""
+        n = st.name
+        if prev:
+            return f"_bx_{n}", f"_bx0_{n}", self.pair_ok(st, f"_zx_{n}")
+        return f"_b_{n}", f"_b0_{n}", self.pair_ok(st, f"_z_{n}")
 
     def rank1_advance(self, st: P.StatePlan, parts) -> list[str]:
         K, V, g, kd, vd = parts
         L, _ = self.rank1_parts[st.name]
         n, I, S = st.name, I2, f"s_{st.name}"
-        b, bl = f"_b_{n}", f"_bl_{n}"
+        kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         if g_is_vector(st):
-            return [f"{I}_w = tl.exp({bl} - {b})[:, None]",
-                    f"{I}{S} = tl.exp({bl}) * {S} + _mixc_dot(tl.trans({L} * _w), _U_{n}, DOT) + "
+            return [f"{I}_w = tl.exp({kw})[:, None]",
+                    f"{I}{S} = tl.exp({bl0}) * {S} + _mixc_dot(tl.trans({L} * _w), _U_{n}, DOT) + "
                     f"_mixc_dot(tl.trans({K} * _w), {V}, DOT)"]
-        return [f"{I}_w = tl.exp({bl}[None, :] - {b})",
-                f"{I}{S} = tl.exp({bl})[:, None] * {S} + _mixc_dot(tl.trans({L} * _w), _U_{n}, DOT) + "
+        return [f"{I}_w = tl.exp({kw})",
+                f"{I}{S} = tl.exp({bl0})[:, None] * {S} + _mixc_dot(tl.trans({L} * _w), _U_{n}, DOT) + "
                 f"_mixc_dot(tl.trans({K} * _w), {V}, DOT)"]
 
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
@@ -451,19 +500,21 @@ class ChunkCode:
                     f"{I}{R} = _mixc_dot({Q}, {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
         b = f"_b_{n}"
         pre, bq = self.query_decay(st, prev)
+        bq0, ok = self.query_b0(st, prev), self.pair_ok(st, self.query_z(st, prev))
         if st.transition == P.SCALAR:
             pre, bq, bk, b0 = self.scalar_logs(st, prev)
             return pre + [f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * "
-                    f"tl.exp(tl.where({causal}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
+                    f"tl.exp(tl.where({causal} & {ok}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
                     f"{I}{R} = _mixc_dot({Q} * tl.exp({b0})[:, None], {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
         if st.transition == P.KEY_DIAG:
-            return pre + [f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * tl.exp(tl.where({causal}[:, :, None], "
-                    f"{bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=2)",
-                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq}), {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
+            return pre + [f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * tl.exp(tl.where({causal}[:, :, None] & "
+                    f"{ok}, {bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=2)",
+                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq0}), {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
         # value-diagonal: the decay runs per value channel
         return pre + [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
-                f"{I}{R} = _mixc_dot({Q}, {S}, DOT) * tl.exp({bq}) + tl.sum(_A[:, :, None] * {V}[None, :, :] * "
-                f"tl.exp(tl.where({causal}[:, :, None], {bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=1)"]
+                f"{I}{R} = _mixc_dot({Q}, {S}, DOT) * tl.exp({bq0}) + tl.sum(_A[:, :, None] * {V}[None, :, :] * "
+                f"tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], float('-inf'))), "
+                "axis=1)"]
 
     def advance(self, st: P.StatePlan, parts) -> list[str]:
         if st.transition == P.RANK1:
@@ -472,16 +523,14 @@ class ChunkCode:
         n, I, S = st.name, I2, f"s_{st.name}"
         if st.transition == P.PREFIX_SUM:
             return [f"{I}{S} = {S} + _mixc_dot(tl.trans({K}), {V}, DOT)"]
-        b, bl = f"_b_{n}", f"_bl_{n}"
+        kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         if st.transition == P.SCALAR:
             bs, kw = self.scalar_advance_logs(st)
             return [f"{I}{S} = tl.exp({bs}) * {S} + "
                     f"_mixc_dot(tl.trans({K} * tl.exp({kw})[:, None]), {V}, DOT)"]
         if st.transition == P.KEY_DIAG:
-            return [f"{I}{S} = tl.exp({bl})[:, None] * {S} + _mixc_dot(tl.trans({K} * tl.exp({bl}[None, :] - {b})), "
-                    f"{V}, DOT)"]
-        return [f"{I}{S} = {S} * tl.exp({bl})[None, :] + _mixc_dot(tl.trans({K}), {V} * tl.exp({bl}[None, :] - {b}), "
-                "DOT)"]
+            return [f"{I}{S} = tl.exp({bl0})[:, None] * {S} + _mixc_dot(tl.trans({K} * tl.exp({kw})), {V}, DOT)"]
+        return [f"{I}{S} = {S} * tl.exp({bl0})[None, :] + _mixc_dot(tl.trans({K}), {V} * tl.exp({kw}), DOT)"]
 
 
 def g_is_vector(st: P.StatePlan) -> bool:
