@@ -94,7 +94,7 @@ class MixerOp:
         if mode == "torch" and plan.layout.torch_chunked:
             from .torch_chunk import torch_chunked
             o, st = torch_chunked(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound),
-                                  C=chunk or plan.layout.chunk_size)
+                                  C=chunk)          # None: the torch backend's own C
             return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)

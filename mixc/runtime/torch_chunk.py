@@ -13,8 +13,15 @@ from .signature import Bound, option_values
 from .torch_chunks import batched_supported, torch_forward_batched
 
 
-def torch_chunked(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: torch.dtype, C: int = 64):
+# the torch backend's default chunk: 64 for every class (the kernels' C, 16 for a per-key decay,
+# is a GPU register budget; here the key class works on sub-chunks inside the chunk, and a
+# longer chunk means fewer steps of the sequential walk)
+TORCH_CHUNK = 64
+
+
+def torch_chunked(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: torch.dtype, C: int | None = None):
     """(o [B, T, H, *out dims] in dtype, final states {name: [N, H, *dims]} or None)."""
+    C = C or TORCH_CHUNK
     mod = load_module(plan)
     x = {n: t.to(dtype) for n, t in bound.inputs.items()}
     p = {n: t.to(dtype) for n, t in bound.params.items()}

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 # the per-pair decay tensors of the key and value classes ([C, C, dim] per chunk) are built for
-# this many elements at a time (about 64 MB in float32), a group of chunks each
-GROUP_ELEMENTS = 1 << 24
+# about this many elements at a time (4 MB in float32), a group of chunks each: past glibc's
+# mmap threshold every fresh tensor costs page faults, more than the op's own work
+GROUP_ELEMENTS = 1 << 20
 
 
 def batched_supported(mod) -> bool:
@@ -111,11 +112,48 @@ def decay_product(X, Y, g, kind, prev):
         C = A.shape[-1]
         return A.masked_fill(torch.ones(C, C, dtype=torch.bool, device=A.device).tril(-int(prev)).logical_not(), 0.0)
     BH, N, C, F = X.shape
+    if C % SUB == 0 and C > SUB and bool((g.detach() <= 0).all()):
+        return key_product(X, Y, g, prev)
     out = []
     for s in _groups(N, BH * C * C * F):
         w = pair_logs(g[:, s], prev, -2).exp()                               # [BH, n, i, j, K]
         out.append(((X[:, s].unsqueeze(-2) * w) * Y[:, s].unsqueeze(-3)).sum(-1))
     return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+
+SUB = 8             # the key class's sub-chunk: pairs within one are summed per pair and key
+
+
+def key_product(X, Y, g, prev):
+    """decay_product for a per-key decay, on sub-chunks of SUB tokens (C a multiple of SUB):
+    per pair and key (pair_logs) only inside a sub-chunk; across sub-chunks one matmul of
+    factored rows, X_i exp(the log decay from its sub-chunk's start to i) against Y_j exp(the
+    log decay from j to that start). Each factor is a sum over tokens, never a difference (a
+    reset's -inf stays -inf; each factor is at most 1 for log decays <= 0, the only ones the
+    caller sends), so every product equals the pair's own factor to rounding. In groups of
+    chunks: a tensor past glibc's mmap threshold costs page faults at every op."""
+    BH, N, C, F = X.shape
+    out = []
+    for s in _groups(N, BH * C * 2 * C // SUB * F):
+        out.append(_key_product(X[:, s], Y[:, s], g[:, s], prev))
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+
+def _key_product(X, Y, g, prev):
+    BH, N, C, F = X.shape
+    n, c = C // SUB, SUB
+    gs = g.reshape(BH, N, n, c, F)
+    b = gs.cumsum(3)                                                        # within each sub-chunk
+    bq = torch.cat([torch.zeros_like(b[:, :, :, :1]), b[:, :, :, :-1]], 3) if prev else b
+    sfx = torch.cat([gs.flip(3).cumsum(3).flip(3)[:, :, :, 1:], torch.zeros_like(gs[:, :, :, :1])], 3)
+    gap = pair_logs(b[:, :, :, -1], True, -2)            # [BH, N, I, J, F]: the sub-chunks between, J < I
+    Ys = Y.reshape(BH, N, 1, n, c, F) * (sfx.unsqueeze(2) + gap.unsqueeze(4)).exp()             # [.., I, J, c, F]
+    Xs = X.reshape(BH, N, n, c, F) * bq.exp()
+    A = (Xs @ Ys.reshape(BH, N, n, C, F).transpose(-1, -2)).reshape(BH, N, n, c, n, c)
+    w = pair_logs(gs, prev, -2).exp()                                       # [BH, N, n, i, j, F]
+    diag = ((X.reshape(BH, N, n, c, 1, F) * w) * Y.reshape(BH, N, n, 1, c, F)).sum(-1)
+    eye = torch.eye(n, dtype=X.dtype, device=X.device).view(n, 1, n, 1)
+    return (A + diag.unsqueeze(4) * eye).reshape(BH, N, C, C)
 
 
 def _value_mix(A, V, g, prev):
@@ -140,7 +178,12 @@ def chunk_logs(g, axis):
 
 
 def nonfinite_rows(*xs):
-    """[BH, N, C]: the tokens whose key-side values hold an inf or a NaN (None: none do)."""
+    """[BH, N, C]: the tokens whose key-side values hold an inf or a NaN (None: none do). One
+    sum per tensor first (isfinite over every element costs four passes): a finite sum means
+    no inf or NaN; only an overflowing or non-finite one takes the per-row test."""
+    xs = [x for x in xs if x is not None]
+    if bool(torch.isfinite(torch.stack([x.detach().sum() for x in xs])).all()):
+        return None
     bad = None
     for x in xs:
         if x is not None:
@@ -189,17 +232,21 @@ def _walk(lay, KV, a, init, rank1=None):
         run = init(0).unsqueeze(1) + KV.cumsum(1)
         return torch.cat([init(0).unsqueeze(1), run[:, :-1]], 1), None, {0: run[:, -1]}
     starts, us, finals, S = [], [], {}, None
+    KV = KV.unbind(1)                         # one op for all the chunks' views, not a slice per chunk
+    a = a.expand(KV[0].shape[:1] + (N,) + a.shape[2:]).unbind(1) if a is not None else None
+    if rank1 is not None:
+        rank1 = tuple(t.unbind(1) for t in rank1)
     for n in range(N):
         if lay.first[n]:
             S = init(lay.seq[n])
         starts.append(S)
         if rank1 is not None:
             W0, Wm, LwT = rank1
-            U = torch.baddbmm(W0[:, n], Wm[:, n], S)
+            U = torch.baddbmm(W0[n], Wm[n], S)
             us.append(U)
-            S = torch.baddbmm(torch.addcmul(KV[:, n], a[:, n], S), LwT[:, n], U)
+            S = torch.baddbmm(torch.addcmul(KV[n], a[n], S), LwT[n], U)
         else:
-            S = KV[:, n] + S if a is None else torch.addcmul(KV[:, n], a[:, n], S)
+            S = KV[n] + S if a is None else torch.addcmul(KV[n], a[n], S)
         if lay.last.get(lay.seq[n]) == n:
             finals[lay.seq[n]] = S
     if not N:

@@ -1,0 +1,173 @@
+"""The fla column of `mixc bench`: the torch backend (mode="torch", the CPU default) against
+flash-linear-attention's pure-PyTorch chunked references (fla/ops/*/naive.py), forward and
+forward + backward, timed interleaved in one process so that both see the same machine.
+
+fla is never a dependency: where it is not importable the column says why and nothing else
+changes. Its naive chunked functions in fla-core 0.6.0 and their conventions:
+
+  simple_gla        naive_chunk_simple_gla(q, k, v, g)                      [B, T, H, d], C = 64
+  gated_delta_rule  naive_chunk_gated_delta_rule(q, k, v, g, beta)          [B, T, H, d], C = 64
+  linear_attn       naive_chunk_linear_attn(q, k, v, normalize=False)       [B, T, H, d], C = 64
+  delta_rule        delta_rule_chunkwise(q, k, v, beta)                     [B, H, T, d], C = 32
+  rwkv6             naive_chunk_rwkv6(r, k, v, w, u) (no scale: mixc's scale = 1)  [B, H, T, d], C = 32
+
+gla has only a recurrent naive form, retention a quadratic one, so neither is here. For the
+[B, H, T, d] ones the transpose from [B, T, H, d] is inside fla's timed call, as a caller
+holding mixc's layout would do it. T must be a multiple of 64 (fla's linear_attn does not pad)."""
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+
+FLA_NAIVE = {
+    "simple_gla": ("fla.ops.simple_gla.naive", "naive_chunk_simple_gla"),
+    "gated_delta_rule": ("fla.ops.gated_delta_rule.naive", "naive_chunk_gated_delta_rule"),
+    "linear_attn": ("fla.ops.linear_attn.naive", "naive_chunk_linear_attn"),
+    "delta_rule": ("fla.ops.delta_rule.naive", "delta_rule_chunkwise"),
+    "rwkv6": ("fla.ops.rwkv6.chunk_naive", "naive_chunk_rwkv6"),
+}
+SPECS = tuple(FLA_NAIVE)
+
+
+def load_fla() -> tuple[dict | None, str]:
+    """fla's naive functions by spec, or (None, why not)."""
+    try:
+        fns = {s: getattr(importlib.import_module(m), n) for s, (m, n) in FLA_NAIVE.items()}
+    except Exception as err:                    # noqa: BLE001 - any failure means: no fla column
+        return None, f"fla not importable: {type(err).__name__}: {err}"[:300]
+    import fla
+    return fns, f"fla {getattr(fla, '__version__', '?')}"
+
+
+def inputs(spec: str, B: int, T: int, H: int, D: int, seed: int = 0) -> tuple:
+    """(op, kwargs for mixc, options): inputs drawn by role (log gates below 0, beta in (0, 1));
+    the delta rules' keys l2-normalized (as fla's callers do), rwkv6's scale 1 (fla's naive
+    form has none)."""
+    import torch
+
+    import mixc
+    from mixc.runtime.inputs import random_args
+    op = mixc.load(spec)
+    kw, _ = random_args(op.ir, B=B, T=T, H=H, sizes={"K": D, "V": D}, dtype=torch.float32, seed=seed,
+                        bounded=True)
+    if spec in ("delta_rule", "gated_delta_rule"):
+        kw["k"] = torch.nn.functional.normalize(kw["k"], dim=-1)
+    opts = {"scale": 1.0} if spec == "rwkv6" else {}
+    return op, kw, opts
+
+
+def call_fla(spec: str, fn, kw: dict):
+    """fla's output [B, T, H, V] for mixc's keyword arguments."""
+    if spec == "simple_gla":
+        return fn(kw["q"], kw["k"], kw["v"], kw["g"])[0]
+    if spec == "gated_delta_rule":
+        return fn(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"])[0]
+    if spec == "linear_attn":
+        return fn(kw["q"], kw["k"], kw["v"], normalize=False)
+    t = [x.transpose(1, 2) for x in (kw["q"] if spec == "delta_rule" else kw["r"], kw["k"], kw["v"])]
+    if spec == "delta_rule":
+        return fn(*t, kw["beta"].transpose(1, 2))[0].transpose(1, 2)
+    return fn(*t, kw["w"].transpose(1, 2), kw["u"]).transpose(1, 2)
+
+
+def _timer(fn, args: dict, backward: bool):
+    grads = [x for x in args.values() if x.is_floating_point()]
+
+    def once():
+        for x in grads:
+            x.grad = None
+        t0 = time.perf_counter()
+        o = fn()
+        if backward:
+            o.sum().backward()
+        return time.perf_counter() - t0
+    return once
+
+
+def compare(spec: str, T: int, fns: dict, *, B: int = 1, H: int = 4, D: int = 64, reps: int = 5,
+            backward: bool = False) -> dict:
+    """mixc's and fla's median ms, calls alternating (a warm-up each first), and their outputs'
+    largest relative difference."""
+    import torch
+    op, kw, opts = inputs(spec, B, T, H, D)
+    if backward:
+        for x in kw.values():
+            x.requires_grad_(True)
+    run_m = _timer(lambda: op(**kw, **opts, mode="torch")[0], kw, backward)
+    run_f = _timer(lambda: call_fla(spec, fns[spec], kw), kw, backward)
+    with torch.no_grad():
+        om, of = op(**kw, **opts, mode="torch")[0], call_fla(spec, fns[spec], kw)
+        diff = float((om - of).abs().max() / of.abs().max())
+    run_m()
+    try:
+        run_f()
+    except RuntimeError as err:                 # fla's rwkv6 writes in place what its backward needs
+        run_f, why = None, f"fla's backward fails: {str(err)[:120]}"
+    tm, tf = [], []
+    for _ in range(reps):
+        tm.append(run_m())
+        if run_f is not None:
+            tf.append(run_f())
+    ms_m = statistics.median(tm) * 1e3
+    ms_f = statistics.median(tf) * 1e3 if tf else None
+    row = {"spec": spec, "T": T, "B": B, "H": H, "D": D, "backward": backward, "mixc_ms": ms_m, "fla_ms": ms_f,
+           "ratio": ms_m / ms_f if ms_f else None, "max_rel_diff": diff}
+    if ms_f is None:
+        row["fla_note"] = why
+    return row
+
+
+def side_by_side(Ts, *, specs=SPECS, B: int = 1, H: int = 4, D: int = 64, reps: int = 5, backward: bool = True,
+                 threads: int | None = 2, log=None) -> dict:
+    """Every (spec, T, pass) where fla has a naive chunked form; {"fla": why not} without fla."""
+    import torch
+    fns, why = load_fla()
+    if fns is None:
+        return {"fla": why, "rows": []}
+    if threads:
+        torch.set_num_threads(threads)
+    rows = []
+    for spec in specs:
+        for T in Ts:
+            for bwd in ((False, True) if backward else (False,)):
+                rows.append(compare(spec, T, fns, B=B, H=H, D=D, reps=reps, backward=bwd))
+                if log:
+                    log(fla_table({"rows": rows[-1:]}, header=False))
+    return {"fla": why, "threads": torch.get_num_threads(), "reps": reps, "rows": rows}
+
+
+def fla_table(result: dict, header: bool = True) -> str:
+    if not result["rows"] and "fla" in result:
+        return f"fla column: {result['fla']}"
+    out = []
+    if header:
+        h = f"{'spec':18} {'T':>6} {'pass':8} {'mixc ms':>10} {'fla ms':>10} {'x fla':>7} {'rel diff':>9}"
+        out += [h, "-" * len(h)]
+    for r in result["rows"]:
+        fla = (f"{r['fla_ms']:>10.1f} {r['ratio']:>7.2f}" if r["fla_ms"] is not None else f"{'n/a':>10} {'':>7}")
+        out.append(f"{r['spec']:18} {r['T']:>6} {'fwd+bwd' if r['backward'] else 'fwd':8} {r['mixc_ms']:>10.1f} "
+                   f"{fla} {r['max_rel_diff']:>9.1e}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", default="1024,4096,16384")
+    ap.add_argument("--specs", default=",".join(SPECS))
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("-o", "--out")
+    a = ap.parse_args()
+    res = side_by_side([int(t) for t in a.T.split(",")], specs=a.specs.split(","), B=a.B, H=a.H, D=a.D,
+                       reps=a.reps, backward=not a.forward_only, threads=a.threads, log=print)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(fla_table(res))
