@@ -1,0 +1,260 @@
+"""The core functions transformers' mixer layers call, backed by mixc's ops.
+
+Each replacement takes the arguments of the function it stands in for (fla's
+chunk_gated_delta_rule / fused_recurrent_gated_delta_rule / chunk_kda / fused_recurrent_kda,
+mamba_ssm's mamba_chunk_scan_combined / selective_state_update / selective_scan_fn, in the
+layouts transformers passes them) and returns what that function returns, so the layer's own
+projections, conv, norm and cache keep working. What the layouts need:
+
+- grouped heads (Qwen3-Next's key heads < value heads, Mamba-2's n_groups): mixc has one
+  head count per call, so q/k (B/C) are repeated per value head with repeat_interleave, the
+  order transformers and mamba_ssm use (head h reads group h // (H / G));
+- Mamba-2's state is [B, H, head_dim, state] in the cache and [B, H, N, P] in mixc (the spec's
+  S[N, P]): transposed on the way in and out; Mamba's is [B, D, N] and mixc's [B, G, N, D/G];
+- selective_state_update writes the state it is given (the cache's buffer): the new state is
+  copied into it, as mamba_ssm does;
+- per-channel D and the z gate are applied outside the op when the spec has no place for them
+  (D[head, P] in Mamba-2, z everywhere), exactly as the replaced function does;
+- the fused training paths (mamba_split_conv1d_scan_combined, mamba_inner_fn) return None,
+  which makes the layer take its unfused path through the functions above.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime.signature import ArgumentError
+
+_OPS: dict = {}
+_NO_LIMIT = 1e30        # the specs' dt_max default: options are finite numbers
+
+
+def spec_op(spec: str):
+    """The op of a library spec, loaded once per process."""
+    if spec not in _OPS:
+        from ..pipeline import load_op      # mixc.load
+        _OPS[spec] = load_op(spec)
+    return _OPS[spec]
+
+
+def make(family: str, *, mode: str, op_kwargs: dict) -> dict:
+    """{global name in the modeling module: replacement} for one layer."""
+    return _FACTORIES[family](mode, dict(op_kwargs))
+
+
+def _cast_state(st: dict | None, name: str = "S"):
+    # "reference" mode computes in float64; the cache keeps the float32 state the others return
+    return None if st is None else st[name].float()
+
+
+def _repeat_heads(x: torch.Tensor, heads: int, dim: int, what: str) -> torch.Tensor:
+    groups = x.shape[dim]
+    if groups == heads:
+        return x
+    if heads % groups:
+        raise ArgumentError(f"{what}: {groups} groups do not divide {heads} heads")
+    return x.repeat_interleave(heads // groups, dim=dim)
+
+
+def _packed(kwargs: dict, cu_seqlens):
+    if kwargs.get("seq_idx") is not None:
+        raise ArgumentError("seq_idx: mixc's ops take packed sequences as cu_seqlens (the start offsets), not seq_idx")
+    return cu_seqlens if cu_seqlens is not None else kwargs.get("cu_seq_lens_q")
+
+
+# ---- Gated DeltaNet (Qwen3-Next, OlmoHybrid) and Kimi Delta Attention (Kimi-Linear) ----
+
+def _delta_rule_family(spec: str, chunk_name: str, recurrent_name: str):
+    def factory(mode: str, op_kwargs: dict) -> dict:
+        op = spec_op(spec)
+
+        def options(scale, use_qk_l2norm_in_kernel):
+            out = {"use_qk_l2norm_in_kernel": bool(use_qk_l2norm_in_kernel)}
+            if scale is not None:
+                out["scale"] = float(scale)
+            return out
+
+        def chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, scale=None, **kwargs):
+            heads = value.shape[2]
+            q = _repeat_heads(query, heads, 2, "query")
+            k = _repeat_heads(key, heads, 2, "key")
+            o, st = op(q=q, k=k, v=value, g=g, beta=beta, **options(scale, use_qk_l2norm_in_kernel),
+                       initial_state=None if initial_state is None else {"S": initial_state},
+                       output_final_state=bool(output_final_state), cu_seqlens=_packed(kwargs, cu_seqlens),
+                       mode=mode, **op_kwargs)
+            return o.to(query.dtype), _cast_state(st)
+
+        def recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, scale=None, **kwargs):
+            cu = _packed(kwargs, cu_seqlens)
+            if query.shape[1] != 1 or initial_state is None or cu is not None:
+                return chunk(query, key, value, g, beta, initial_state=initial_state,
+                             output_final_state=output_final_state, cu_seqlens=cu,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale)
+            heads = value.shape[2]
+            q = _repeat_heads(query[:, 0], heads, 1, "query")
+            k = _repeat_heads(key[:, 0], heads, 1, "key")
+            o, st = op.step(q=q, k=k, v=value[:, 0], g=g[:, 0], beta=beta[:, 0],
+                            **options(scale, use_qk_l2norm_in_kernel), state={"S": initial_state}, mode=mode)
+            return o[:, None].to(query.dtype), (_cast_state(st) if output_final_state else None)
+
+        return {chunk_name: chunk, recurrent_name: recurrent}
+    return factory
+
+
+# ---- Mamba-2 (Mamba2, Bamba, FalconH1, Zamba2, NemotronH, GraniteMoeHybrid) ----
+
+def _dt_options(dt_softplus: bool, dt_limit) -> dict:
+    out = {"dt_softplus": bool(dt_softplus)}
+    if dt_limit is not None:
+        lo, hi = (float(v) for v in dt_limit)
+        if lo > 0.0 or hi < math.inf:
+            out.update(dt_limit=True, dt_min=lo, dt_max=min(hi, _NO_LIMIT))
+    return out
+
+
+def _per_head(t: torch.Tensor, keep: int, what: str) -> torch.Tensor:
+    """A tensor transformers expanded from one value per head (e.g. A[:, None, None].expand(
+    -1, head_dim, state)) -> that value per head: its first `keep` dims. Strides of 0 say so
+    without reading it; otherwise the values are compared."""
+    tail = t.shape[keep:]
+    if all(s == 0 or n == 1 for s, n in zip(t.stride()[keep:], tail)):
+        return t[(...,) + (0,) * len(tail)]
+    first = t[(...,) + (0,) * len(tail)]
+    if not torch.equal(t, first.reshape(first.shape + (1,) * len(tail)).expand_as(t)):
+        raise ArgumentError(f"{what}: mixc's mamba2 takes one value per head; got {list(t.shape)} varying "
+                            "along head_dim (use the mamba spec for per-channel values)")
+    return first
+
+
+def _d_parts(D, heads: int, like: torch.Tensor):
+    """(D per head for the op, D per channel to add outside it or None): mamba_ssm takes D [H]
+    or [H, head_dim]; the spec's D[] is per head."""
+    if D is None:
+        return like.new_zeros(heads), None
+    if D.dim() == 1:
+        return D, None
+    if D.stride(1) == 0 or D.shape[1] == 1:         # expanded from one value per head
+        return D[:, 0], None
+    return like.new_zeros(heads), D
+
+
+def _mamba2(mode: str, op_kwargs: dict) -> dict:
+    op = spec_op("mamba2")
+
+    def chunk_scan(x, dt, A, B, C, chunk_size=256, D=None, z=None, dt_bias=None, initial_states=None,
+                   seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                   return_final_states=False, **kwargs):
+        batch, T, heads, P = x.shape
+        Bh = _repeat_heads(B, heads, 2, "B")
+        Ch = _repeat_heads(C, heads, 2, "C")
+        D_op, D_out = _d_parts(D, heads, A)
+        bias = dt_bias if dt_bias is not None else A.new_zeros(heads)
+        init = None if initial_states is None else {"S": initial_states.transpose(-1, -2)}
+        y, st = op(x=x, dt=dt, B=Bh, C=Ch, A=A, D=D_op, dt_bias=bias, **_dt_options(dt_softplus, dt_limit),
+                   initial_state=init, output_final_state=bool(return_final_states),
+                   cu_seqlens=_packed(dict(kwargs, seq_idx=seq_idx), cu_seqlens), mode=mode, **op_kwargs)
+        if D_out is not None:
+            y = y + x * D_out
+        if z is not None:
+            y = y * F.silu(z)
+        y = y.to(x.dtype).contiguous()         # as mamba_ssm's (FalconH1 views it)
+        if return_final_states:
+            return y, _cast_state(st).transpose(-1, -2).contiguous()
+        return y
+
+    def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     state_batch_indices=None, **kwargs):
+        if state_batch_indices is not None:
+            raise ArgumentError("state_batch_indices: not supported by mixc's transformers adapter")
+        if x.dim() != 3:
+            raise ArgumentError(f"x: expected [batch, heads, head_dim], got {list(x.shape)}")
+        heads = x.shape[1]
+        A_h = _per_head(A, 1, "A")
+        dt_h = _per_head(dt, 2, "dt")
+        bias = _per_head(dt_bias, 1, "dt_bias") if dt_bias is not None else A_h.new_zeros(heads)
+        D_op, D_out = _d_parts(D, heads, A_h)
+        o, st = op.step(x=x, dt=dt_h, B=_repeat_heads(B, heads, 1, "B"), C=_repeat_heads(C, heads, 1, "C"),
+                        A=A_h, D=D_op, dt_bias=bias, dt_softplus=bool(dt_softplus),
+                        state={"S": state.transpose(-1, -2).float()}, mode=mode)
+        with torch.no_grad():
+            state.copy_(st["S"].transpose(-1, -2))
+        if D_out is not None:
+            o = o + x * D_out
+        if z is not None:
+            o = o * F.silu(z)
+        return o.to(x.dtype)
+
+    def split_conv1d_scan_combined(*args, **kwargs):
+        return None                     # the layer's unfused path runs (through the two above)
+
+    return {"mamba2_chunk_scan": chunk_scan, "mamba2_selective_state_update": state_update,
+            "mamba2_split_conv1d_scan_combined": split_conv1d_scan_combined}
+
+
+# ---- Mamba (Mamba, FalconMamba, Jamba) ----
+
+def _mamba(mode: str, op_kwargs: dict) -> dict:
+    op = spec_op("mamba")
+
+    def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       return_last_state=False, **kwargs):
+        # mamba_ssm's layout: u, delta, z [batch, D, T]; A [D, N]; B, C [batch, N, T] or
+        # [batch, G, N, T]. mixc: G heads of D/G channels, T first.
+        batch, Dn, T = u.shape
+        Bg = B if B.dim() == 4 else B[:, None]
+        Cg = C if C.dim() == 4 else C[:, None]
+        G, N = Bg.shape[1], Bg.shape[2]
+        P = Dn // G
+        seq = lambda t: t.transpose(1, 2).reshape(batch, T, G, P)          # [b, D, T] -> [b, T, G, P]
+        y, st = op(x=seq(u), dt=seq(delta), B=Bg.permute(0, 3, 1, 2), C=Cg.permute(0, 3, 1, 2),
+                   A=A.reshape(G, P, N).transpose(1, 2),
+                   D=(D if D is not None else A.new_zeros(Dn)).reshape(G, P),
+                   dt_bias=(delta_bias if delta_bias is not None else A.new_zeros(Dn)).reshape(G, P),
+                   dt_softplus=bool(delta_softplus), output_final_state=bool(return_last_state),
+                   mode=mode, **op_kwargs)
+        y = y.reshape(batch, T, Dn).transpose(1, 2)
+        if z is not None:
+            y = y * F.silu(z)
+        y = y.to(u.dtype).contiguous()         # [batch, D, T] as mamba_ssm's
+        if return_last_state:
+            return y, _cast_state(st).transpose(2, 3).reshape(batch, Dn, N)   # [b, G, N, P] -> [b, D, N]
+        return y
+
+    def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     state_batch_indices=None, **kwargs):
+        if state_batch_indices is not None:
+            raise ArgumentError("state_batch_indices: not supported by mixc's transformers adapter")
+        if x.dim() != 2:
+            raise ArgumentError(f"x: expected [batch, channels], got {list(x.shape)}")
+        batch, Dn = x.shape
+        N = A.shape[-1]
+        o, st = op.step(x=x[:, None], dt=dt[:, None], B=B[:, None], C=C[:, None], A=A.t()[None],
+                        D=(D if D is not None else A.new_zeros(Dn))[None],
+                        dt_bias=(dt_bias if dt_bias is not None else A.new_zeros(Dn))[None],
+                        dt_softplus=bool(dt_softplus),
+                        state={"S": state.transpose(1, 2)[:, None].float()}, mode=mode)
+        with torch.no_grad():
+            state.copy_(st["S"][:, 0].transpose(1, 2).reshape(batch, Dn, N))
+        o = o[:, 0]
+        if z is not None:
+            o = o * F.silu(z)
+        return o.to(x.dtype)
+
+    def inner_fn(*args, **kwargs):
+        return None                     # the layer's unfused path runs (through the two above)
+
+    return {"mamba_selective_scan": selective_scan, "mamba_selective_state_update": state_update,
+            "mamba_inner_fn": inner_fn}
+
+
+_FACTORIES = {
+    "gated_delta_rule": _delta_rule_family("gated_delta_rule", "torch_chunk_gated_delta_rule",
+                                           "torch_recurrent_gated_delta_rule"),
+    "kda": _delta_rule_family("kda", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),
+    "mamba2": _mamba2,
+    "mamba": _mamba,
+}
