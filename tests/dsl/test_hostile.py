@@ -448,7 +448,8 @@ def test_state_and_dim_names_that_join_alike_run_correctly():
     import torch
     text = ("mixer m\n  dims K, V, K_V\n  input q[K], k[K], v[V], w[K_V]\n  state S[K, K_V], S_K[K, V]\n"
             "  update S = S + k * w\n  update S_K = S_K + k * v\n  output o = (q @ S_K) * (q @ S @ w)\n")
-    op = mixc.runtime.op.from_text(text, "joined.mix")
+    from mixc.pipeline import from_text
+    op = from_text(text, "joined.mix")
     gen = torch.Generator().manual_seed(7)
     x = {n: torch.randn(1, 20, 2, d, generator=gen) for n, d in (("q", 4), ("k", 4), ("v", 3), ("w", 5))}
     ref, _ = op.reference(**x)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import mixc
-from mixc.runtime.op import from_text
+from mixc.pipeline import from_text
 from mixc.runtime.signature import ArgumentError
 
 from helpers import random_args, random_state
