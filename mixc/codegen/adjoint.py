@@ -8,6 +8,7 @@ import math
 from collections import defaultdict
 
 from ..dsl import ir
+from ..dsl.functions import FUNCTIONS
 from .triton_expr import Emitter, canon, expand, number
 
 
@@ -189,12 +190,5 @@ class Adjoint:
         x = node.args[0]
         xv, xd = self.val(x)
         ov, _ = self.val(node)
-        deriv = {
-            "exp": ov, "log": f"1.0 / {xv}", "sqrt": f"0.5 / {ov}",
-            "abs": f"tl.where({xv} > 0, 1.0, tl.where({xv} < 0, -1.0, 0.0))",
-            "sigmoid": f"{ov} * (1.0 - {ov})", "tanh": f"1.0 - {ov} * {ov}",
-            "logsigmoid": f"1.0 - tl.sigmoid({xv})", "softplus": f"tl.sigmoid({xv})",
-            "elu": f"tl.where({xv} > 0, 1.0, {ov} + 1.0)", "relu": f"tl.where({xv} > 0, 1.0, 0.0)",
-            "silu": f"tl.sigmoid({xv}) * (1.0 + {xv} * (1.0 - tl.sigmoid({xv})))",
-        }[node.fn]
+        deriv = FUNCTIONS[node.fn].triton_derivative.format(x=xv, y=ov)    # the registry, dsl/functions.py
         return [(x, self.emit(f"{gv} * ({deriv})", xd))]

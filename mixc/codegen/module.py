@@ -12,6 +12,7 @@ import triton
 from .. import __version__
 from ..derive.plan import Plan
 from ..dsl import ir
+from ..dsl.functions import FUNCTIONS
 from .chunk import chunk_fwd_hooks
 from .chunk_bwd import chunk_bwd_hooks
 from .header import docstring_safe
@@ -77,6 +78,9 @@ def _scalar_tree(e: ir.Expr) -> list:
         return ["neg", _scalar_tree(e.x)]
     if isinstance(e, ir.BinOp):
         return ["bin", e.op, _scalar_tree(e.left), _scalar_tree(e.right)]
+    if isinstance(e, ir.Call) and e.fn in FUNCTIONS:
+        # the float64 form travels with the call: the compiled module's runtime has no registry
+        return ["call", e.fn, [_scalar_tree(x) for x in e.args], f"lambda x: {FUNCTIONS[e.fn].python}"]
     if isinstance(e, ir.Call):
         return ["call", e.fn, [_scalar_tree(x) for x in e.args]]
     raise TypeError(f"an option default of {type(e).__name__}")

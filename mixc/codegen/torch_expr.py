@@ -10,15 +10,12 @@ from __future__ import annotations
 import math
 
 from ..dsl import ir
+from ..dsl.functions import FUNCTIONS
 from .triton_expr import Emitter, canon, number
 
 LEAD = 3
-CALLS = {
-    "exp": "torch.exp({})", "log": "torch.log({})", "sqrt": "torch.sqrt({})", "abs": "torch.abs({})",
-    "sigmoid": "torch.sigmoid({})", "tanh": "torch.tanh({})", "logsigmoid": "_F.logsigmoid({})",
-    "softplus": "_F.softplus({})", "elu": "_F.elu({})", "relu": "torch.relu({})", "silu": "_F.silu({})",
-    "detach": "{}.detach()",
-}
+# The registry's torch forms (dsl/functions.py) and the generator's own detach
+CALLS = {name: f.torch for name, f in FUNCTIONS.items()} | {"detach": "{x}.detach()"}
 
 
 class TorchEmitter(Emitter):
@@ -83,7 +80,7 @@ class TorchEmitter(Emitter):
             return self.emit_as(f"{fn}(_t({self.expand(a, da, out)}), _t({self.expand(b, db, out)}))", out, [a, b])
         x, d = self(e.args[0])
         arg = f"_t({x})" if x in self.scalars or x[:1].isdigit() or x[:1] == "-" else x
-        return self.emit_as(CALLS[e.fn].format(arg), d, [x])
+        return self.emit_as(CALLS[e.fn].format(x=arg), d, [x])
 
     def x_Reduce(self, e: ir.Reduce):
         x, d = self(e.x)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from ..dsl import ir
+from ..dsl.functions import FUNCTIONS
 
 
 def canon(order: tuple[str, ...], dims) -> tuple[str, ...]:
@@ -144,16 +145,7 @@ class Emitter:
         x, d = self(e.args[0])
         if e.fn == "detach":            # a value the backward holds constant (the stabilizer)
             return x, d
-        code = {
-            "exp": f"tl.exp({x})", "log": f"tl.log({x})", "sqrt": f"tl.sqrt({x})", "abs": f"tl.abs({x})",
-            "sigmoid": f"tl.sigmoid({x})",
-            "tanh": f"2.0 * tl.sigmoid(2.0 * {x}) - 1.0",
-            "logsigmoid": f"tl.minimum({x}, 0.0) - tl.log(1.0 + tl.exp(-tl.abs({x})))",
-            "softplus": f"tl.maximum({x}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({x})))",
-            "elu": f"tl.where({x} > 0, {x}, tl.exp(tl.minimum({x}, 0.0)) - 1.0)",
-            "relu": f"tl.maximum({x}, 0.0)",
-            "silu": f"{x} * tl.sigmoid({x})",
-        }[e.fn]
+        code = FUNCTIONS[e.fn].triton.format(x=x)       # the registry, dsl/functions.py
         return self.emit(code, d)
 
     def x_Reduce(self, e: ir.Reduce):

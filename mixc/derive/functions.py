@@ -1,53 +1,14 @@
-"""Sympy functions for the spec language's built-ins that sympy lacks, with their derivatives,
-and the log rewriting that turns a decay into its log-space form."""
+"""Sympy functions for the spec language's built-ins (built from the registry,
+mixc/dsl/functions.py, where sympy lacks one), the derivation's own (step, geq, maximum,
+minimum), and the log rewriting that turns a decay into its log-space form."""
 from __future__ import annotations
 
+import functools
 import math
 
 import sympy as sp
 
-
-class sigmoid(sp.Function):
-    def fdiff(self, argindex=1):
-        return sigmoid(self.args[0]) * (1 - sigmoid(self.args[0]))
-
-    @classmethod
-    def eval(cls, x):
-        if x.is_zero:
-            return sp.Rational(1, 2)
-
-    def _eval_rewrite_as_exp(self, x, **kw):
-        return 1 / (1 + sp.exp(-x))
-
-    def _eval_is_positive(self):
-        return True if self.args[0].is_real else None
-
-
-class logsigmoid(sp.Function):
-    def fdiff(self, argindex=1):
-        return sigmoid(-self.args[0])
-
-    def _eval_is_nonpositive(self):
-        return True if self.args[0].is_real else None
-
-    def _eval_rewrite_as_exp(self, x, **kw):
-        return -sp.log(1 + sp.exp(-x))
-
-
-class softplus(sp.Function):
-    def fdiff(self, argindex=1):
-        return sigmoid(self.args[0])
-
-    def _eval_rewrite_as_exp(self, x, **kw):
-        return sp.log(1 + sp.exp(x))
-
-    def _eval_is_positive(self):
-        return True if self.args[0].is_real else None
-
-
-class relu(sp.Function):
-    def fdiff(self, argindex=1):
-        return step(self.args[0])
+from ..dsl import functions as registry
 
 
 class step(sp.Function):
@@ -57,16 +18,48 @@ class step(sp.Function):
         return sp.S.Zero
 
 
-class elu(sp.Function):
-    def fdiff(self, argindex=1):
-        x = self.args[0]
-        return step(x) + (1 - step(x)) * sp.exp(x)
+_X = sp.Symbol("x", real=True)
 
 
-class silu(sp.Function):
+def _spec_function(f: registry.Function) -> type[sp.Function]:
+    """The sympy function of a registry entry without one of sympy's own: its derivative, its
+    form in exp (rewrite(exp)), its sign and its value at 0 from the entry's text."""
     def fdiff(self, argindex=1):
-        x = self.args[0]
-        return sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+        return _derivative(f.name).subs(_X, self.args[0])
+
+    def at_zero(cls, x):
+        if f.at_zero is not None and x.is_zero:
+            return sp.sympify(f.at_zero)
+
+    attrs = {"fdiff": fdiff, "eval": classmethod(at_zero), "__doc__": f.doc, "__module__": __name__}
+    if f.rewrite_exp is not None:
+        attrs["_eval_rewrite_as_exp"] = lambda self, x, **kw: _parse(f.rewrite_exp).subs(_X, x)
+    if f.sign is not None:
+        attrs[f"_eval_is_{f.sign}"] = lambda self: True if self.args[0].is_real else None
+    return type(f.name, (sp.Function,), attrs)
+
+
+SYMPY_FUNCTIONS = {name: getattr(sp, f.sympy) if f.sympy else _spec_function(f)
+                   for name, f in registry.FUNCTIONS.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(text: str) -> sp.Expr:
+    """Registry text as sympy, the registry's names its functions (x real)."""
+    names = {name: fn for name, fn in SYMPY_FUNCTIONS.items() if not registry.FUNCTIONS[name].sympy}
+    return sp.sympify(text, locals=names | {"step": step, "x": _X})
+
+
+@functools.lru_cache(maxsize=None)
+def _derivative(name: str) -> sp.Expr:
+    return _parse(registry.FUNCTIONS[name].derivative)
+
+
+# Module attributes by their names, as sympy prints them (pickle finds them here); the
+# derivation names a few itself (log rewriting, the lint, the stabilizer).
+globals().update({name: fn for name, fn in SYMPY_FUNCTIONS.items() if not registry.FUNCTIONS[name].sympy})
+sigmoid, logsigmoid, softplus = SYMPY_FUNCTIONS["sigmoid"], SYMPY_FUNCTIONS["logsigmoid"], SYMPY_FUNCTIONS["softplus"]
+relu, elu, silu = SYMPY_FUNCTIONS["relu"], SYMPY_FUNCTIONS["elu"], SYMPY_FUNCTIONS["silu"]
 
 
 class geq(sp.Function):
@@ -98,25 +91,11 @@ class minimum(sp.Function):
         return geq(b, a) if argindex == 1 else 1 - geq(b, a)
 
 
-SYMPY_FUNCTIONS = {
-    "exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs,
-    "sigmoid": sigmoid, "logsigmoid": logsigmoid, "softplus": softplus, "elu": elu,
-    "relu": relu, "silu": silu,
-}
-
-
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
-
-
-# The functions above in plain floats, by the names sympy prints them with (for lambdify):
-# the lint evaluates decays numerically where sympy's assumptions cannot decide.
-FLOAT_FUNCTIONS = {
-    "sigmoid": _sigmoid,
-    "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),
-    "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
-    "relu": lambda x: max(x, 0.0), "step": lambda x: 1.0 if x > 0 else 0.0,
-    "elu": lambda x: x if x > 0 else math.expm1(x), "silu": lambda x: x * _sigmoid(x),
+# The functions in plain floats, by the names sympy prints them with (for lambdify): the
+# registry's evaluators and the derivation's own. The lint evaluates decays numerically where
+# sympy's assumptions cannot decide.
+FLOAT_FUNCTIONS = {name: registry.python_callable(name) for name in registry.FUNCTIONS} | {
+    "step": lambda x: 1.0 if x > 0 else 0.0,
     "geq": lambda a, b: 1.0 if a >= b else 0.0, "maximum": max, "minimum": min,
 }
 

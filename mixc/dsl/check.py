@@ -9,13 +9,13 @@ import keyword
 import sys
 
 from . import ir, scalar
+from .functions import FUNCTIONS
 from .errors import SpecError, Span, did_you_mean
 from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
                      Node, NumNode, SpecTree, Statement, UnaryNode)
 from .sequence_check import SEQUENCE_FNS, SequenceChecks
 
-ELEMENTWISE_FNS = {"exp": 1, "log": 1, "sigmoid": 1, "logsigmoid": 1, "softplus": 1, "tanh": 1,
-                   "elu": 1, "relu": 1, "silu": 1, "sqrt": 1, "abs": 1}
+ELEMENTWISE_FNS = {name: f.arity for name, f in FUNCTIONS.items()}     # the registry (dsl/functions.py)
 REDUCE_FNS = ("sum", "norm")          # always reduce: fn(x, D, ...)
 MINMAX_FNS = ("max", "min")           # fn(a, b) elementwise, or fn(x, D, ...) a reduction
 SPECIAL_FNS = ("prev", "rename")
@@ -506,8 +506,8 @@ class _ExprChecker:
         if fn == "rename":
             return self.call_rename(n)
         if fn in ELEMENTWISE_FNS:
-            if len(n.args) != 1:
-                raise self.err(f"{fn}() takes 1 argument, got {len(n.args)}", n.span)
+            if len(n.args) != ELEMENTWISE_FNS[fn]:
+                raise self.err(f"{fn}() takes {ELEMENTWISE_FNS[fn]} argument, got {len(n.args)}", n.span)
             x = self.check(n.args[0])
             return ir.Call(x.shape, n.span, fn, (x,))
         if fn in REDUCE_FNS or fn in MINMAX_FNS:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from . import ir
+from . import functions, ir
 
 
 class ScalarError(ValueError):
@@ -30,32 +30,20 @@ class NotConstant(Exception):
     """The expression reads something that has no value here (an input, a dim not bound)."""
 
 
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+def _function(name: str):
+    """The registry's float64 evaluator, refusing first where the function has no finite real
+    value (the log of 0, the square root of a negative number) with the registry's words."""
+    value = functions.python_callable(name)
+
+    def checked(x: float) -> float:
+        why = functions.undefined_at(name, x)
+        if why is not None:
+            raise _Domain(why)
+        return value(x)
+    return checked
 
 
-def _log(x: float) -> float:
-    if x == 0:
-        raise _Domain("is minus infinity (the log of 0)")
-    if x < 0:
-        raise _Domain("is not a real number (the log of a negative number)")
-    return math.log(x)
-
-
-def _sqrt(x: float) -> float:
-    if x < 0:
-        raise _Domain("is not a real number (the square root of a negative number)")
-    return math.sqrt(x)
-
-
-FUNCTIONS = {
-    "exp": math.exp, "log": _log, "sqrt": _sqrt, "tanh": math.tanh, "abs": abs,
-    "sigmoid": _sigmoid,
-    "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),
-    "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
-    "elu": lambda x: x if x > 0 else math.expm1(x), "relu": lambda x: max(x, 0.0),
-    "silu": lambda x: x * _sigmoid(x),
-}
+FUNCTIONS = {name: _function(name) for name in functions.FUNCTIONS}
 
 
 class _Domain(Exception):

@@ -6,19 +6,16 @@ from __future__ import annotations
 import string
 
 import torch
-import torch.nn.functional as F
 
 from ..dsl import ir
+from ..dsl.functions import FUNCTIONS, torch_callable
 from .signature import Bound, bind, option_values
 
 # A value is (tensor, dims): tensor shape = lead + sizes of dims, lead = (B, H) or
 # (B, T, H), broadcast where a size is 1 (params have lead (1, H) / (1, 1, H)).
 Value = tuple[torch.Tensor, ir.Shape]
 
-_FNS = {
-    "exp": torch.exp, "log": torch.log, "sigmoid": torch.sigmoid, "logsigmoid": F.logsigmoid,
-    "softplus": F.softplus, "tanh": torch.tanh, "elu": F.elu, "relu": torch.relu, "silu": F.silu,
-    "sqrt": torch.sqrt, "abs": torch.abs,
+_FNS = {name: torch_callable(name) for name in FUNCTIONS} | {      # the registry, dsl/functions.py
     "detach": torch.Tensor.detach,        # generated only (the stabilizer's m): held constant
 }
 

@@ -12,6 +12,7 @@ ops and context parallelism (runtime/op.py); the numbers are the same kernels' (
 tests/codegen/test_module.py)."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -26,20 +27,20 @@ class ArgumentError(ValueError):
     """A call's argument is missing, extra, or of the wrong shape or dtype."""
 
 
-_MATH = {
-    "exp": math.exp, "log": math.log, "sqrt": math.sqrt, "tanh": math.tanh, "abs": abs,
-    "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)),
-    "logsigmoid": lambda x: min(x, 0.0) - math.log1p(math.exp(-abs(x))),
-    "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
-    "elu": lambda x: x if x > 0 else math.expm1(x), "relu": lambda x: max(x, 0.0),
-    "silu": lambda x: x / (1.0 + math.exp(-x)),
-    "max": max, "min": min,
-}
+_MAX_MIN = {"max": max, "min": min}
+
+
+@functools.lru_cache(maxsize=None)
+def _function(source: str):
+    """A function's float64 form as its call in METADATA carries it ("lambda x: ..." over math,
+    written by the code generator from mixc/dsl/functions.py): this file has no registry."""
+    return eval(source, {"math": math})  # noqa: S307 (the compiled module's own metadata)
 
 
 def scalar(e, sizes: dict, values: dict) -> float:
     """An option's default from METADATA["option_defaults"] (nested lists: ["num", v],
-    ["dim", name], ["opt", name], ["neg", x], ["bin", op, a, b], ["call", fn, [args]])."""
+    ["dim", name], ["opt", name], ["neg", x], ["bin", op, a, b], ["call", fn, [args]] for max
+    and min, ["call", fn, [args], "lambda x: ..."] for the elementwise functions)."""
     kind = e[0]
     if kind == "num":
         return float(e[1])
@@ -54,7 +55,15 @@ def scalar(e, sizes: dict, values: dict) -> float:
         return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else math.copysign(math.inf, a),
                 "**": a ** b if a > 0 or float(b).is_integer() else math.nan}[e[1]]
     args = [scalar(x, sizes, values) for x in e[2]]
-    return _MATH[e[1]](*args)
+    if e[1] in _MAX_MIN:
+        return _MAX_MIN[e[1]](*args)
+    if len(e) < 4:
+        raise ArgumentError(f"this module's METADATA gives no float64 form for {e[1]}() in an option default "
+                            "(compiled by an older mixc): compile the spec again")
+    try:
+        return _function(e[3])(*args)
+    except (ValueError, OverflowError):         # the log of 0, exp(1000): as the bin ops, no exception
+        return math.nan
 
 
 def _block(size: int) -> int:
@@ -162,6 +171,9 @@ class CompiledOp:
         opts = {}
         for name in meta["options"]:
             opts[name] = options[name] if name in options else scalar(meta["option_defaults"][name], keep, opts)
+            if not math.isfinite(opts[name]):
+                at = ", ".join(f"{d} = {v}" for d, v in keep.items())
+                raise ArgumentError(f"option '{name}': its default has no finite real value at {at}; pass {name}=")
         return Bound(B, T, H, keep, inputs, params, opts, init, cu)
 
     # ---- launches ----

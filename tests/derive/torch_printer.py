@@ -7,12 +7,13 @@ from __future__ import annotations
 import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter
 import torch
-import torch.nn.functional as F
 
-TORCH_FUNCTIONS = {
-    "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "tanh": torch.tanh, "Abs": torch.abs,
-    "sign": torch.sign, "sigmoid": torch.sigmoid, "logsigmoid": F.logsigmoid, "softplus": F.softplus,
-    "elu": F.elu, "relu": torch.relu, "silu": F.silu,
+from mixc.dsl.functions import FUNCTIONS, torch_callable
+
+# The spec language's functions (the registry, by the names sympy prints them with), then the
+# ones that derivatives and the derivation bring in.
+TORCH_FUNCTIONS = {f.sympy or name: torch_callable(name) for name, f in FUNCTIONS.items()} | {
+    "sign": torch.sign, "erf": torch.erf,
     "step": lambda x: (x > 0).to(x.dtype),
     "Heaviside": lambda x, h0=0.5: torch.where(x > 0, 1.0, torch.where(x < 0, 0.0, h0)).to(x.dtype),
     "Max": lambda *a: _fold(torch.maximum, a), "Min": lambda *a: _fold(torch.minimum, a),
@@ -49,6 +50,7 @@ class TorchCallPrinter(PythonCodePrinter):
     _print_exp = _call
     _print_log = _call
     _print_tanh = _call
+    _print_erf = _call
 
     def _print_Pow(self, expr, rational=False):
         base, e = expr.args
