@@ -180,4 +180,11 @@ def main(args) -> int:
         else:
             print(f"wrote {out / 'cpu_bench.json'} (no plot: matplotlib is not installed)")
     print(table(result))
+    # the fla column: the torch backend against fla's naive chunked references, where fla is
+    # importable (mixc/bench_fla.py; one process, calls interleaved)
+    from .bench_fla import fla_table, side_by_side
+    fla = side_by_side([T for T in Ts if T % 64 == 0], H=4, D=64, backward=not args.forward_only, threads=None)
+    if args.out and fla["rows"]:
+        (Path(args.out) / "cpu_bench_fla.json").write_text(json.dumps(fla, indent=1) + "\n")
+    print(fla_table(fla))
     return 0

@@ -255,6 +255,24 @@ def _walk(lay, KV, a, init, rank1=None):
     return torch.stack(starts, 1), (torch.stack(us, 1) if us else None), finals
 
 
+def _readout_part(dec, terms, K, V, L, S_starts, U, prev):
+    """The readouts of a group of chunks [BH, n, C, VF]: the state at each chunk's start plus the
+    chunk's own tokens, summed over the readout's terms (query, scale)."""
+    total = 0
+    for Q, sc in terms:
+        if dec.g is None:
+            val = Q @ S_starts + dec.product(Q, K, prev) @ V
+        elif dec.kind == "value":
+            val = (Q @ S_starts) * dec.logs[2 if prev else 0].exp() + _value_mix(
+                decay_product(Q, K, None, "prefix", prev), V, dec.g, prev)
+        else:
+            val = dec.on_keys(Q, 2 if prev else 0) @ S_starts + dec.product(Q, K, prev) @ V
+            if U is not None:
+                val = val + dec.product(Q, L, prev) @ U
+        total = total + (val * sc if sc is not None else val)
+    return total
+
+
 def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens=None,
                           output_final_state=False, C=64):
     """torch_chunk.torch_forward for the specs batched_supported admits: (o [B, T, H, *out dims],
@@ -303,18 +321,17 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
     for rname, rd in READOUTS.items():
         K, V, L, dec, S_starts, U, bad = walked[rd["state"]]
         prev, total = rd["prev"], 0
-        for Q, sc in pc["Q"][rname]:
-            Q = lay.chunks(Q)
-            if dec.g is None:
-                val = Q @ S_starts + dec.product(Q, K, prev) @ V
-            elif dec.kind == "value":
-                val = (Q @ S_starts) * dec.logs[2 if prev else 0].exp() + _value_mix(
-                    decay_product(Q, K, None, "prefix", prev), V, dec.g, prev)
-            else:
-                val = dec.on_keys(Q, 2 if prev else 0) @ S_starts + dec.product(Q, K, prev) @ V
-                if U is not None:
-                    val = val + dec.product(Q, L, prev) @ U
-            total = total + (val * lay.chunks(sc) if sc is not None else val)
+        terms = [(lay.chunks(Q), lay.chunks(sc)) for Q, sc in pc["Q"][rname]]
+        BH, N, C = K.shape[:3]
+        parts = []
+        # in groups of chunks: the [C, C] products of all chunks at once would be tensors past
+        # glibc's mmap threshold (64 MB at T = 16K), each op paying page faults
+        for s in _groups(N, BH * C * max(C, K.shape[-1], V.shape[-1])):
+            d = _Decay(STATES[rd["state"]]["class"], dec.g[:, s]) if dec.g is not None else dec
+            parts.append(_readout_part(d, [(Q[:, s], sc[:, s] if sc is not None else None) for Q, sc in terms],
+                                       K[:, s], V[:, s], L[:, s] if L is not None else None, S_starts[:, s],
+                                       U[:, s] if U is not None else None, prev))
+        total = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         if bad is not None:
             seen = bad.cumsum(-1) - (bad.to(torch.long) if prev else 0)      # bad tokens up to the row
             total = total.masked_fill((seen > 0).unsqueeze(-1), nan)
