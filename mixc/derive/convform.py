@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import plan as P
+from .decay_sign import negative_decay
 
 # mode="auto" takes the FFT form on the torch backend from this many tokens on (below it the
 # chunked loop is as fast; see docs/kernels.md)
@@ -65,8 +66,8 @@ def conv_form(plan: P.Plan) -> ConvForm | None:
 
 
 def _conv_form(plan: P.Plan) -> ConvForm | None:
-    if plan.sequence is not None or "conv" not in plan.forms:
-        return None
+    if plan.sequence is not None or "conv" not in plan.forms or negative_decay(plan) is not None:
+        return None            # a negative decay: a ** j from exp(j log a) is NaN (decay_sign.py)
     why = _fft_blocker(plan)
     return ConvForm(why is None, why)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..dsl import ir
 from .classes import ELEMENTWISE, KEY_DIAG, PREFIX_SUM, RANK1, SCALAR, VALUE_DIAG
+from .decay_sign import negative_decay
 
 __all__ = ["KernelLayout", "kernel_layout", "chunk_supported", "torch_chunk_supported", "chunk_size",
            "tile_dim", "split_dim"]
@@ -57,7 +58,7 @@ def chunk_supported(plan) -> str | None:
                 return f"readout {r.name} contracts {t.over}, not the key dims of {r.state}"
             if t.proj is None and st.key_dims:
                 return f"readout {r.name} reads {r.state} without contracting its key dims"
-    return None
+    return negative_decay(plan)        # tanh(g): no real log (decay_sign.py)
 
 
 def torch_chunk_supported(plan) -> str | None:
@@ -74,7 +75,7 @@ def torch_chunk_supported(plan) -> str | None:
         for t in r.terms_ir:
             if t.proj is None or set(t.over) != set(plan.state(r.state).key_dims):
                 return f"readout {r.name} does not contract the key dims of {r.state}"
-    return None
+    return negative_decay(plan)
 
 
 def chunk_size(plan) -> int:

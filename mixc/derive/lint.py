@@ -4,7 +4,10 @@ inputs it accepts, reported at the spec's line (`mixc check` prints them as warn
 1. A log decay that is not provably <= 0 (a decay that can exceed 1): the recurrence then
    grows like exp(sum of log decays), and the chunked kernels' exp(b_i - b_j) of the
    cumulative sums overflows with it. fla's ops leave this to the caller (g = logsigmoid(..)
-   in the model); the warning says so.
+   in the model); the warning says so. A decay that is not provably >= 0 (tanh(g), -0.5,
+   1 - 2 ** (head - 5)) has no real log: the chunked forms (kernels, the torch backend's,
+   the convolution) refuse it (decay_sign.py, read by derive/layout.py and convform.py) and
+   the recurrent kernels, which multiply by the decay itself, serve it.
 2. An exponential in a state's input term that the max-stabilizer does not cover
    (derive/stabilize.py handles a scalar exp(x) gate shared by its states).
 3. A division in the output whose denominator is not provably nonzero (a normalizer
@@ -18,7 +21,7 @@ import sympy as sp
 from ..dsl import ir
 from ..dsl.errors import Span, SpecError
 from . import plan as P
-from .functions import float_value
+from .decay_sign import may_be_negative, nonpositive as _nonpositive
 
 
 @dataclass(frozen=True)
@@ -28,23 +31,6 @@ class LintWarning:
 
     def render(self, source) -> str:
         return SpecError(self.message, source, self.span).render().replace("error: ", "warning: ", 1)
-
-
-def _nonpositive(expr: sp.Expr, table) -> bool:
-    """expr <= 0 for every value of its inputs and params: by sympy's assumptions, or, for an
-    expression of the head index and dims only (or none), in floats at heads 0..63 and the
-    dims at 1..4096. Floats, not sympy's numbers: `1e308 ** (-5 - head)` at head 4096 as an
-    exact number never finished, and `log(max(0.5, 0.9)) <= 0` is no bool to sympy."""
-    if expr.is_nonpositive:
-        return True
-    free = expr.free_symbols
-    if not all(table.kinds.get(s) in ("head", "dim") for s in free):
-        return False
-    for value in ((0, 1, 2, 7, 31, 63, 4096) if free else (0,)):
-        v = float_value(expr, {s: value for s in free})
-        if v is None or v > 0:          # no real value (a decay <= 0) or above 0: not provable
-            return False
-    return True
 
 
 def _exp_calls(e: ir.Expr | None) -> list[ir.Call]:
@@ -59,7 +45,13 @@ def lint(plan: P.Plan) -> list[LintWarning]:
     stabilized = set(plan.stabilizer.states) if plan.stabilizer is not None else set()
     for st in plan.states:
         upd = spec.update(st.name)
-        if st.decay != 0 and not _nonpositive(st.log_decay, plan.table):
+        if may_be_negative(st.decay, plan.table):
+            out.append(LintWarning(
+                f"the decay of {st.name}, {sp.sstr(st.decay)}, can be negative (it is not provably >= 0): its log, "
+                "which the chunked forms take, is not real, so mode='auto' takes the recurrent kernels, the torch "
+                "backend its token-by-token loop, and mode='chunk' and mode='conv' refuse it; if the decay is meant to "
+                "lie in [0, 1], write it so (sigmoid(x), exp(-softplus(x)), exp(g) with g <= 0)", upd.span))
+        elif st.decay != 0 and not _nonpositive(st.log_decay, plan.table):
             out.append(LintWarning(
                 f"the decay of {st.name} can exceed 1: its log, {sp.sstr(st.log_decay)}, is not provably <= 0, so "
                 f"{st.name} can grow like exp(sum of log decays) and the chunked form's exp of cumulative sums "

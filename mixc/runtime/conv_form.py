@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..derive.convform import conv_form
+from ..derive.decay_sign import negative_decay
 from ..derive.plan import Plan
 from . import seqops
 from .cache import load_module
@@ -20,6 +21,10 @@ from .torch_chunk import torch_chunked
 def conv_forward(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: torch.dtype):
     """(o [B, T, H, *out dims], final states {name: [N, H, *dims]} or None)."""
     cf = conv_form(plan)
+    negative = negative_decay(plan)
+    if cf is None and negative is not None and "conv" in plan.forms:
+        raise ArgumentError(f"mode='conv': mixer '{plan.name}' has no convolution form here: {negative}; use "
+                            "mode='recurrent' or 'torch'")
     if cf is None:
         slow = [s.name for s in plan.states if not s.time_invariant]
         raise ArgumentError(f"mode='conv': mixer '{plan.name}' has no convolution form: the transition of "

@@ -171,3 +171,42 @@ def test_dg_at_strong_decay(mode, name, low):
     (op(**a32, mode=mode, **({"chunk": 16} if mode == "chunk" else {}))[0].double() * w).sum().backward()
     want = a64["g"].grad
     assert ((a32["g"].grad.double() - want).norm() / want.norm()).item() <= 1e-5
+
+
+NEGATIVE = {"tanh": ("input  q[K], k[K], v[V], g[]", "tanh(g)"),
+            "constant": ("input  q[K], k[K], v[V]", "(0 - 0.5)"),
+            "per-head": ("input  q[K], k[K], v[V]", "(1 - 2 ** (head - 0.5))")}     # retention's, negative past 0
+
+
+@pytest.mark.parametrize("kind", list(NEGATIVE))
+def test_a_negative_decay_runs_the_recurrence_or_is_refused_at_its_line(kind, tmp_path):
+    """A decay that can be negative has no real log (the chunked forms gave NaN): the lint
+    says so, mode='auto' takes the recurrent kernels and the torch backend its token loop (both
+    equal the float64 reference, gradients too), mode='chunk' and mode='conv' raise an
+    ArgumentError naming the decay and its file:line:col. B1-T12-H2-K8 (head 1 of the per-head
+    decay is -0.41)."""
+    from mixc.derive.lint import lint
+    from mixc.runtime.signature import ArgumentError
+    inputs, decay = NEGATIVE[kind]
+    path = tmp_path / "neg.mix"
+    path.write_text(f"mixer neg\n  dims   K, V\n  {inputs}\n  state  S[K, V]\n  update S = {decay} * S + k * v\n"
+                    "  output o = q @ S\n")
+    op = mixc.load(str(path))
+    assert any("can be negative" in w.message and w.span.line == 5 for w in lint(op.plan()))
+    args, _ = random_args(op.ir, B=1, T=12, H=2, sizes={"K": 8, "V": 8}, dtype=torch.float32, seed=31)
+    a64 = {n: x.double().requires_grad_() for n, x in args.items()}
+    ref = op(**a64, mode="reference")[0]
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+    (ref * w).sum().backward()
+    for mode in ("auto", "torch"):
+        a32 = {n: x.clone().requires_grad_() for n, x in args.items()}
+        o = op(**a32, mode=mode)[0]
+        (o.double() * w).sum().backward()
+        torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        for n in a32:
+            torch.testing.assert_close(a32[n].grad.double(), a64[n].grad, rtol=1e-4,
+                                       atol=1e-4 * a64[n].grad.abs().max().item())
+    for mode in ("chunk", "conv") if kind != "tanh" else ("chunk",):
+        with pytest.raises(ArgumentError, match=rf"mode='{mode}'.*the decay of S, .* \(.*neg\.mix:5:10\), is not "
+                                                r"provably >= 0"):
+            op(**args, mode=mode)
