@@ -1,0 +1,150 @@
+"""mixc's ops inside transformers models (mixc.integrations.transformers): a patched tiny random
+model gives the prompt logits of transformers' own pure-torch path within fp32 tolerance, the
+same recurrent states in the model's cache layout, and the same 16 greedy tokens, with the
+prefill through the op and every decoded token through op.step; gradients match in training;
+unpatch restores the class's forward; errors are named."""
+import collections
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers.models.qwen3_next import modeling_qwen3_next
+
+from mixc.integrations import hf_cores
+from mixc.integrations import transformers as mixc_hf
+from mixc.runtime.signature import ArgumentError
+from tests.integrations.hf_models import MODELS, SPEC_OF, VOCAB, build
+
+B, PROMPT, NEW = 2, 8, 16
+transformers.logging.set_verbosity_error()      # the fallback notices ("causal_conv1d is not installed")
+warnings.filterwarnings("ignore", message=".*(deprecated|attention mask).*")
+
+# default runs: one model of each spec in the torch backend, the gated delta rule through the
+# chunked kernels (Triton's interpreter); the other models and kernel modes are slow
+FAST = {("qwen3_next", "torch"), ("mamba", "torch"), ("mamba2", "torch"),
+        ("qwen3_next", "chunk")}
+CASES = [(n, "torch") for n in MODELS] + [(n, "chunk") for n in ("qwen3_next", "kimi_linear", "mamba2", "nemotron_h")] \
+    + [(n, "recurrent") for n in ("mamba", "qwen3_next")]
+PARAMS = [pytest.param(n, m, id=f"{n}-{m}-B{B}-T{PROMPT}+{NEW}",
+                       marks=() if (n, m) in FAST else pytest.mark.slow) for n, m in CASES]
+
+
+def _prompt():
+    return torch.randint(3, VOCAB, (B, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def _generate(model, ids):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                          do_sample=False)
+
+
+def _mixer_states(cache, layers):
+    return {i: cache.get_recurrent_state(i) for i in layers}
+
+
+def _count_op_calls(monkeypatch, spec):
+    """Counts the op's sequence calls and single-token steps (the patched model's prefill and decode)."""
+    calls, inside = collections.Counter(), []
+    cls = type(hf_cores.spec_op(spec))
+    call, step = cls.__call__, cls.step
+
+    def counted_call(self, *a, **k):
+        if not inside:                  # the torch backend's step calls the op on one token
+            calls["call"] += 1
+        return call(self, *a, **k)
+
+    def counted_step(self, *a, **k):
+        calls["step"] += 1
+        inside.append(1)
+        try:
+            return step(self, *a, **k)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(cls, "__call__", counted_call)
+    monkeypatch.setattr(cls, "step", counted_step)
+    return calls
+
+
+@pytest.mark.parametrize("name, mode", PARAMS)
+def test_patched_model_matches_transformers(name, mode, monkeypatch):
+    original = mixc_hf.torch_fallback(build(name))        # transformers' pure-torch path, whatever is installed
+    mixers = mixc_hf.find_mixers(original)
+    spec = SPEC_OF.get(name, "mamba2")
+    assert set(mixers.values()) == {spec}
+    layers = sorted(m.layer_idx for n, m in original.named_modules() if n in mixers)
+    patched = mixc_hf.patch(copy.deepcopy(original), mode=mode)
+    assert mixc_hf.patched(patched) == {n: (spec, mode) for n in mixers}
+    ids = _prompt()
+    with torch.no_grad():
+        ref = original(ids, use_cache=True)
+        calls = _count_op_calls(monkeypatch, spec)
+        out = patched(ids, use_cache=True)
+        assert calls == {"call": len(layers)}, "the prefill did not run through mixc's op"
+        scale = max(1.0, ref.logits.abs().max().item())
+        err = (out.logits - ref.logits).abs().max().item()
+        assert err <= 1e-5 * scale, f"prompt logits differ by {err:.2e} (scale {scale:.1f})"
+        # the state the decode continues from, in the cache's own layout and dtype
+        want, got = _mixer_states(ref.cache, layers), _mixer_states(out.cache, layers)
+        for i in layers:
+            assert got[i].shape == want[i].shape and got[i].dtype == want[i].dtype
+            torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5 * want[i].abs().max().item())
+        monkeypatch.undo()
+        expected = _generate(original, ids)
+        calls = _count_op_calls(monkeypatch, spec)
+        tokens = _generate(patched, ids)
+    assert calls == {"call": len(layers), "step": (NEW - 1) * len(layers)}, "decode did not run through op.step"
+    assert tokens.shape == (B, PROMPT + NEW)
+    assert torch.equal(tokens, expected), f"greedy tokens differ:\n{tokens[:, PROMPT:]}\n{expected[:, PROMPT:]}"
+
+
+@pytest.mark.parametrize("name", ["mamba2", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+def test_training_gradients_match(name):
+    """model.train() without a cache takes the fused path (mamba_split_conv1d_scan_combined),
+    which the patch turns off: the unfused path runs through mixc's op, with autograd."""
+    original = mixc_hf.torch_fallback(build(name)).train()
+    patched = mixc_hf.patch(copy.deepcopy(original), mode="torch")
+    ids = _prompt()
+    grads = []
+    for model in (original, patched):
+        model.zero_grad()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    mixer_grads = [n for n in grads[0] if "A_log" in n or "dt_bias" in n]
+    assert mixer_grads, "no gradient reached the mixer's own parameters"
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-5 * max(1.0, g.abs().max().item()), msg=n)
+
+
+def test_unpatch_restores_the_class_forward_and_nothing_global_changes():
+    module_fn = modeling_qwen3_next.torch_chunk_gated_delta_rule
+    model = build("qwen3_next")
+    layer = model.model.layers[0].linear_attn
+    mixc_hf.patch(model, mode="torch")
+    assert "forward" in layer.__dict__ and mixc_hf.patched(model)
+    assert modeling_qwen3_next.torch_chunk_gated_delta_rule is module_fn       # the module is untouched
+    other = build("qwen3_next", seed=1).model.layers[0].linear_attn
+    assert "forward" not in other.__dict__                                       # other models too
+    assert mixc_hf.unpatch(model) is model
+    assert "forward" not in layer.__dict__ and mixc_hf.patched(model) == {}
+    assert layer.forward.__func__ is type(layer).forward
+
+
+def test_patch_again_replaces_the_mode():
+    model = mixc_hf.patch(build("mamba"), mode="torch")
+    mixc_hf.patch(model, mode="reference")
+    assert set(mixc_hf.patched(model).values()) == {("mamba", "reference")}
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ArgumentError, match=r"model: expected a torch.nn.Module .*got str"):
+        mixc_hf.patch("Qwen/Qwen3-Next")
+    with pytest.raises(ArgumentError, match=r"mode: expected one of .*got 'fast'"):
+        mixc_hf.patch(build("mamba"), mode="fast")
+    with pytest.raises(ArgumentError, match=r"model: Sequential has no mixer layer mixc can patch"):
+        mixc_hf.patch(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(ArgumentError, match=r"mode='chunk': layer backbone.layers.0.mixer runs mixc's mamba, "
+                                            r"which has no chunked form"):
+        mixc_hf.patch(build("mamba"), mode="chunk")
