@@ -304,8 +304,9 @@ PARAM_ROLES: dict = {
     ("aft_conv", "w"): Constant(0.0, "zeros"),
     ("gmlp", "W"): SmallNormal(1e-3, "near zero (gMLP: the unit starts as z1 * b)"),
     ("gmlp", "b"): Ones(),
-    ("mlp_mixer", "W"): SmallNormal(0.02, "normal(0, 0.02)"),
-    ("mlp_mixer", "b"): Constant(0.0, "zeros"),
+    ("mlp_mixer", "W1"): SmallNormal(0.02, "normal(0, 0.02)"),
+    ("mlp_mixer", "W2"): SmallNormal(0.02, "normal(0, 0.02)"),
+    ("mlp_mixer", "b1"): Constant(0.0, "zeros"), ("mlp_mixer", "b2"): Constant(0.0, "zeros"),
 }
 
 

@@ -104,7 +104,7 @@ def test_explain_names_the_algorithms():
     aft = explain_sequence(mixc.load("aft_conv").plan())
     assert "torch.cumsum" in aft and "exponentials: exp(x) of per-token values is carried as exp(x - c)" in aft
     mm = explain_sequence(mixc.load("mlp_mixer").plan())
-    assert "step: none: mix() in output y is not causal" in mm
+    assert "step: none: mix() in let h is not causal; mix() in output y is not causal" in mm
 
 
 # ---- errors, each at its place ----------------------------------------------------------

@@ -59,8 +59,11 @@ def mix_ref(W, x, causal):
     return torch.einsum("hts,bshd->bthd", W, x)
 
 
-def mlp_mixer_ref(x, W, b, causal=False):
-    return mix_ref(W, x, causal) + b[:, :x.shape[1]].T[None, :, :, None]
+def mlp_mixer_ref(x, W1, b1, W2, b2, causal=False):
+    """The paper's token-mixing MLP: W2 gelu(W1 x + b1) + b2 along the tokens (exact GELU)."""
+    T = x.shape[1]
+    h = torch.nn.functional.gelu(mix_ref(W1, x, causal) + b1[:, :T].T[None, :, :, None])
+    return mix_ref(W2, h, causal) + b2[:, :T].T[None, :, :, None]
 
 
 def gmlp_ref(z1, z2, W, b, causal=False):
@@ -287,18 +290,22 @@ def test_a_window_that_is_not_a_positive_whole_number(window):
 
 def test_a_mixing_matrix_of_the_wrong_size():
     op, args = draw("mlp_mixer", 1, 6, 2, {"D": 3})
-    small = dict(args, W=args["W"][:, :5, :5])
-    with pytest.raises(ArgumentError, match=r"W: a per-position param must cover the positions of the call: it has "
+    small = dict(args, W2=args["W2"][:, :5, :5])
+    with pytest.raises(ArgumentError, match=r"W2: a per-position param must cover the positions of the call: it has "
                                             r"5 rows \(axis 1\), the call reaches position 5 \(T = 6 tokens\)"):
         op(**small)
-    with pytest.raises(ArgumentError, match=r"W: expected a per-position param of shape \[H, T, T\] \(rank 3\), "
+    with pytest.raises(ArgumentError, match=r"W1: expected a per-position param of shape \[H, T, T\] \(rank 3\), "
                                             r"got shape \[2, 6\] \(rank 2\)"):
-        op(**dict(args, W=args["W"][:, 0]))
-    with pytest.raises(ArgumentError, match=r"b: a per-position param must cover"):
-        op(**dict(args, b=args["b"][:, :3]))
-    bigger = dict(args, W=torch.randn(2, 9, 11, dtype=torch.float64), b=torch.randn(2, 9, dtype=torch.float64))
+        op(**dict(args, W1=args["W1"][:, 0]))
+    with pytest.raises(ArgumentError, match=r"b1: a per-position param must cover"):
+        op(**dict(args, b1=args["b1"][:, :3]))
+    gen = torch.Generator().manual_seed(4)
+    bigger = dict(args, W1=torch.randn(2, 9, 11, dtype=torch.float64, generator=gen),
+                  b1=torch.randn(2, 9, dtype=torch.float64, generator=gen),
+                  W2=torch.randn(2, 8, 7, dtype=torch.float64, generator=gen),
+                  b2=torch.randn(2, 10, dtype=torch.float64, generator=gen))
     o, _ = op(**bigger)                 # larger than T: the top-left T x T block
-    torch.testing.assert_close(o, mlp_mixer_ref(args["x"], bigger["W"], bigger["b"]))
+    torch.testing.assert_close(o, mlp_mixer_ref(args["x"], bigger["W1"], bigger["b1"], bigger["W2"], bigger["b2"]))
 
 
 def test_attention_with_mismatched_key_dims():
@@ -311,10 +318,11 @@ def test_what_a_non_causal_mixer_refuses():
     op, args = draw("mlp_mixer", 1, 6, 2, {"D": 3})
     assert not op.can_step() and op.can_step(causal=True)
     with pytest.raises(ArgumentError, match=r"output_final_state=True: mixer 'mlp_mixer' has no state to continue "
-                                            r"from: mix\(\) in output y is not causal"):
+                                            r"from: mix\(\) in let h is not causal"):
         op(**args, output_final_state=True)
     with pytest.raises(ArgumentError, match="no state to continue from"):
-        op.step(x=args["x"][:, 0], W=args["W"], b=args["b"], state={"pos": torch.zeros(1, dtype=torch.long)})
+        op.step(x=args["x"][:, 0], W1=args["W1"], b1=args["b1"], W2=args["W2"], b2=args["b2"],
+                state={"pos": torch.zeros(1, dtype=torch.long)})
 
 
 def test_modes_and_caches_that_do_not_fit():
