@@ -21,6 +21,7 @@ from mixc.codegen.module import generate
 from mixc.derive.lint import lint
 from mixc.derive.plan import derive
 from mixc.dsl import library_names, read_spec
+from mixc.dsl.functions import FUNCTIONS
 from mixc.runtime.inputs import random_args
 from mixc.pipeline import from_text
 
@@ -153,7 +154,7 @@ LEAVES = {
     frozenset("KV"): ["P"],
 }
 DIM_LEAVES = {"K": ["q", "k", "w"], "V": ["v", "u"], "J": ["rename(q, K -> J)", "rename(w, K -> J)"]}
-FNS = ["exp", "log", "sigmoid", "logsigmoid", "softplus", "tanh", "elu", "relu", "silu", "sqrt", "abs"]
+FNS = list(FUNCTIONS)           # every function of the registry (mixc/dsl/functions.py)
 
 
 @st.composite
