@@ -156,3 +156,13 @@ def test_a_compiled_module_evaluates_an_option_default_that_calls_a_function():
         tree = _scalar_tree(ir.Call((), None, name, (ir.Num((), None, x),)))
         assert scalar(tree, {}, {}) == pytest.approx(registry.python_callable(name)(x), rel=1e-15)
     assert math.isnan(scalar(_scalar_tree(ir.Call((), None, "log", (ir.Num((), None, 0.0),))), {}, {}))
+
+
+def test_the_registry_is_data():
+    """Importing the spec language with its registry loads neither sympy nor torch nor triton."""
+    import subprocess
+    import sys
+    code = ("import sys, mixc.dsl, mixc.dsl.functions; "
+            "print(sorted(m for m in ('sympy', 'torch', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
