@@ -258,3 +258,29 @@ def test_compiled_module_imports_no_compiler(tmp_path, capsys):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "LOADED []" in run.stdout, run.stdout
+
+
+def test_compiled_module_evaluates_a_function_in_an_option_default(tmp_path, capsys):
+    """mixc.runtime.support has no function registry: the call in METADATA's option default
+    carries the function's float64 form (gelu and log here), and a default without a finite
+    value at the call's dims is an ArgumentError naming the option (was a traceback)."""
+    import importlib.util
+    import torch
+    from helpers import random_args
+    from mixc.cli import main
+    from mixc.runtime.support import ArgumentError
+    spec = tmp_path / "optfn.mix"
+    spec.write_text("mixer optfn\n  dims K, V\n  input q[K], k[K], v[V]\n  option scale = gelu(K - 5) + log(K - 3)\n"
+                    "  state S[K, V]\n  update S = S + k * v\n  output o = scale * (q @ S)\n")
+    assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == 0
+    loader = importlib.util.spec_from_file_location("compiled_optfn", tmp_path / "out" / "optfn.py")
+    mod = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(mod)
+    op = mixc.load(str(spec))
+    args, _ = random_args(op.ir, B=1, T=4, H=2, sizes={"K": 6, "V": 3}, dtype=torch.float32, seed=23)
+    o, _ = mod.op(**args, mode="recurrent")
+    ref, _ = op.reference(**args)
+    torch.testing.assert_close(o.double(), ref, rtol=1e-5, atol=1e-5)
+    small, _ = random_args(op.ir, B=1, T=4, H=2, sizes={"K": 3, "V": 3}, dtype=torch.float32, seed=23)
+    with pytest.raises(ArgumentError, match=r"option 'scale': its default has no finite real value at K = 3, V = 3"):
+        mod.op(**small, mode="recurrent")
