@@ -124,6 +124,10 @@ def kernel_ops(plan: Plan) -> KernelOps:
         n_states = len(m.states)
         ckpts = output[1 + n_states:]
         ctx.save_for_backward(*ins, *params, *ckpts, *([cu] if cu is not None else []))
+        # no gradient flows into the checkpoints, and an unused output's gradient stays None:
+        # otherwise autograd fills a zero tensor of each checkpoint's size on every backward
+        ctx.mark_non_differentiable(*ckpts)
+        ctx.set_materialize_grads(False)
         ctx.meta = (len(ins), len(params), n_states, list(options), cu is not None, output_final_state,
                     [x.dtype for x in init], bool(init), chunked, CK, tuple(output[0].shape),
                     cu.shape[0] - 1 if cu is not None else ins[0].shape[0])
@@ -178,10 +182,7 @@ class _EagerKernels(torch.autograd.Function):
         out = fwd_impl(*args)
         setup_context(ctx, args, out)
         ctx.backward_impl, ctx.counts = backward, counts
-        n_states = (len(out) - 1) // 2
-        ctx.mark_non_differentiable(*out[1 + n_states:])          # the checkpoints
-        ctx.set_materialize_grads(False)                           # None stays None, as for the op
-        return tuple(out)
+        return tuple(out)           # setup_context marked the checkpoints non-differentiable
 
     @staticmethod
     def backward(ctx, *grads):
