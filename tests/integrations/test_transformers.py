@@ -36,8 +36,10 @@ def _prompt():
 
 
 def _generate(model, ids):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
-                          do_sample=False)
+    """(tokens [B, PROMPT + NEW], the logits of each generated token [NEW, B, vocab])."""
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
 
 
 def _mixer_states(cache, layers):
@@ -91,12 +93,16 @@ def test_patched_model_matches_transformers(name, mode, monkeypatch):
             assert got[i].shape == want[i].shape and got[i].dtype == want[i].dtype
             torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5 * want[i].abs().max().item())
         monkeypatch.undo()
-        expected = _generate(original, ids)
+        expected, expected_logits = _generate(original, ids)
         calls = _count_op_calls(monkeypatch, spec)
-        tokens = _generate(patched, ids)
+        tokens, logits = _generate(patched, ids)
     assert calls == {"call": len(layers), "step": (NEW - 1) * len(layers)}, "decode did not run through op.step"
     assert tokens.shape == (B, PROMPT + NEW)
     assert torch.equal(tokens, expected), f"greedy tokens differ:\n{tokens[:, PROMPT:]}\n{expected[:, PROMPT:]}"
+    # min_new_tokens masks the end-of-text logits with -inf (the same in both)
+    finite = expected_logits.isfinite()
+    err = (logits - expected_logits)[finite].abs().max().item()
+    assert torch.equal(logits.isfinite(), finite) and err <= 1e-5 * scale, f"decoded logits differ by {err:.2e}"
 
 
 @pytest.mark.parametrize("name", ["mamba2", pytest.param("qwen3_next", marks=pytest.mark.slow)])
