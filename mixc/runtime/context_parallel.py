@@ -264,7 +264,7 @@ def _transition(plan, bound: Bound, start: int, end: int, x0: torch.Tensor) -> d
 def _rank1_transition(kind, pc, name, g):
     """The [KF, KF] map of a shard of S_t = D_t S_{t-1} + l_t (r_t . S_{t-1}) (+ k v^T, dropped):
     the chunked WY form (runtime/torch_chunk.py) run on S0 = I with v = 0, chunk by chunk."""
-    from .torch_chunk import _rank1_advance, _rank1_setup
+    from .torch_chunk import _chunk_logs, _rank1_advance, _rank1_setup
     L, R, K = pc["L"][name], pc["R"][name], pc["K"][name]
     n, T, H, KF = K.shape
     if g is None:                                 # the delta rule: no decay
@@ -273,10 +273,9 @@ def _rank1_transition(kind, pc, name, g):
     C = 32
     for c0 in range(0, T, C):
         c1 = min(c0 + C, T)
-        b = g[:, c0:c1].cumsum(1)
-        bb = (b, b[:, -1], torch.cat([torch.zeros_like(b[:, :1]), b[:, :-1]], 1))
+        bb = _chunk_logs(g[:, c0:c1])              # torch_chunk's chunk logs (per-pair sums, suffixes)
         zero_v = torch.zeros(n, c1 - c0, H, KF, dtype=K.dtype, device=K.device)
-        U, b_key, _ = _rank1_setup(kind, L[:, c0:c1], R[:, c0:c1], K[:, c0:c1], zero_v, S, bb)
+        U, b_key = _rank1_setup(kind, L[:, c0:c1], R[:, c0:c1], K[:, c0:c1], zero_v, S, bb)
         S = _rank1_advance(L[:, c0:c1], K[:, c0:c1], zero_v, S, U, b_key)
     return S                                      # S_end = Phi @ S_start over the key axis
 
