@@ -21,10 +21,11 @@ B, PROMPT, NEW = 2, 8, 16
 transformers.logging.set_verbosity_error()      # the fallback notices ("causal_conv1d is not installed")
 warnings.filterwarnings("ignore", message=".*(deprecated|attention mask).*")
 
-# default runs: one model of each spec in the torch backend, the gated delta rule through the
-# chunked kernels (Triton's interpreter); the other models and kernel modes are slow
-FAST = {("qwen3_next", "torch"), ("mamba", "torch"), ("mamba2", "torch"),
-        ("qwen3_next", "chunk")}
+# default runs: Qwen3-Next, Mamba and the Mamba-2 family (its copies cost ~0.1 s each once the
+# op is loaded) in the torch backend, Qwen3-Next through the chunked kernels (Triton's
+# interpreter); Kimi-Linear (the kda op's first load), the other models and modes are slow
+FAST = {("qwen3_next", "torch"), ("mamba", "torch"), ("jamba", "torch"), ("qwen3_next", "chunk")} | {
+    (n, "torch") for n in ("mamba2", "bamba", "falcon_h1", "zamba2", "nemotron_h", "granite_moe_hybrid")}
 CASES = [(n, "torch") for n in MODELS] + [(n, "chunk") for n in ("qwen3_next", "kimi_linear", "mamba2", "nemotron_h")] \
     + [(n, "recurrent") for n in ("mamba", "qwen3_next")]
 PARAMS = [pytest.param(n, m, id=f"{n}-{m}-B{B}-T{PROMPT}+{NEW}",
