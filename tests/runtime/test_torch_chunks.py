@@ -39,6 +39,27 @@ def test_packed_sequences_match_the_reference(name):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["B2-T70", "B1-T37-cu"])
+@pytest.mark.parametrize("name", VARLEN + ["delta_rule"])
+def test_without_autograd_matches_the_reference(name, packed, monkeypatch):
+    """Without an autograd graph the forward updates its intermediates in place, runs one
+    matmul per head on the chunk layout's views and writes the walk into one buffer, in groups
+    of chunks (B2: 2 per group, the state carried between groups; packed: one group of 4, the
+    sequences resetting inside it): output and final states against float64."""
+    monkeypatch.setattr(tc, "GROUP_ELEMENTS", 2048)         # per chunk: B' H C max(C, dims) = 512 B'
+    op = mixc.load(name)
+    B, T, cu = (1, 37, torch.tensor([0, 3, 3, 37])) if packed else (2, 70, None)
+    args, sizes = random_args(op.ir, B=B, T=T, H=2, sizes={d.name: 5 for d in op.ir.dims if not d.alias_of},
+                              dtype=torch.float64, seed=9)
+    st = random_state(op.ir, 3 if packed else B, 2, sizes)
+    with torch.no_grad():
+        o, fin = op(**args, initial_state=st, cu_seqlens=cu, output_final_state=True, mode="torch", chunk=16)
+    ro, rfin = op(**args, initial_state=st, cu_seqlens=cu, output_final_state=True, mode="reference")
+    torch.testing.assert_close(o, ro, rtol=1e-9, atol=1e-9)
+    for k in rfin:
+        torch.testing.assert_close(fin[k].double(), rfin[k], rtol=1e-6, atol=1e-6)      # states come back fp32
+
+
 def _pairwise(X, Y, g, prev):
     """sum_k X_ik Y_jk exp(sum_{j < s <= i - prev} g_sk), the definition, in float64 loops."""
     C = X.shape[-2]
