@@ -5,7 +5,6 @@ prefill through the op and every decoded token through op.step; gradients match 
 unpatch restores the class's forward; errors are named."""
 import collections
 import copy
-import warnings
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from tests.integrations.hf_models import MODELS, SPEC_OF, VOCAB, build
 
 B, PROMPT, NEW = 2, 8, 16
 transformers.logging.set_verbosity_error()      # the fallback notices ("causal_conv1d is not installed")
-warnings.filterwarnings("ignore", message=".*(deprecated|attention mask).*")
+pytestmark = pytest.mark.filterwarnings("ignore:.*(deprecated|attention mask)")
 
 # default runs: Qwen3-Next, Mamba and the Mamba-2 family (its copies cost ~0.1 s each once the
 # op is loaded) in the torch backend, Qwen3-Next through the chunked kernels (Triton's
