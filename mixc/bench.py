@@ -180,6 +180,8 @@ def main(args) -> int:
         else:
             print(f"wrote {out / 'cpu_bench.json'} (no plot: matplotlib is not installed)")
     print(table(result))
+    if getattr(args, "no_fla", False):
+        return 0
     # the fla column: the torch backend against fla's naive chunked references, where fla is
     # importable (mixc/bench_fla.py; one process, calls interleaved)
     from .bench_fla import fla_table, side_by_side

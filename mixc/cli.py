@@ -298,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-reference-T", type=nonnegative_int, default=4096, help="the float64 loop only up to this T")
     b.add_argument("--max-quadratic-T", type=nonnegative_int, default=2048, help="the [T, T, K] form only up to this T")
     b.add_argument("--forward-only", action="store_true")
+    b.add_argument("--no-fla", action="store_true",
+                   help="skip the side-by-side with fla's naive chunked references (run where fla is importable)")
     b.add_argument("-o", "--out", metavar="DIR", help="write DIR/cpu_bench.json (and cpu_bench.png)")
     b.set_defaults(fn=lambda a: __import__("mixc.bench", fromlist=["main"]).main(a))
     from .recall import add_arguments as recall_arguments     # light: torch loads only when it runs
