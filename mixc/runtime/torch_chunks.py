@@ -235,7 +235,7 @@ class _Decay:
     intermediates are updated in place, _mm's per-head matmuls)."""
 
     def __init__(self, cls, g, fast=False):
-        self.kind = {"rank1": "scalar", "rank1-key": "key"}.get(cls, cls)
+        self.kind = {"rank1": "scalar", "rank1-key": "key"}.get(cls, cls) if g is not None else "prefix"
         self.g, self.fast = g, fast
         self.axis = -1 if self.kind == "scalar" else -2
         self.logs = chunk_logs(g, self.axis) if g is not None else None
@@ -255,6 +255,8 @@ class _Decay:
 
     def on_keys(self, X, which):
         """X [BH, N, C, K] times exp(the chunk log `which`) (scalar or per key)."""
+        if self.g is None:
+            return X
         w = self.logs[which].exp()
         return X * (w.unsqueeze(-1) if self.kind == "scalar" else w)
 
@@ -295,7 +297,7 @@ def _walk(lay, s, KV, a, S, init, finals, rank1=None):
             W0, Wm, LwT = rank1
             U = torch.baddbmm(W0[i], Wm[i], S)
             us.append(U)
-            S = torch.baddbmm(torch.addcmul(KV[i], a[i], S), LwT[i], U)
+            S = torch.baddbmm(KV[i] + S if a is None else torch.addcmul(KV[i], a[i], S), LwT[i], U)
         else:
             S = KV[i] + S if a is None else torch.addcmul(KV[i], a[i], S)
         if lay.last.get(lay.seq[n]) == n:
@@ -322,7 +324,8 @@ def _walk_into(lay, s, KV, a, S, init, finals, rank1):
             bufs[i].copy_(init(lay.seq[n]))
         if rank1 is not None:
             torch.baddbmm(W0[i], Wm[i], bufs[i], out=U[i])
-            torch.baddbmm(torch.addcmul(KVs[i], a[i], bufs[i]), LwT[i], U[i], out=bufs[i + 1])
+            base = KVs[i] + bufs[i] if a is None else torch.addcmul(KVs[i], a[i], bufs[i])
+            torch.baddbmm(base, LwT[i], U[i], out=bufs[i + 1])
         elif a is None:
             torch.add(KVs[i], bufs[i], out=bufs[i + 1])
         else:
@@ -337,9 +340,7 @@ def _readout_part(dec, terms, K, V, L, S_starts, U, prev):
     chunk's own tokens, summed over the readout's terms (query, scale)."""
     total = 0
     for Q, sc in terms:
-        if dec.g is None:
-            val = Q @ S_starts + dec.product(Q, K, prev) @ V
-        elif dec.kind == "value":
+        if dec.kind == "value":
             val = (Q @ S_starts) * dec.logs[2 if prev else 0].exp() + _value_mix(
                 decay_product(Q, K, None, "prefix", prev), V, dec.g, prev)
         else:
@@ -414,6 +415,14 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
     return o, final
 
 
+def _decay_or_none(g):
+    """g, or None for a constant log decay of 0 (the delta rule's: a 0-d zero expanded), whose
+    pair factors would all be 1: the products skip them."""
+    if g is None or g.requires_grad or any(st != 0 for st in g.stride()) or not g.numel():
+        return g
+    return None if float(g.reshape(-1)[0]) == 0.0 else g
+
+
 def _state_group(lay, s, cls, pc, name, S, init, finals):
     """One state over the chunks s: ((K, V, L, its _Decay, the states at the chunks' starts, the
     rank-1 U, the tokens holding inf/NaN or None), the state after them)."""
@@ -425,7 +434,7 @@ def _state_group(lay, s, cls, pc, name, S, init, finals):
     bad = nonfinite_rows(K, V, L, R)
     if bad is not None:
         K, V, L, R = (t.masked_fill(bad.unsqueeze(-1), 0.0) if t is not None else None for t in (K, V, L, R))
-    dec = _Decay(cls, lay.chunks(pc["g"][name], s), lay.fast)
+    dec = _Decay(cls, lay.chunks(_decay_or_none(pc["g"][name]), s), lay.fast)
     rank1 = None
     if cls.startswith("rank1"):
         # the WY/UT form (torch_chunk._rank1_setup): (I - A_rl) U = R^ S0 + A_rk V, solved once
