@@ -306,16 +306,17 @@ def _walk(lay, s, KV, a, S, init, finals, rank1=None):
 
 
 def _walk_into(lay, s, KV, a, S, init, finals, rank1):
-    """_walk without autograd: each state written once into one buffer [BH, n + 1, KF, VF] (the
-    walk's own outputs, not a stack of them after); views unbound once, as in _walk."""
+    """_walk without autograd: each state written once into one buffer [n + 1, BH, KF, VF] (the
+    walk's own outputs, not a stack of them after; chunk-major, so that each is contiguous for
+    the matmuls that write it); views unbound once, as in _walk."""
     n0, n1 = s.start, s.stop
-    buf = KV.new_empty(KV.shape[:1] + (n1 - n0 + 1,) + KV.shape[2:])
-    bufs, KVs = buf.unbind(1), KV.unbind(1)
+    buf = KV.new_empty((n1 - n0 + 1,) + KV.shape[:1] + KV.shape[2:])
+    bufs, KVs = buf.unbind(0), KV.unbind(1)
     a = a.expand(KV.shape[:2] + a.shape[2:]).unbind(1) if a is not None else None
     if rank1 is not None:
-        us = rank1[0].new_empty(rank1[0].shape[:3] + KV.shape[3:])
+        us = rank1[0].new_empty((n1 - n0,) + rank1[0].shape[:1] + rank1[0].shape[2:3] + KV.shape[3:])
         W0, Wm, LwT = (t.unbind(1) for t in rank1)
-        U = us.unbind(1)
+        U = us.unbind(0)
     if not lay.first[n0]:
         bufs[0].copy_(S)
     for n in range(n0, n1):
@@ -332,7 +333,7 @@ def _walk_into(lay, s, KV, a, S, init, finals, rank1):
             torch.addcmul(KVs[i], a[i], bufs[i], out=bufs[i + 1])
         if lay.last.get(lay.seq[n]) == n:           # a copy: the next sequence's reset takes this slot
             finals[lay.seq[n]] = bufs[i + 1].clone()
-    return buf[:, :-1], (us if rank1 is not None else None), bufs[-1]
+    return buf[:-1].transpose(0, 1), (us.transpose(0, 1) if rank1 is not None else None), bufs[-1]
 
 
 def _readout_part(dec, terms, K, V, L, S_starts, U, prev):
