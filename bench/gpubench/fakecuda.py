@@ -69,8 +69,18 @@ def install(arch: int = 90, pick=None) -> None:
         kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
         consts = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int)) and k in self.arg_names
                   and self.params[self.arg_names.index(k)].is_constexpr}
-        RECORDS.append({"phase": PHASE["name"], "module": self.module, "kernel": self.fn.__name__,
-                        "compiled": kernel, "constexprs": consts,
+        named = dict(zip(self.arg_names, args)) | kwargs
+        tensors = {k: {"nbytes": v.numel() * v.element_size(), "ptr": v.data_ptr(), "shape": tuple(v.shape),
+                       "dtype": str(v.dtype).replace("torch.", "")}
+                   for k, v in named.items() if isinstance(v, torch.Tensor)}
+        scalars = {k: v for k, v in named.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        try:                                        # the grid, for the traffic report's FLOP count
+            g = grid(named) if callable(grid) else grid
+            g = tuple(int(x) for x in g) + (1,) * (3 - len(g))
+        except Exception:                           # noqa: BLE001 - a grid of defaults not passed: unknown
+            g = None
+        RECORDS.append({"kind": "triton", "phase": PHASE["name"], "module": self.module, "kernel": self.fn.__name__,
+                        "compiled": kernel, "constexprs": consts, "tensors": tensors, "scalars": scalars, "grid": g,
                         "num_warps": kwargs.get("num_warps", kernel.metadata.num_warps),
                         "num_stages": kwargs.get("num_stages", kernel.metadata.num_stages)})
         return kernel
@@ -80,6 +90,21 @@ def install(arch: int = 90, pick=None) -> None:
         score = pick(self, config) if pick is not None else self.configs.index(config)
         return [score, score, score]
     Autotuner._bench = _bench
+
+
+def fla_on_device_0() -> None:
+    """fla picks block sizes with check_shared_mem(arch, tensor.device.index): on a GPU the index
+    is 0, but the CPU tensors here have index None, which check_shared_mem swallows as "not that
+    much shared memory" (BK = BV = 32 in three Hopper backward kernels, not 64). Answer a None
+    index as device 0's. Call after fla is imported, before its first op."""
+    import fla.utils.hardware as hw
+
+    class _Device0(list):
+        def __getitem__(self, i):
+            return super().__getitem__(0 if i is None else i)
+    orig = hw.get_all_max_shared_mem
+    hw.get_all_max_shared_mem = lambda: _Device0(orig())
+    hw.check_shared_mem.cache_clear()
 
 
 def usage(kernel, arch: int = 90) -> dict:

@@ -31,9 +31,11 @@ def typical(_tuner, config) -> tuple:
             abs(config.num_stages - 2))
 
 
-def run_one(spec: str, impl: str, D: int, T: int, H: int, all_configs: bool) -> list[dict]:
-    """In this process (fakecuda installed first): compile what `impl` launches for `spec`'s
-    forward and backward at B = 1, T, H, K = V = D in bf16; one row per kernel launch."""
+def setup(spec: str, impl: str, D: int, T: int, H: int, dtype_name: str = "bfloat16"):
+    """In this process: install the stand-in driver and return (call, leaves, op, forced, why):
+    call(leaves) runs `impl`'s chunked op on B = 1, T, H, K = V = D CPU tensors whose every
+    kernel launch is compiled, not run; forced maps mixc's forms to a config (untuned where
+    absent); why says why fla is missing (call is then None)."""
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["FLA_CACHE_RESULTS"] = "0"           # no autotune choice from (or into) Triton's disk cache
     sys.path[:0] = [str(ROOT), str(BENCH)]
@@ -44,21 +46,34 @@ def run_one(spec: str, impl: str, D: int, T: int, H: int, all_configs: bool) -> 
 
     from gpubench import fla_ops
     from gpubench.timing import make_inputs
-    op, kw, _ = make_inputs(spec, 1, T, H, D, "cpu", torch.bfloat16)
+    op, kw, _ = make_inputs(spec, 1, T, H, D, "cpu", getattr(torch, dtype_name))
     leaves = {k: v.requires_grad_(True) for k, v in kw.items()}
-    variants = [None]
+    forced = {}                                     # form -> config; untuned where absent
     if impl == "fla":
         fns, why = fla_ops.load()
         if fns is None:
-            return [{"spec": spec, "impl": impl, "error": why}]
-        call = lambda x: fla_ops.call(spec, fns, x)                      # noqa: E731
-    else:
-        from mixc.runtime import autotune, launch
-        from mixc.runtime.cache import load_module
-        launch.module_for = lambda plan, device: load_module(plan)
-        forced = {}                                 # form -> config; untuned where absent
-        launch._tuned = lambda plan, bound, form, run, C=None: forced.get(form)
-        call = lambda x: op(**x, mode="chunk")[0]                       # noqa: E731
+            return None, leaves, op, forced, why
+        fakecuda.fla_on_device_0()
+        return (lambda x: fla_ops.call(spec, fns, x)), leaves, op, forced, None
+    from mixc.runtime import launch
+    from mixc.runtime.cache import load_module
+    launch.module_for = lambda plan, device: load_module(plan)
+    launch._tuned = lambda plan, bound, form, run, C=None: forced.get(form)
+    return (lambda x: op(**x, mode="chunk")[0]), leaves, op, forced, None
+
+
+def run_one(spec: str, impl: str, D: int, T: int, H: int, all_configs: bool) -> list[dict]:
+    """In this process (fakecuda installed first): compile what `impl` launches for `spec`'s
+    forward and backward at B = 1, T, H, K = V = D in bf16; one row per kernel launch."""
+    call, leaves, op, forced, why = setup(spec, impl, D, T, H)
+    if call is None:
+        return [{"spec": spec, "impl": impl, "error": why}]
+    import torch
+
+    from gpubench import fakecuda
+    variants = [None]
+    if impl == "mixc":
+        from mixc.runtime import autotune
         if all_configs:
             variants += autotune.configs(op.plan(), "chunk_fwd")
     rows = []

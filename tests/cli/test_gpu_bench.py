@@ -150,7 +150,9 @@ def test_static_report_one_op(tmp_path):
     # the untuned CUDA launch: two launches per direction (PHASE 1 and 2)
     assert {(r["phase"], r["kernel"]) for r in mine} == {(p, f"simple_gla_chunk_{p}[{i}]") for p in ("fwd", "bwd")
                                                          for i in (1, 2)}
-    assert all(r["tensor_cores"] == "wgmma" and r["registers"] and r["shared_bytes"] > 0 for r in mine)
+    # tensor cores in every kernel (at K = V = 16 the PHASE 1 walk's small products take mma.sync)
+    assert all(r["tensor_cores"] in ("wgmma", "mma.sync") and r["registers"] and r["shared_bytes"] > 0 for r in mine)
+    assert all(r["tensor_cores"] == "wgmma" for r in mine if r["kernel"].endswith("[2]"))
     if have_fla:
         theirs = [r for r in rows if r["impl"] == "fla"]
         assert {"chunk_fwd_kernel_h", "chunk_fwd_kernel_o", "chunk_bwd_kernel_dh"} <= {r["kernel"] for r in theirs}
