@@ -170,6 +170,27 @@ def _key_product(X, Y, g, prev):
     return (A + diag.unsqueeze(4) * eye).reshape(BH, N, C, C)
 
 
+def scalar_factors(g, prev):
+    """exp(pair_logs(g, prev, -1)) [BH, N, C, C] for a scalar log decay g [BH, N, C], on
+    sub-chunks of SUB as key_product: per pair inside a sub-chunk; across sub-chunks the product
+    exp(the log decay from its sub-chunk's start to i) exp(the sub-chunks between) exp(from j
+    to its sub-chunk's end), each factor a sum over tokens (a reset's -inf gives 0, never NaN:
+    every factor is at most 1 for log decays <= 0, the only ones taken here)."""
+    BH, N, C = g.shape
+    if C % SUB or C <= SUB or not bool((g <= 0).all()):
+        return pair_logs(g, prev, -1).exp_()
+    m, c = C // SUB, SUB
+    gs = g.reshape(BH, N, m, c)
+    b = gs.cumsum(-1)                                                       # within each sub-chunk
+    bq = torch.cat([torch.zeros_like(b[..., :1]), b[..., :-1]], -1) if prev else b
+    sfx = torch.cat([gs.flip(-1).cumsum(-1).flip(-1)[..., 1:], torch.zeros_like(gs[..., :1])], -1)
+    gap = pair_logs(b[..., -1], True, -1).exp_()           # [BH, N, I, J]: the sub-chunks between, J < I
+    rows = bq.exp().unsqueeze(-1) * gap.unsqueeze(-2)                       # [BH, N, I, i, J]
+    D = rows.unsqueeze(-1) * sfx.exp().view(BH, N, 1, 1, m, c)              # [BH, N, I, i, J, j]
+    D.diagonal(dim1=2, dim2=4).copy_(pair_logs(gs, prev, -1).exp_().permute(0, 1, 3, 4, 2))
+    return D.reshape(BH, N, C, C)
+
+
 def _value_mix(A, V, g, prev):
     """sum_j A_ij exp(the pair's log decay on v) V_jv: the value-diagonal class's intra part."""
     BH, N, C, F = V.shape
@@ -244,7 +265,10 @@ class _Decay:
     def product(self, X, Y, prev):
         if self.kind == "scalar":
             if prev not in self._pairs:
-                self._pairs[prev] = pair_logs(self.g, prev, -1).exp_()
+                # factored on sub-chunks without autograd (one pass, not four); the backward
+                # keeps the per-pair sums' gradients
+                self._pairs[prev] = (scalar_factors(self.g, prev) if self.fast
+                                     else pair_logs(self.g, prev, -1).exp_())
             A = _mm(X, Y.transpose(-1, -2), fast=self.fast)
             return A.mul_(self._pairs[prev]) if self.fast else A * self._pairs[prev]
         if self.kind == "prefix" and self.fast:

@@ -86,6 +86,22 @@ def test_key_sub_chunks_equal_the_pair_sums(prev):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-300)
 
 
+@pytest.mark.parametrize("prev", [False, True], ids=["S_t", "S_t-1"])
+def test_scalar_sub_chunk_factors_equal_the_pair_sums(prev):
+    """The scalar class's factors without autograd (sub-chunks, factored across them) against
+    the per-pair sums: a reset inside and at the start of a sub-chunk, strong decay."""
+    gen = torch.Generator().manual_seed(8)
+    g = -torch.rand(2, 3, 32, generator=gen, dtype=torch.float64) * 3
+    g[0, 1, 11] = float("-inf")
+    g[1, 2, 16] = float("-inf")
+    g[1, 0] = -20.0 - torch.rand(32, generator=gen, dtype=torch.float64)
+    got = tc.scalar_factors(g, prev)
+    one = torch.ones(2, 3, 32, 1, dtype=torch.float64)
+    want = _pairwise(one, one, g.unsqueeze(-1), prev)                   # X = Y = 1: the factors alone
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-300)
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
