@@ -142,12 +142,15 @@ def fla_table(result: dict, header: bool = True) -> str:
         return f"fla column: {result['fla']}"
     out = []
     if header:
-        h = f"{'spec':18} {'T':>6} {'pass':8} {'mixc ms':>10} {'fla ms':>10} {'x fla':>7} {'rel diff':>9}"
+        h = (f"{'spec':18} {'T':>6} {'pass':8} {'mixc ms':>10} {'fla ms':>10} {'x fla':>7} {'rel diff':>9} "
+             f"{'mixc us/tok':>11}")
         out += [h, "-" * len(h)]
     for r in result["rows"]:
         fla = (f"{r['fla_ms']:>10.1f} {r['ratio']:>7.2f}" if r["fla_ms"] is not None else f"{'n/a':>10} {'':>7}")
+        # time per token (B tokens a step): flat across T when the backend is linear in T
+        per_tok = r["mixc_ms"] * 1e3 / (r["B"] * r["T"])
         out.append(f"{r['spec']:18} {r['T']:>6} {'fwd+bwd' if r['backward'] else 'fwd':8} {r['mixc_ms']:>10.1f} "
-                   f"{fla} {r['max_rel_diff']:>9.1e}")
+                   f"{fla} {r['max_rel_diff']:>9.1e} {per_tok:>11.2f}")
     return "\n".join(out)
 
 
