@@ -21,7 +21,8 @@ from .torch_chunk import torch_chunked
 def conv_forward(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: torch.dtype):
     """(o [B, T, H, *out dims], final states {name: [N, H, *dims]} or None)."""
     cf = conv_form(plan)
-    negative = negative_decay(plan)
+    # why there is no form is worked out (sympy) only on the way to the error, never per call
+    negative = negative_decay(plan) if cf is None else None
     if cf is None and negative is not None and "conv" in plan.forms:
         raise ArgumentError(f"mode='conv': mixer '{plan.name}' has no convolution form here: {negative}; use "
                             "mode='recurrent' or 'torch'")

@@ -130,7 +130,8 @@ def decay_product(X, Y, g, kind, prev):
         # in place on the matmul's fresh output (its backward keeps X and Y, not A)
         return A.masked_fill_(torch.ones(C, C, dtype=torch.bool, device=A.device).tril(-int(prev)).logical_not(), 0.0)
     BH, N, C, F = X.shape
-    if C % SUB == 0 and C > SUB and bool((g.detach() <= 0).all()):
+    # the sub-chunk factors need log decays <= 0, a host read: under torch.compile the pair sums
+    if C % SUB == 0 and C > SUB and not torch.compiler.is_compiling() and bool((g.detach() <= 0).all()):
         return key_product(X, Y, g, prev)
     out = []
     for s in _groups(N, BH * C * C * F):
@@ -181,7 +182,7 @@ def scalar_factors(g, prev):
     to its sub-chunk's end), each factor a sum over tokens (a reset's -inf gives 0, never NaN:
     every factor is at most 1 for log decays <= 0, the only ones taken here)."""
     BH, N, C = g.shape
-    if C % SUB or C <= SUB or not bool((g <= 0).all()):
+    if C % SUB or C <= SUB or torch.compiler.is_compiling() or not bool((g <= 0).all()):
         return pair_logs(g, prev, -1).exp_()
     m, c = C // SUB, SUB
     gs = g.reshape(BH, N, m, c)
@@ -221,14 +222,16 @@ def nonfinite_rows(*xs):
     sum per tensor first (isfinite over every element costs four passes): a finite sum means
     no inf or NaN; only an overflowing or non-finite one takes the per-row test."""
     xs = [x for x in xs if x is not None]
-    if bool(torch.isfinite(torch.stack([x.detach().sum() for x in xs])).all()):
+    # under torch.compile a host read is a graph break (fullgraph fails): always the row test
+    tracing = torch.compiler.is_compiling()
+    if not tracing and bool(torch.isfinite(torch.stack([x.detach().sum() for x in xs])).all()):
         return None
     bad = None
     for x in xs:
         if x is not None:
             nf = ~torch.isfinite(x).all(-1)
             bad = nf if bad is None else bad | nf
-    return bad if bad is not None and bool(bad.any()) else None
+    return bad if bad is not None and (tracing or bool(bad.any())) else None
 
 
 # the most leading indices _mm loops over (one matmul each) before it takes matmul's copy
