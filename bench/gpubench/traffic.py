@@ -144,6 +144,7 @@ def torch_traffic_mode(records: list, phase: dict):
                 return out                              # a view: no bytes move
             name = schema.name.split("::")[-1]
             read, written = {}, {}
+            fresh = name.endswith("_like") or name.startswith("new_")     # zeros_like(x): x's shape, not its data
             for i, a in enumerate(schema.arguments):
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 for t in flat(v):
@@ -151,7 +152,7 @@ def torch_traffic_mode(records: list, phase: dict):
                         written[key(t)] = 1
                         if not name.endswith(_OVERWRITE) and not a.kwarg_only:
                             read[key(t)] = 1
-                    else:
+                    elif not fresh:
                         read[key(t)] = 1
             if all(r.alias_info is None for r in schema.returns):
                 for t in flat(out):

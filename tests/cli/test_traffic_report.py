@@ -49,6 +49,7 @@ with torch_traffic_mode(fakecuda.RECORDS, fakecuda.PHASE):
     fakecuda.PHASE["name"] = "fwd"
     x2 = (x.view(-1) * 2).view(x.shape)        # a torch op between kernels; the views move nothing
     toy[(G,)](x2, y, z, w, n, BLOCK=B)
+    torch.zeros_like(z)                        # writes z's size, reads nothing
 out = {{"launches": launches_of(fakecuda.RECORDS), "nbytes": [t.numel() * 4 for t in (x, y, z, w)]}}
 try:
     import fla.utils.hardware as hw
@@ -70,7 +71,8 @@ def test_toy_kernel_traffic_and_flops(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     out = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("@@"))[2:])
     xb, yb, zb, _ = out["nbytes"]
-    mul, kernel = out["launches"]
+    mul, kernel, zeros = out["launches"]
+    assert (zeros["kernel"], zeros["read"], zeros["written"]) == ("torch zeros_like", 0, zb)
     assert (mul["kind"], mul["kernel"], mul["read"], mul["written"]) == ("torch", "torch mul", xb, xb)
     assert kernel["kernel"] == "toy" and kernel["grid"] == [3, 1, 1]
     assert (sorted(kernel["reads"]), sorted(kernel["writes"])) == (["x", "z"], ["y", "z"])     # w: untouched
