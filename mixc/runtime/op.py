@@ -90,19 +90,19 @@ class MixerOp:
         if mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
             from .conv_form import conv_forward
             o, st = conv_forward(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound))
-            return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
+            return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode == "torch" and plan.layout.torch_chunked:
             from .torch_chunk import torch_chunked
             o, st = torch_chunked(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound),
                                   C=chunk)          # None: the torch backend's own C
-            return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
+            return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
             o, st = _reference.reference(self.ir, **kwargs, initial_state=initial_state,
                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                          dtype=dtype)
             if mode == "torch":
-                return o.to(next(iter(bound.inputs.values())).dtype), _float_states(st)
+                return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
             return o, st
         if mode == "chunk" or (mode == "auto" and "chunk" in plan.forms):
             why = plan.layout.chunk_unsupported
@@ -201,7 +201,7 @@ class MixerOp:
             o, st = _reference.reference_step(self.ir, state=state, dtype=dtype, **kwargs)
             if mode == "torch":
                 o = o.to(next(iter(bound.inputs.values())).dtype)
-                st = {k: v.float() for k, v in st.items()}
+                st = _state_dtype(st, bound)
             return o, st
         # the recurrent kernels on the arguments bound above (bound once, not again by __call__)
         o, st = self._kernels(_as_sequence(bound), True, 32, False)
@@ -236,8 +236,12 @@ def _as_sequence(bound: Bound) -> Bound:
                  bound.params, bound.options, bound.flags, bound.initial_state, None)
 
 
-def _float_states(st):
-    return {k: v.float() for k, v in st.items()} if st is not None else None
+def _state_dtype(st, bound):
+    """States leave the torch backend in float32, or in float64 when the inputs are float64 (a
+    float32 state would cut the precision of what a float64 caller carries on, and of the
+    gradients that flow through it)."""
+    dtype = _compute_dtype(bound)
+    return {k: v.to(dtype) for k, v in st.items()} if st is not None else None
 
 
 def _compute_dtype(bound) -> torch.dtype:
