@@ -399,6 +399,7 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
     dtype, device = x0.dtype, x0.device
     opt = {k: torch.tensor(v, dtype=dtype, device=device) for k, v in opt.items()}
     pc = mod.torch_pieces(x, p, opt, sizes, B, T, H)
+    pc["g"] = {name: _decay_or_none(g) for name, g in pc["g"].items()}
     lay = Layout(B, T, H, C, cu_seqlens, device)
     # no autograd graph: fresh intermediates may be updated in place (the backward needs none)
     lay.fast = not torch.is_grad_enabled() or not any(
@@ -466,7 +467,7 @@ def _state_group(lay, s, cls, pc, name, S, init, finals):
     bad = nonfinite_rows(K, V, L, R)
     if bad is not None:
         K, V, L, R = (t.masked_fill(bad.unsqueeze(-1), 0.0) if t is not None else None for t in (K, V, L, R))
-    dec = _Decay(cls, lay.chunks(_decay_or_none(pc["g"][name]), s), lay.fast)
+    dec = _Decay(cls, lay.chunks(pc["g"][name], s), lay.fast)
     rank1 = None
     if cls.startswith("rank1"):
         # the WY/UT form (torch_chunk._rank1_setup): (I - A_rl) U = R^ S0 + A_rk V, solved once
