@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -77,6 +79,24 @@ def _kernel(plan: Plan, device, form: str):
     return getattr(mod, mod.METADATA["kernels"][form])
 
 
+# A decode step's fast path (runtime/fastpath.py) replays the launch a first step made: while
+# recording, each forward launch leaves its shape-derived part here (kernel, grid, numbers,
+# constexprs, buffer shapes), so the argument order has one definition (_forward's).
+_RECORDING = threading.local()
+
+
+@contextmanager
+def recording():
+    """Collect the forward launches made inside (a list of dicts, the last the real one: tuning
+    runs come first), or None for one this cannot replay (checkpoints, packed sequences)."""
+    prev = getattr(_RECORDING, "log", None)
+    _RECORDING.log = log = []
+    try:
+        yield log
+    finally:
+        _RECORDING.log = prev
+
+
 def checkpoint_slots(bound: Bound, CK: int) -> int:
     """Slots for the chunk checkpoints of all sequences (see codegen.recurrent.state_base)."""
     return (bound.B * bound.T) // CK + bound.n_seqs + 1
@@ -116,14 +136,27 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
         if checkpoints:
             ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
         state_args += [init, finals.get(s.name, out), ckpts.get(s.name, out)]
+    numbers = [opts[o.name] for o in m.options if o.kind == "float"]
+    tail = [T, H, *[float(bound.sizes[d]) for d in m.dim_names]]
+    consts = dict(USE_INITIAL_STATE=bound.initial_state is not None and ckpts_in is None,
+                  STORE_FINAL_STATE=output_final_state, IS_VARLEN=bound.cu_seqlens is not None,
+                  STORE_CHECKPOINTS=checkpoints, **launch)
     kernel[(grid0 or n * H, tiles, splits)](*[bound.inputs[d.name].contiguous() for d in m.inputs],
                      *[bound.params[d.name].contiguous() for d in m.params],
-                     *[opts[o.name] for o in m.options if o.kind == "float"], *state_args,
-                     out, bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out, T, H,
-                     *[float(bound.sizes[d]) for d in m.dim_names],
-                     USE_INITIAL_STATE=bound.initial_state is not None and ckpts_in is None,
-                     STORE_FINAL_STATE=output_final_state, IS_VARLEN=bound.cu_seqlens is not None,
-                     STORE_CHECKPOINTS=checkpoints, **launch)
+                     *numbers, *state_args,
+                     out, bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out, *tail, **consts)
+    log = getattr(_RECORDING, "log", None)
+    if log is not None:
+        replayable = not (checkpoints or ckpts_in or finals_into is not None or not write_out
+                          or bound.cu_seqlens is not None)
+        log.append(dict(module=load_module(plan), kernel=load_module(plan).METADATA["kernels"][form],
+                        grid=(grid0 or n * H, tiles, splits), numbers=numbers, tail=tail, consts=consts,
+                        x0=x0, out_shape=tuple(out.shape), out_dtype=out.dtype, splits=splits,
+                        final_dtype=x0.dtype if out_dtype is None else out_dtype,
+                        states=[(s.name, (n, H) + tuple(bound.sizes[d] for d in s.shape),
+                                 "none" if bound.initial_state is None else
+                                 "given" if s.name in bound.initial_state else "zeros")
+                                for s in plan.kernel_ir.states]) if replayable else None)
     if splits > 1:
         out = out.sum(0).to(out_dtype or x0.dtype)
     return (out if write_out else None), (finals if output_final_state else None), (ckpts if checkpoints else None)

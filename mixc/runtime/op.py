@@ -21,12 +21,13 @@ that form) on CUDA tensors and on CPU tensors under Triton's interpreter
 T >= 64). A sequence mixer (conv, mix, attend) gets a SequenceOp (runtime/sequence.py)."""
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
 from ..derive.plan import Plan, derive
 from ..dsl import MixerIR
+from . import fastpath, launch
 from . import reference as _reference
 from .cache import interpreting
 from .launch import chunk_size_for
@@ -42,6 +43,7 @@ class MixerOp:
         self.ir = mixer
         self._plans: dict[tuple, Plan] = {}
         self._ops: dict[tuple, tuple] = {}
+        self._fast: dict[tuple, fastpath.StepRecipe] = {}     # step()'s replayable launches by argument look
 
     @property
     def name(self) -> str:
@@ -132,15 +134,7 @@ class MixerOp:
                    bound.cu_seqlens, output_final_state, save, chunked, CK)
         if not output_final_state:
             return outs[0], None
-        st = {s.name: f for s, f in zip(kstates, outs[1:1 + len(kstates)])}
-        if plan.stabilizer is not None:
-            # the kernels keep S~ = S exp(-m); the spec's state is S (inf where it exceeds fp32).
-            # Autograd carries dS~ = dS exp(m) into the kernels' backward, which holds m constant.
-            mf = st.pop("_m")
-            for name in plan.stabilizer.states:
-                x = st[name]
-                st[name] = x * torch.exp(mf).reshape(mf.shape + (1,) * (x.dim() - 2))
-        return outs[0], st
+        return outs[0], _unstabilize(plan, {s.name: f for s, f in zip(kstates, outs[1:1 + len(kstates)])})
 
     def prepare(self, **flags):
         """Derive and register the kernels' custom ops for these flags (the defaults otherwise).
@@ -171,7 +165,15 @@ class MixerOp:
         usual, state the dict from output_final_state (or a previous step). Returns (o [B, H,
         *dims], new state). inplace=True updates the given state buffers instead (float32,
         contiguous) and returns them; state_indices [B] int: the state is a cache [N_slots, H,
-        ...] and sequence i uses slot state_indices[i] (runtime/decode.py: decode for serving)."""
+        ...] and sequence i uses slot state_indices[i] (runtime/decode.py: decode for serving).
+        A step whose arguments look like an earlier kernel step's (shapes, dtypes, devices, flags
+        and numbers: runtime/fastpath.py) replays that step's launch without binding again."""
+        key = None
+        if inplace is False and state_indices is None and not torch.compiler.is_compiling():
+            key = fastpath.step_key(mode, kwargs, state)
+            recipe = self._fast.get(key) if key is not None else None
+            if recipe is not None:
+                return fastpath.run_step(recipe, kwargs, state)
         if mode not in MODES:
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
         if "initial_state" in kwargs:
@@ -204,7 +206,15 @@ class MixerOp:
                 st = _state_dtype(st, bound)
             return o, st
         # the recurrent kernels on the arguments bound above (bound once, not again by __call__)
-        o, st = self._kernels(_as_sequence(bound), True, 32, False)
+        with launch.recording() as log:
+            o, st = self._kernels(_as_sequence(bound), True, 32, False)
+        if key is not None and not (torch.is_grad_enabled() and _needs_grad(bound)):
+            plan = self._plan_for(bound.flags)
+            recipe = fastpath.recipe_from(log, self.ir, kwargs, partial(_unstabilize, plan))
+            if recipe is not None:
+                if len(self._fast) >= fastpath.MAX_RECIPES:
+                    self._fast.clear()
+                self._fast[key] = recipe
         return o[:, 0], st
 
     def reference(self, **kwargs):
@@ -224,10 +234,28 @@ class MixerOp:
         return "torch"
 
 
+def _unstabilize(plan: Plan, st: dict) -> dict:
+    """The kernels' final states as the spec's. With a stabilizer the kernels keep S~ = S exp(-m);
+    the spec's state is S (inf where it exceeds fp32). Autograd carries dS~ = dS exp(m) into the
+    kernels' backward, which holds m constant."""
+    if plan.stabilizer is None:
+        return st
+    mf = st.pop("_m")
+    for name in plan.stabilizer.states:
+        x = st[name]
+        st[name] = x * torch.exp(mf).reshape(mf.shape + (1,) * (x.dim() - 2))
+    return st
+
+
 def check_flag_argument(name: str, value) -> None:
     """A yes/no argument must be a bool: "no" or a tensor would be taken as true."""
     if not isinstance(value, bool):
         raise ArgumentError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
+
+
+def _needs_grad(bound: Bound) -> bool:
+    return any(t.requires_grad for t in (*bound.inputs.values(), *bound.params.values(),
+                                         *(bound.initial_state or {}).values()))
 
 
 def _as_sequence(bound: Bound) -> Bound:

@@ -17,6 +17,7 @@ import mixc
 from helpers import random_args
 from mixc.runtime import cache, launch
 from mixc.runtime import op as op_module
+from mixc.runtime.signature import ArgumentError
 
 
 class _NoLaunch:
@@ -68,7 +69,8 @@ def test_no_file_system_work_hashing_or_ir_walk_after_the_first_call(name, monke
     monkeypatch.setattr(op_module, "bind", _counting(counts, "bind", op_module.bind))
     calls()
     calls()
-    assert counts == {"bind": 8}, counts          # 4 calls twice: each binds its arguments once
+    # 3 op() calls twice, each binding its arguments once; step() replays its first launch (no bind)
+    assert counts == {"bind": 6}, counts
 
 
 def test_an_eager_call_does_not_go_through_the_custom_op(monkeypatch):
@@ -112,3 +114,102 @@ def test_a_warm_first_call_imports_nothing_heavy(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     print(out.stdout)
     assert out.stdout.startswith("heavy=[];"), out.stdout
+
+
+# ---- step()'s fast path (runtime/fastpath.py) ----
+
+def _step_args(op, B=2, H=2, D=4, seed=0, dtype=torch.float32):
+    sizes = {d: D for d in op.ir.dim_names}
+    args, _ = random_args(op.ir, B=B, T=3, H=H, sizes=sizes, dtype=dtype, seed=seed)
+    names = {d.name for d in op.ir.inputs}
+    _, st = op(**args, output_final_state=True, mode="recurrent")
+    return {k: (v[:, 0] if k in names else v) for k, v in args.items()}, st
+
+
+@pytest.mark.parametrize("name", ["gla", "mamba2", "mlstm", "rwkv6"])
+def test_a_replayed_step_equals_the_bound_step(name):
+    """Three steps on the fast path (after one that records) equal the same steps bound anew,
+    bit for bit, and the float64 reference's (stabilized mlstm: the states unstabilized too)."""
+    op = mixc.load(name)
+    one, st = _step_args(op, seed=1)
+    fast_st = slow_st = st
+    for i in range(4):
+        step_in = {k: v + 0.1 * i for k, v in one.items()}     # fresh values, same look
+        o_fast, fast_st = op.step(**step_in, state=fast_st)
+        op._fast.clear()                                         # the bound path
+        o_slow, slow_st = op.step(**step_in, state=slow_st)
+        assert len(op._fast) == 1
+        torch.testing.assert_close(o_fast, o_slow, rtol=0, atol=0)
+        for k in slow_st:
+            torch.testing.assert_close(fast_st[k], slow_st[k], rtol=0, atol=0)
+            assert fast_st[k].dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["gla", "mamba2"])
+def test_a_replayed_step_matches_the_reference(name):
+    op = mixc.load(name)
+    one, st = _step_args(op, seed=2)
+    op.step(**one, state=st)                                     # records
+    o, new = op.step(**one, state=st)                            # replays
+    o_ref, new_ref = op.reference_step(**{k: v.double() for k, v in one.items()},
+                                       state={k: v.double() for k, v in st.items()})
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    for k in new_ref:
+        torch.testing.assert_close(new[k].double(), new_ref[k], rtol=1e-5, atol=1e-5)
+
+
+def test_the_fast_path_binds_nothing(monkeypatch):
+    """After the first step only the key is built from the arguments: no bind, no plan, option
+    or layout lookup, no module load."""
+    op = mixc.load("gla")
+    one, st = _step_args(op, seed=3)
+    op.step(**one, state=st)
+    counts = {}
+    from mixc.runtime import custom_op, signature
+    for owner, attr in [(op_module, "bind"), (signature, "bind"), (signature, "option_values"),
+                        (launch, "dim_kwargs"), (launch, "_forward"), (cache, "load_module"),
+                        (custom_op, "_bound"), (op_module.MixerOp, "_plan_for"), (op_module.MixerOp, "_kernels")]:
+        monkeypatch.setattr(owner, attr, _counting(counts, attr, getattr(owner, attr)))
+    for _ in range(3):
+        o, st = op.step(**one, state=st)
+    assert counts == {} and torch.isfinite(o).all(), counts
+
+
+def test_a_new_look_takes_the_checked_path():
+    """Each check still runs where the arguments differ from a recorded step's: a wrong state
+    shape, a flag given as 1 (equal to True and of the same hash), a wrong dtype, an option as a
+    tensor (its value is read: never replayed)."""
+    op = mixc.load("gla")
+    one, st = _step_args(op, seed=4)
+    op.step(**one, state=st)
+    op.step(**one, state=st)
+    bad = {k: v[:, :1] for k, v in st.items()}
+    with pytest.raises(ArgumentError, match="state\\['S'\\]: expected shape"):
+        op.step(**one, state=bad)
+    with pytest.raises(ArgumentError, match="q: expected a floating-point tensor"):
+        op.step(**dict(one, q=one["q"].to(torch.int32)), state=st)
+    with pytest.raises(ArgumentError, match="dim K"):
+        op.step(**dict(one, q=torch.randn(2, 2, 5)), state=st)
+    n = len(op._fast)
+    op.step(**one, state=st, scale=torch.tensor(0.5))     # a number option as a tensor: read, not keyed
+    assert len(op._fast) == n
+
+
+def test_a_flag_given_as_1_is_still_refused():
+    op = mixc.load("mamba2")
+    one, st = _step_args(op, seed=6)
+    op.step(**one, state=st, dt_softplus=True)
+    op.step(**one, state=st, dt_softplus=True)
+    with pytest.raises(ArgumentError, match="dt_softplus: expected True or False"):
+        op.step(**one, state=st, dt_softplus=1)
+
+
+def test_gradients_still_flow_after_a_replayed_step():
+    """A step whose tensors need gradients is not replayed (autograd on the bound path)."""
+    op = mixc.load("gla")
+    one, st = _step_args(op, seed=5)
+    op.step(**one, state=st)
+    q = one["q"].clone().requires_grad_()
+    o, _ = op.step(**dict(one, q=q), state=st)
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
