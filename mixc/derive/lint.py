@@ -9,7 +9,8 @@ inputs it accepts, reported at the spec's line (`mixc check` prints them as warn
    the convolution) refuse it (decay_sign.py, read by derive/layout.py and convform.py) and
    the recurrent kernels, which multiply by the decay itself, serve it.
 2. An exponential in a state's input term that the max-stabilizer does not cover
-   (derive/stabilize.py handles a scalar exp(x) gate shared by its states).
+   (derive/stabilize.py handles a scalar exp(x) gate shared by its states), or one in the
+   output beside stabilized states that the output's scale does not cover.
 3. A division in the output whose denominator is not provably nonzero (a normalizer
    q . z + eps with a feature map that can go negative)."""
 from __future__ import annotations
@@ -80,21 +81,25 @@ def lint(plan: P.Plan) -> list[LintWarning]:
 
 
 def _unstabilized_output_exps(plan: P.Plan) -> list[LintWarning]:
-    """An exponential the output takes beside stabilized states (RWKV-4's exp(u + k) in
-    (prev(a) + exp(u + k) * v) / (prev(b) + exp(u + k))): the stabilizer scales the states by
-    exp(-m) but evaluates this one as written, so it overflows for arguments above ~88 and the
-    output is inf / inf = NaN in every fp32 mode. Still to build: an output scale
-    max(m, u + k), as RWKV-4's own WKV kernel keeps."""
+    """An exponential the output takes beside stabilized states that the output's scale does
+    not cover. The stabilizer brings an exp(x) that a sum adds to a stabilized readout into the
+    output's scale max(m, x) (RWKV-4's exp(u + k) in (prev(a) + exp(u + k) * v) / (prev(b) +
+    exp(u + k)): derive/stabilize.output_exps); one that multiplies a readout's own term
+    (prev(a) * exp(x)) or sits inside another function is evaluated as written and overflows
+    for arguments above ~88."""
     if plan.stabilizer is None:
         return []
-    calls = _exp_calls(plan.ir.output.expr)
+    covered = plan.stabilizer.output_exps
+    inside = {id(n) for c in _exp_calls(plan.ir.output.expr) if c in covered for n in ir.walk(c.args[0])}
+    calls = [c for c in _exp_calls(plan.ir.output.expr) if c not in covered and id(c) not in inside]
     if not calls:
         return []
     states = ", ".join(plan.stabilizer.states)
     return [LintWarning(
-        f"the output takes an exponential beside the stabilized states ({states}): the max-stabilizer scales "
-        "the states by exp(-m) but not this exponential, so it overflows fp32 for arguments above ~88 (inf / inf "
-        "= NaN in every mode); keep its argument below ~88, or fold it into the states' gate",
+        f"the output takes an exponential beside the stabilized states ({states}) that the output's scale does "
+        "not cover (it covers an exp(x) a sum adds to a readout of them, as in RWKV-4's (prev(a) + exp(u + k) * v) "
+        "/ (prev(b) + exp(u + k)), not one that multiplies a readout or sits inside another function): it "
+        "overflows fp32 for arguments above ~88; keep its argument below ~88, or write it as a term of the sum",
         calls[0].span or plan.ir.output.span)]
 
 

@@ -14,8 +14,15 @@ scale exp(m_t) cancels where it can: |E x| = E |x|, max(E x, y) = E max(x, y / E
 (E x) / (E y) = x / y. mLSTM's  (q . C) / max(|q . n|, 1)  becomes
 (q . C~) / max(|q . n~|, exp(-m)), the form of the xLSTM paper, with no exp(m) left.
 
-m is a scale, not a value: the output is the same function of the inputs for any m, so the
-backward holds m constant (`detach`) and the gradients stay exact.
+An exponential the output adds to a stabilized readout (RWKV-4's WKV:
+(prev(a) + exp(u + k) v) / (prev(b) + exp(u + k))) overflows on its own for u + k above ~88,
+and inf / inf is NaN. The output takes one scale M, the largest log scale of its terms (m of
+the readouts of S~, m_{t-1} of those of prev(S~), x of each such exp(x)), and every term is
+rewritten relative to it: S~ exp(m - M), exp(x - M), each <= 1, so exp(M) cancels as above.
+This is M = max(pp, u + k) of RWKV-4's own kernel.
+
+m and M are scales, not values: the output is the same function of the inputs for any m, so
+the backward holds them constant (`detach`) and the gradients stay exact.
 
 States whose input term has a scalar exp(x) factor form one group when they share the gate x
 and the decay (mLSTM's C and n); the group shares one m. Two different gates are not
@@ -39,6 +46,7 @@ class Stabilizer:
     log_decay: ir.Expr                 # log a_t of the group (0 for a prefix sum)
     keys: tuple[tuple[str, ir.Expr, ir.Expr | None], ...]   # (state, key, value) without exp(i)
     combine_ir: ir.Expr                # the output's combine over the stabilized readouts
+    output_exps: tuple[ir.Expr, ...]   # the output's exp(x) (or lets of one) brought to its scale M
     kernel_ir: ir.MixerIR              # the spec over S~ and the extra state _m (recurrent kernels)
 
     def key_value(self, state: str) -> tuple[ir.Expr, ir.Expr | None]:
@@ -99,9 +107,14 @@ def find(spec: ir.MixerIR, states, combine_ir: ir.Expr, readouts, notes: list[st
     group = tuple(s for s, _, _, _, _ in gated)
     keys = tuple((s, k, v) for s, _, _, k, v in gated)
     readers = {r.name for r in readouts if r.state in group}
-    combine = rewrite(combine_ir, lambda e: isinstance(e, ir.Ref) and e.kind == "readout" and e.name in readers,
-                      m_ref("stabilizer"))
-    return Stabilizer(group, gate, log_decay, keys, combine, _kernel_ir(spec, group, gate, log_decay, keys))
+
+    def readout_scale(e):
+        return m_ref("stabilizer") if isinstance(e, ir.Ref) and e.kind == "readout" and e.name in readers else None
+
+    exps = output_exps(spec, combine_ir, readout_scale)
+    combine = common_scale(combine_ir, readout_scale, exps)
+    return Stabilizer(group, gate, log_decay, keys, combine, tuple(exps),
+                      _kernel_ir(spec, group, gate, log_decay, keys))
 
 
 def _kernel_ir(spec: ir.MixerIR, group, gate, log_decay, keys) -> ir.MixerIR:
@@ -121,21 +134,83 @@ def _kernel_ir(spec: ir.MixerIR, group, gate, log_decay, keys) -> ir.MixerIR:
         updates.append(replace(u, expr=affine.add(carry, write)))
     updates.append(ir.Update(M, m_new, None))
 
-    def leaf(e):
-        return ((isinstance(e, ir.Ref) and e.kind == "state" and e.name in group)
-                or (isinstance(e, ir.Prev) and e.state in group))
+    def state_scale(e):          # S_t = exp(m_t) S~_t, S_{t-1} = exp(m_{t-1}) S~_{t-1}
+        if isinstance(e, ir.Ref) and e.kind == "state" and e.name in group:
+            return call("detach", m_ref())
+        if isinstance(e, ir.Prev) and e.state in group:
+            return call("detach", ir.Prev((), None, M))
+        return None
 
-    m_t = call("detach", m_ref())
-    out = rewrite(spec.output.expr, leaf, m_t,
-                  prev_scale=call("exp", affine.add(call("detach", ir.Prev((), None, M)), m_t, "-")))
+    out = common_scale(spec.output.expr, state_scale, output_exps(spec, spec.output.expr, state_scale))
     return replace(spec, states=spec.states + (ir.TensorDecl(M, (), None),), updates=tuple(updates),
                    output=replace(spec.output, expr=out))
 
 
-def rewrite(e: ir.Expr, is_scaled, m: ir.Expr, prev_scale: ir.Expr | None = None) -> ir.Expr:
-    """e with every leaf L where is_scaled(L) replaced by exp(m) L, the factor pulled out by
-    positive homogeneity (module docstring), and what is left of it applied at the end.
-    A Prev leaf is exp(m_{t-1}) L = exp(m) (prev_scale L)."""
+def output_exps(spec: ir.MixerIR, e: ir.Expr, scale_of) -> dict[ir.Expr, ir.Expr]:
+    """{exp(x) (or a let of one): x} for the scalar exponentials that a sum, max or min of e
+    adds to a stabilized leaf (scale_of(leaf) is not None), as factors of a term free of such
+    leaves: RWKV-4's exp(u + k) in (prev(a) + exp(u + k) * v) / (prev(b) + exp(u + k)). An
+    exponential elsewhere (a factor of a readout's term, inside another function) is left as
+    written: scaled by exp(-M) there it could underflow where the spec's value does not."""
+    lets = {let.name: let.expr for let in spec.lets}
+
+    def has_scaled(n):
+        return any(scale_of(x) is not None for x in ir.walk(n))
+
+    def exponent(n):
+        if isinstance(n, ir.Ref) and n.kind == "let":
+            n = lets.get(n.name)
+        if isinstance(n, ir.Call) and n.fn == "exp" and not n.shape and not has_scaled(n.args[0]):
+            return n.args[0]
+        return None
+
+    def factors(n):              # the exponentials the term n multiplies by
+        if exponent(n) is not None:
+            return [n]
+        if isinstance(n, ir.BinOp) and n.op == "*" or isinstance(n, ir.Contract):
+            return factors(n.left) + factors(n.right)
+        if isinstance(n, ir.BinOp) and n.op == "/":
+            return factors(n.left)
+        if isinstance(n, (ir.Neg, ir.Rename)) or isinstance(n, ir.Reduce) and n.fn == "sum":
+            return factors(n.x)
+        return []
+
+    found = {}
+    for node in ir.walk(e):
+        if (isinstance(node, ir.BinOp) and node.op in "+-") or (isinstance(node, ir.Call) and node.fn in ("max", "min")):
+            kids = ir.children(node)
+            scaled = [has_scaled(k) for k in kids]
+            for k, s in zip(kids, scaled):
+                if not s and any(scaled):
+                    found.update((f, exponent(f)) for f in factors(k))
+    return found
+
+
+def common_scale(e: ir.Expr, scale_of, exps: dict[ir.Expr, ir.Expr]) -> ir.Expr:
+    """e over one scale M: a leaf L with scale_of(L) = s stands for exp(s) L, an exponential
+    of `exps` for exp(x); M is the largest of these log scales (detached), each leaf becomes
+    exp(M) (L exp(s - M)) or exp(M) exp(x - M), and rewrite pulls exp(M) out. With one scale
+    and no exponential M is that scale and the leaves stay as they are."""
+    logs = list(dict.fromkeys([s for n in ir.walk(e) if (s := scale_of(n)) is not None] + list(exps.values())))
+    if not logs:
+        return e
+    big = functools.reduce(lambda a, b: call("max", a, b), logs)
+    top = logs[0] if len(logs) == 1 else call("detach", big)
+
+    def relative(n):
+        s = exps[n] if n in exps else scale_of(n)
+        if s == top:
+            return affine.num(1) if n in exps else n
+        w = call("exp", affine.add(s, top, "-"))
+        return w if n in exps else affine.mul(w, n)
+
+    return rewrite(e, lambda n: n in exps or scale_of(n) is not None, top, relative=relative)
+
+
+def rewrite(e: ir.Expr, is_scaled, m: ir.Expr, relative=None) -> ir.Expr:
+    """e with every leaf L where is_scaled(L) replaced by exp(m) L (exp(m) relative(L) where
+    relative is given), the factor pulled out by positive homogeneity (module docstring), and
+    what is left of it applied at the end."""
     def scale(x: ir.Expr, d: float) -> ir.Expr:
         if d == 0:
             return x
@@ -144,7 +219,7 @@ def rewrite(e: ir.Expr, is_scaled, m: ir.Expr, prev_scale: ir.Expr | None = None
 
     def pull(node: ir.Expr) -> tuple[float, ir.Expr]:
         if is_scaled(node):
-            return 1.0, affine.mul(prev_scale, node) if isinstance(node, ir.Prev) else node
+            return 1.0, relative(node) if relative is not None else node
         kids = ir.children(node)
         if not kids:
             return 0.0, node

@@ -12,7 +12,7 @@ from mixc.pipeline import from_text
 from mixc.runtime.reference import reference
 
 from helpers import random_args, random_state
-from stabilizer_specs import EXPSUM
+from stabilizer_specs import EXPSUM, RWKV4
 
 TWO_GATES = """
 mixer twogates
@@ -83,3 +83,37 @@ def test_the_stabilized_recurrence_is_the_spec(text):
         back = kst[name] * torch.exp(kst["_m"]).reshape(2, 2, *([1] * (kst[name].dim() - 2)))
         torch.testing.assert_close(back, st[name], rtol=1e-10, atol=0)
     assert kst["_m"].abs().max() > 30          # the draws did move m far from 0
+
+
+def test_rwkv4_output_takes_the_scale_max_of_m_and_u_plus_k():
+    """An exp(x) the output adds to stabilized readouts joins their scale: M = max(m, x) held
+    constant, every term relative to it (RWKV-4's WKV: max(pp, u + k)); written through a let
+    too. The recurrent kernels' output reads prev(a) at m_{t-1}."""
+    let = RWKV4.replace("  state  a[V], b[]", "  let    e = exp(u + k)\n  state  a[V], b[]").replace(
+        "(prev(a) + exp(u + k) * v) / (prev(b) + exp(u + k))", "(prev(a) + e * v) / (prev(b) + e)")
+    M = "detach(max(_m, u + k))"
+    for text in (RWKV4, let):
+        st = from_text(text).plan().stabilizer
+        assert expr_text(st.combine_ir) == (f"(exp(_m - {M}) * _r0 + exp(u + k - {M}) * v) / "
+                                            f"(exp(_m - {M}) * _r1 + exp(u + k - {M}))")
+        assert "max(detach(prev(_m)), u + k)" in spec_text(st.kernel_ir)
+    assert "exp(" not in expr_text(mixc.load("mlstm").plan().stabilizer.combine_ir).replace("exp(-_m)", "")
+
+
+def test_the_stabilized_rwkv4_recurrence_is_the_spec():
+    """RWKV-4's kernel IR (S~, m, the output over max(m_{t-1}, u + k)) run by the float64
+    reference gives the spec's output and states, with u + k up to ~600 (float64's exp
+    overflows at 709, fp32's at 88)."""
+    op = from_text(RWKV4)
+    plan = op.plan()
+    args, sizes = random_args(op.ir, B=1, T=12, H=2, sizes={"V": 4}, dtype=torch.float64, seed=8)
+    args["k"] = args["k"] * 3 + torch.where(torch.arange(12) % 3 == 0, 300.0, -100.0)[None, :, None]
+    args["u"] = args["u"] + torch.tensor([0.0, 300.0], dtype=torch.float64)
+    init = random_state(op.ir, 1, 2, sizes)
+    o, st = reference(op.ir, **args, initial_state=init, output_final_state=True)
+    init_k = dict(init, _m=torch.zeros(1, 2, dtype=torch.float64))
+    ko, kst = reference(plan.kernel_ir, **args, initial_state=init_k, output_final_state=True)
+    torch.testing.assert_close(ko, o, rtol=1e-10, atol=1e-10)
+    for name in ("a", "b"):
+        back = kst[name] * torch.exp(kst["_m"]).reshape(1, 2, *([1] * (kst[name].dim() - 2)))
+        torch.testing.assert_close(back, st[name], rtol=1e-10, atol=0)

@@ -9,7 +9,7 @@ import mixc
 from mixc.pipeline import from_text
 
 from helpers import random_args, random_state
-from stabilizer_specs import EXPSUM
+from stabilizer_specs import EXPSUM, RWKV4
 
 
 def _gates(args, T, seed):
@@ -100,3 +100,79 @@ def test_decode_steps_with_strong_gates(mode):
         assert torch.isfinite(o_t).all()
         outs.append(o_t[:, None])
     torch.testing.assert_close(torch.cat(outs, 1).double(), full, rtol=1e-4, atol=1e-4)
+
+
+def _rwkv4_args(T, seed):
+    """RWKV-4's inputs with u + k up to ~200 (exp overflows fp32 at 88). Head 0: k falls from
+    200 by about the decay per token (log decay -exp(w) ~ -17), so the state before a token and
+    its own exp(u + k) weigh alike, and the final state is back within fp32; head 1: the bonus u
+    ~ 180 alone overflows (u + k ~ 190) beside small states (k ~ 10)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+    t = torch.arange(T, dtype=torch.float64)
+    k = torch.stack([(200 - 17 * t).clamp(min=0), torch.full((T,), 10.0)], -1) + 3 * randn(T, 2)
+    args = {"k": k[None], "v": randn(1, T, 2, 4),
+            "w": torch.tensor([17.0, 1.0], dtype=torch.float64).log() + 0.3 * randn(2),
+            "u": torch.tensor([0.0, 180.0], dtype=torch.float64) + randn(2)}
+    init = {"a": randn(1, 2, 4), "b": torch.rand(1, 2, generator=gen, dtype=torch.float64) + 0.5}
+    return args, init
+
+
+def _rwkv4_by_hand(k, v, w, u, a0, b0):
+    """RWKV-4's WKV in float64 as its own kernel computes it (log-sum-exp form): the states
+    kept as a exp(-p), b exp(-p) with p their running max exponent, the output over the
+    scale max(p, u + k). Returns (o [B, T, H, V], final a, final b)."""
+    aa, bb, pp = a0, b0, torch.zeros_like(b0)
+    outs = []
+    for t in range(k.shape[1]):
+        kt, vt = k[:, t], v[:, t]
+        ww = u + kt
+        p = torch.maximum(pp, ww)
+        e1, e2 = torch.exp(pp - p), torch.exp(ww - p)
+        outs.append((e1[..., None] * aa + e2[..., None] * vt) / (e1 * bb + e2)[..., None])
+        ww = pp - torch.exp(w)
+        p = torch.maximum(ww, kt)
+        e1, e2 = torch.exp(ww - p), torch.exp(kt - p)
+        aa, bb, pp = e1[..., None] * aa + e2[..., None] * vt, e1 * bb + e2, p
+    return torch.stack(outs, 1), aa * torch.exp(pp)[..., None], bb * torch.exp(pp)
+
+
+RWKV4_MODES = [("reference", {}), ("torch", {"chunk": 8}), ("recurrent", {"CK": 8}), ("chunk", {"chunk": 16})]
+
+
+@pytest.mark.parametrize("mode,kw", RWKV4_MODES, ids=[f"B1-T20-H2-V4-{m}" for m, _ in RWKV4_MODES])
+def test_rwkv4_exponential_in_the_output_is_stabilized(mode, kw):
+    """RWKV-4 as a spec, (prev(a) + exp(u + k) * v) / (prev(b) + exp(u + k)), with u + k up to
+    ~200 in float32 (issue 19 item 4: inf / inf = NaN in every fp32 mode): the output takes the
+    scale M = max(m, u + k), so the forward, the final state and every gradient (inputs, params,
+    initial state) are finite and equal RWKV-4's own WKV written by hand in float64."""
+    op = from_text(RWKV4, "rwkv4.mix")
+    args, init = _rwkv4_args(T=20, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    wo = torch.randn(1, 20, 2, 4, generator=gen, dtype=torch.float64)
+    wa, wb = torch.randn(1, 2, 4, generator=gen, dtype=torch.float64), torch.randn(1, 2, generator=gen,
+                                                                                     dtype=torch.float64)
+
+    x = {n: t.clone().requires_grad_() for n, t in list(args.items()) + list(init.items())}
+    o, a, b = _rwkv4_by_hand(x["k"], x["v"], x["w"], x["u"], x["a"], x["b"])
+    wa, wb = wa / a.abs().amax().item(), wb / b.abs().amax().item()    # the final states weigh as o does
+
+    def loss(o, a, b):
+        return (o.double() * wo).sum() + (a.double() * wa).sum() + (b.double() * wb).sum()
+
+    ref = [o, a, b] + list(torch.autograd.grad(loss(o, a, b), list(x.values())))
+
+    y = {n: t.float().requires_grad_() for n, t in list(args.items()) + list(init.items())}
+    o, st = op(**{n: y[n] for n in args}, initial_state={"a": y["a"], "b": y["b"]}, output_final_state=True,
+               mode=mode, **kw)
+    got = [o, st["a"], st["b"]] + list(torch.autograd.grad(loss(o, st["a"], st["b"]), list(y.values())))
+    names = ["o", "final a", "final b"] + [f"d{n}" for n in y]
+    for n, g, r in zip(names, got, ref):
+        g = g.double()
+        assert torch.isfinite(g).all(), f"{n} is not finite"
+        err, scale = (g - r).abs().max().item(), r.abs().max().item()
+        # exponents near 200 carry an fp32 rounding of ~200 * 6e-8 = 1.2e-5 into each exp (the
+        # inputs' own rounding: mode='reference' on the float32 inputs is 1.3e-5 off in dw)
+        assert err <= 2e-4 * max(scale, 1.0), f"{n}: error {err:.3g} against {scale:.3g}"
