@@ -11,8 +11,8 @@ mixer expsum
   output o = (q @ prev(S) + q @ S) / (abs(q @ z) + 1)
 """
 
-# RWKV-4's WKV as a spec: the gate exp(k) is stabilized in the states a, b, but the output's
-# own exp(u + k) is not (the lint warns; an output scale max(m, u + k) is still to build)
+# RWKV-4's WKV as a spec: the gate exp(k) is stabilized in the states a, b, and the output's
+# own exp(u + k) joins their scale: the output is taken over M = max(m, u + k)
 RWKV4 = """
 mixer rwkv4
   dims   V
