@@ -139,7 +139,8 @@ def _rwkv4_by_hand(k, v, w, u, a0, b0):
     return torch.stack(outs, 1), aa * torch.exp(pp)[..., None], bb * torch.exp(pp)
 
 
-RWKV4_MODES = [("reference", {}), ("torch", {"chunk": 8}), ("recurrent", {"CK": 8}), ("chunk", {"chunk": 16})]
+RWKV4_MODES = [("reference", {}), ("torch", {"chunk": 8}), ("recurrent", {"CK": 8}), ("chunk", {"chunk": 16}),
+               ("conv", {})]
 
 
 @pytest.mark.parametrize("mode,kw", RWKV4_MODES, ids=[f"B1-T20-H2-V4-{m}" for m, _ in RWKV4_MODES])
