@@ -26,11 +26,26 @@ import dataclasses
 
 import torch
 
+from . import fastpath
+from .launch import recording
 from .signature import ArgumentError, bind
 
 
 def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
     """op.step(..., inplace=True): returns (o [B, H, *dims], the state as given, updated)."""
+    key = None
+    if not torch.compiler.is_compiling():
+        # a step like an earlier one replays its launch (runtime/fastpath.py); the indices' values
+        # (on the CPU) are still checked, their look is in the key
+        key = fastpath.step_key(("inplace", mode), kwargs, state)
+        if key is not None and state_indices is not None:
+            key = key + (fastpath._meta(state_indices),) if isinstance(state_indices, torch.Tensor) else None
+        recipe = op._fast.get(key) if key is not None else None
+        if recipe is not None:
+            idx = state_indices.contiguous() if state_indices is not None else None
+            if idx is not None:
+                _check_index_values(idx, recipe.rows)
+            return fastpath.run_step(recipe, kwargs, state, idx)
     m = op.ir
     names = [s.name for s in m.states]
     buffers = _state_dict(m, state)
@@ -46,7 +61,14 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
         from .launch import recurrent_forward
         seq = {k: v.unsqueeze(1) for k, v in bound.inputs.items()}        # [B, 1, H, ...]: T = 1
         b = dataclasses.replace(bound, T=1, inputs=seq, initial_state={k: buffers[k] for k in names})
-        o, _, _ = recurrent_forward(plan, b, output_final_state=True, inplace=True, state_indices=idx)
+        with recording() as log:
+            o, _, _ = recurrent_forward(plan, b, output_final_state=True, inplace=True, state_indices=idx)
+        if key is not None and not (torch.is_grad_enabled() and _needs_grad(bound)):
+            recipe = fastpath.recipe_from(log, m, kwargs, None, state_indices=idx, rows=rows)
+            if recipe is not None:
+                if len(op._fast) >= fastpath.MAX_RECIPES:
+                    op._fast.clear()
+                op._fast[key] = recipe
         return o[:, 0], state
     # functional step on the named rows, then copied into them
     rows_in = {k: (v.index_select(0, idx) if idx is not None else v) for k, v in buffers.items()}
@@ -58,6 +80,10 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
             else:
                 v.copy_(new[k])
     return o, state
+
+
+def _needs_grad(bound) -> bool:
+    return any(t.requires_grad for t in (*bound.inputs.values(), *bound.params.values()))
 
 
 def _state_dict(m, state) -> dict[str, torch.Tensor]:

@@ -34,7 +34,9 @@ class StepRecipe(NamedTuple):
     numbers: list             # the float options' values
     tail: list                # T, H, the dims as floats
     consts: dict              # constexprs and launch settings
-    x0_slot: str | None       # the launch kwarg that takes the first input as a dummy pointer
+    x0_slot: str | None       # the launch kwarg that takes the first input (a dummy pointer) or the indices
+    inplace: bool             # the given state buffers are the new states (runtime/decode.py)
+    rows: int | None          # slots of a cache whose CPU indices are checked per call (decode.py)
     states: tuple             # (name, [n, H, *dims], "given" | "zeros" | "none") per kernel state
     out_shape: tuple
     out_dtype: torch.dtype
@@ -45,7 +47,7 @@ class StepRecipe(NamedTuple):
 
 
 def _meta(x):
-    return (x.shape, x.dtype, x.device, x.requires_grad)
+    return (x.shape, x.dtype, x.device, x.requires_grad, x.is_contiguous())
 
 
 def step_key(mode, kwargs: dict, state) -> tuple | None:
@@ -71,9 +73,10 @@ def step_key(mode, kwargs: dict, state) -> tuple | None:
     return tuple(key)
 
 
-def recipe_from(log: list, m, kwargs: dict, unstabilize) -> StepRecipe | None:
+def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, rows=None) -> StepRecipe | None:
     """The recipe of the launch a slow step just made (the log's last entry), or None where it
-    cannot be replayed from the arguments alone."""
+    cannot be replayed from the arguments alone. state_indices: the checked indices the launch
+    took (their slot is filled per call); rows: the cache's slots, to check CPU indices against."""
     if not log or log[-1] is None:
         return None
     tensor_args = {d.name for d in (*m.inputs, *m.params)}
@@ -84,19 +87,22 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize) -> StepRecipe | None:
     consts = {}
     for k, v in r["consts"].items():
         if isinstance(v, torch.Tensor):
-            if v is not r["x0"] or x0_slot is not None:
+            if not (v is r["x0"] or v is state_indices) or x0_slot is not None:
                 return None
             x0_slot = k
         else:
             consts[k] = v
     return StepRecipe(r["module"], r["kernel"], r["grid"], tuple(d.name for d in m.inputs),
                       tuple(d.name for d in m.params), r["numbers"], r["tail"], consts, x0_slot,
+                      r["inplace"], rows,
                       tuple(r["states"]), r["out_shape"], r["out_dtype"], r["splits"], r["final_dtype"],
                       r["x0"].device, unstabilize)
 
 
-def run_step(r: StepRecipe, kwargs: dict, state):
-    """The recorded launch on this step's tensors: (o [B, H, *dims], the new states)."""
+def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None):
+    """The recorded launch on this step's tensors: (o [B, H, *dims], the new states; in place:
+    the state as given, updated). state_indices: checked by the caller."""
+    given_state = state
     if isinstance(state, torch.Tensor):
         state = {r.states[0][0]: state}
     device = r.device
@@ -110,16 +116,22 @@ def run_step(r: StepRecipe, kwargs: dict, state):
         given = state.get(name) if kind == "given" else None      # a stabilizer's m is not given: 0
         init = (given.to(_F32).contiguous() if given is not None
                 else out if kind == "none" else torch.zeros(shape, dtype=_F32, device=device))
-        finals[name] = fin = torch.empty(shape, dtype=_F32, device=device)
-        if poison:
-            fin.fill_(float("nan"))
+        if r.inplace:
+            finals[name] = fin = init            # float32 and contiguous: checked by the key's slow path
+        else:
+            finals[name] = fin = torch.empty(shape, dtype=_F32, device=device)
+            if poison:
+                fin.fill_(float("nan"))
         args += (init, fin, out)
     if poison:
         out.fill_(float("nan"))
     args += (out, out)
     args += r.tail
-    consts = r.consts if r.x0_slot is None else {**r.consts, r.x0_slot: kwargs[r.inputs[0]]}
+    if r.x0_slot is not None:
+        consts = {**r.consts, r.x0_slot: kwargs[r.inputs[0]] if state_indices is None else state_indices}
+    else:
+        consts = r.consts
     getattr(r.module, r.kernel)[r.grid](*args, **consts)
     if r.splits > 1:
         out = out.sum(0).to(r.final_dtype)
-    return out[:, 0], r.unstabilize(finals)
+    return out[:, 0], (given_state if r.inplace else r.unstabilize(finals))

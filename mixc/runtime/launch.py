@@ -147,12 +147,11 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
                      out, bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out, *tail, **consts)
     log = getattr(_RECORDING, "log", None)
     if log is not None:
-        replayable = not (checkpoints or ckpts_in or finals_into is not None or not write_out
-                          or bound.cu_seqlens is not None)
+        replayable = not (checkpoints or ckpts_in or not write_out or bound.cu_seqlens is not None)
         log.append(dict(module=load_module(plan), kernel=load_module(plan).METADATA["kernels"][form],
                         grid=(grid0 or n * H, tiles, splits), numbers=numbers, tail=tail, consts=consts,
                         x0=x0, out_shape=tuple(out.shape), out_dtype=out.dtype, splits=splits,
-                        final_dtype=x0.dtype if out_dtype is None else out_dtype,
+                        final_dtype=x0.dtype if out_dtype is None else out_dtype, inplace=finals_into is not None,
                         states=[(s.name, (n, H) + tuple(bound.sizes[d] for d in s.shape),
                                  "none" if bound.initial_state is None else
                                  "given" if s.name in bound.initial_state else "zeros")

@@ -213,3 +213,34 @@ def test_gradients_still_flow_after_a_replayed_step():
     o, _ = op.step(**dict(one, q=q), state=st)
     o.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("slots", [None, 5], ids=["batch", "cache-N5"])
+def test_a_replayed_step_in_place_equals_the_bound_one(slots):
+    """step(inplace=True), with and without a cache of slots: replayed steps update the buffers
+    exactly as bound ones do; a later step with out-of-range or repeated CPU indices, or a
+    non-contiguous buffer, is still refused."""
+    op = mixc.load("gla")
+    one, st = _step_args(op, seed=7)
+    g = torch.Generator().manual_seed(8)
+    rows = slots or 2
+    fast = {k: torch.randn((rows,) + tuple(v.shape[1:]), generator=g) for k, v in st.items()}
+    slow = {k: v.clone() for k, v in fast.items()}
+    idx = torch.tensor([3, 1]) if slots else None
+    for i in range(3):
+        step_in = {k: v + 0.1 * i for k, v in one.items()}
+        o_fast, out = op.step(**step_in, state=fast, inplace=True, state_indices=idx)
+        assert out is fast and len(op._fast) == 1
+        op._fast.clear()
+        o_slow, _ = op.step(**step_in, state=slow, inplace=True, state_indices=idx)
+        torch.testing.assert_close(o_fast, o_slow, rtol=0, atol=0)
+        for k in slow:
+            torch.testing.assert_close(fast[k], slow[k], rtol=0, atol=0)
+    if slots:
+        with pytest.raises(ArgumentError, match="state_indices: slots must be in"):
+            op.step(**one, state=fast, inplace=True, state_indices=torch.tensor([3, 5]))
+        with pytest.raises(ArgumentError, match="same slot"):
+            op.step(**one, state=fast, inplace=True, state_indices=torch.tensor([1, 1]))
+    strided = {k: torch.randn(tuple(v.shape[:-1]) + (2 * v.shape[-1],))[..., ::2] for k, v in fast.items()}
+    with pytest.raises(ArgumentError, match="contiguous"):
+        op.step(**one, state=strided, inplace=True, state_indices=idx)
