@@ -146,6 +146,11 @@ def _kernel_ir(spec: ir.MixerIR, group, gate, log_decay, keys) -> ir.MixerIR:
                    output=replace(spec.output, expr=out))
 
 
+def _additive(node: ir.Expr) -> bool:
+    """A sum, difference, max or min: its operands must share a scale."""
+    return (isinstance(node, ir.BinOp) and node.op in "+-") or (isinstance(node, ir.Call) and node.fn in ("max", "min"))
+
+
 def output_exps(spec: ir.MixerIR, e: ir.Expr, scale_of) -> dict[ir.Expr, ir.Expr]:
     """{exp(x) (or a let of one): x} for the scalar exponentials that a sum, max or min of e
     adds to a stabilized leaf (scale_of(leaf) is not None), as factors of a term free of such
@@ -177,7 +182,7 @@ def output_exps(spec: ir.MixerIR, e: ir.Expr, scale_of) -> dict[ir.Expr, ir.Expr
 
     found = {}
     for node in ir.walk(e):
-        if (isinstance(node, ir.BinOp) and node.op in "+-") or (isinstance(node, ir.Call) and node.fn in ("max", "min")):
+        if _additive(node):
             kids = ir.children(node)
             scaled = [has_scaled(k) for k in kids]
             for k, s in zip(kids, scaled):
@@ -239,7 +244,7 @@ def rewrite(e: ir.Expr, is_scaled, m: ir.Expr, relative=None) -> ir.Expr:
             return degs[0] - degs[1], affine._with_children(node, xs)
         if isinstance(node, ir.BinOp) and node.op == "**" and isinstance(node.right, ir.Num) and degs[1] == 0:
             return degs[0] * node.right.value, affine._with_children(node, xs)
-        if (isinstance(node, ir.BinOp) and node.op in "+-") or (isinstance(node, ir.Call) and node.fn in ("max", "min")):
+        if _additive(node):
             d = max(degs)                       # the larger scale comes out, the other operand
             return d, affine._with_children(node, [scale(x, dx - d) for x, dx in zip(xs, degs)])
         return 0.0, affine._with_children(node, [scale(x, dx) for x, dx in zip(xs, degs)])
