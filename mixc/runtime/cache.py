@@ -32,16 +32,22 @@ import triton
 from .. import __version__
 from ..derive.plan import Plan
 
-CODEGEN_DIR = Path(__file__).resolve().parent.parent / "codegen"
+# Everything a generated module is a function of besides the spec: the front end (the
+# function registry lives in dsl), the derivation (a stabilizer rewrite changes the kernels)
+# and the code generator. Hashing codegen alone kept serving modules from before a derive fix.
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+GENERATOR_DIRS = tuple(PACKAGE_DIR / d for d in ("dsl", "derive", "codegen"))
+CODEGEN_DIR = PACKAGE_DIR / "codegen"
 
 
 @lru_cache(maxsize=1)
 def _codegen_fingerprint() -> str:
     h = hashlib.sha256()
-    for p in sorted(CODEGEN_DIR.rglob("*")):
-        if p.is_file() and p.suffix in (".py", ".j2"):
-            h.update(p.name.encode())
-            h.update(p.read_bytes())
+    for root in GENERATOR_DIRS:
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and p.suffix in (".py", ".j2", ".lark"):
+                h.update(str(p.relative_to(PACKAGE_DIR)).encode())
+                h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 

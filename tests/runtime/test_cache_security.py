@@ -213,3 +213,27 @@ def test_compile_output_replaces_a_symlink_instead_of_writing_through_it(tmp_pat
     assert victim.read_text() == "keep me"
     assert not (out / "gla.py").is_symlink() and "def " in (out / "gla.py").read_text()
     assert _mode(out / "gla.py") == 0o644
+
+
+def test_the_cache_key_follows_the_derivation_and_the_front_end(tmp_path, monkeypatch):
+    """A generated module is a function of dsl, derive and codegen: a derive fix (the RWKV-4
+    output scale) changed the kernels while the key, hashing codegen alone, kept serving the
+    old module from a warm cache."""
+    import mixc
+    from mixc.runtime import cache
+    assert {d.name for d in cache.GENERATOR_DIRS} == {"dsl", "derive", "codegen"}
+    plan = mixc.load("gla").plan()
+    for d in ("dsl", "derive", "codegen"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "stage.py").write_text("x = 1\n")
+    monkeypatch.setattr(cache, "PACKAGE_DIR", tmp_path)
+    monkeypatch.setattr(cache, "GENERATOR_DIRS", tuple(tmp_path / d for d in ("dsl", "derive", "codegen")))
+    keys = []
+    for d in ("dsl", "derive", "codegen"):
+        cache._codegen_fingerprint.cache_clear()
+        keys.append(cache.cache_key(plan))
+        (tmp_path / d / "stage.py").write_text("x = 2\n")
+    cache._codegen_fingerprint.cache_clear()
+    keys.append(cache.cache_key(plan))
+    cache._codegen_fingerprint.cache_clear()
+    assert len(set(keys)) == 4, "an edit in dsl, derive or codegen must change the key"
