@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import launch
+
 _F32 = torch.float32
 MAX_RECIPES = 64          # per op: a serving loop sees a few batch sizes; a key per shape beyond is a leak
 
@@ -36,6 +38,8 @@ class StepRecipe(NamedTuple):
     consts: dict              # constexprs and launch settings
     x0_slot: str | None       # the launch kwarg that takes the first input (a dummy pointer) or the indices
     inplace: bool             # the given state buffers are the new states (runtime/decode.py)
+    one_token: bool           # step(): the output without its T axis
+    store_final: bool         # the new states are written (and returned)
     rows: int | None          # slots of a cache whose CPU indices are checked per call (decode.py)
     states: tuple             # (name, [n, H, *dims], "given" | "zeros" | "none") per kernel state
     out_shape: tuple
@@ -53,7 +57,7 @@ def _meta(x):
 def step_key(mode, kwargs: dict, state) -> tuple | None:
     """What a step's arguments look like, or None where a value cannot be keyed (take the slow
     path): type(v) is part of a number's key, so 1 and True (equal, same hash) differ."""
-    key = [mode, torch.is_grad_enabled()]
+    key = [mode, torch.is_grad_enabled(), launch.settings()]
     for k, v in kwargs.items():
         if isinstance(v, torch.Tensor):
             key.append((k, _meta(v)))
@@ -63,6 +67,8 @@ def step_key(mode, kwargs: dict, state) -> tuple | None:
             return None
     if isinstance(state, torch.Tensor):
         key.append(_meta(state))
+    elif state is None:                     # op() without an initial state
+        key.append(None)
     elif isinstance(state, dict):
         for k, v in state.items():
             if not isinstance(v, torch.Tensor):
@@ -73,7 +79,8 @@ def step_key(mode, kwargs: dict, state) -> tuple | None:
     return tuple(key)
 
 
-def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, rows=None) -> StepRecipe | None:
+def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, rows=None,
+                one_token: bool = True) -> StepRecipe | None:
     """The recipe of the launch a slow step just made (the log's last entry), or None where it
     cannot be replayed from the arguments alone. state_indices: the checked indices the launch
     took (their slot is filled per call); rows: the cache's slots, to check CPU indices against."""
@@ -94,7 +101,7 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
             consts[k] = v
     return StepRecipe(r["module"], r["kernel"], r["grid"], tuple(d.name for d in m.inputs),
                       tuple(d.name for d in m.params), r["numbers"], r["tail"], consts, x0_slot,
-                      r["inplace"], rows,
+                      r["inplace"], one_token, r["consts"]["STORE_FINAL_STATE"], rows,
                       tuple(r["states"]), r["out_shape"], r["out_dtype"], r["splits"], r["final_dtype"],
                       r["x0"].device, unstabilize)
 
@@ -103,7 +110,9 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None):
     """The recorded launch on this step's tensors: (o [B, H, *dims], the new states; in place:
     the state as given, updated). state_indices: checked by the caller."""
     given_state = state
-    if isinstance(state, torch.Tensor):
+    if state is None:
+        state = {}
+    elif isinstance(state, torch.Tensor):
         state = {r.states[0][0]: state}
     device = r.device
     poison = os.environ.get("MIXC_POISON") == "1"       # as launch._empty: unwritten elements show
@@ -118,6 +127,8 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None):
                 else out if kind == "none" else torch.zeros(shape, dtype=_F32, device=device))
         if r.inplace:
             finals[name] = fin = init            # float32 and contiguous: checked by the key's slow path
+        elif not r.store_final:
+            fin = out
         else:
             finals[name] = fin = torch.empty(shape, dtype=_F32, device=device)
             if poison:
@@ -134,4 +145,6 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None):
     getattr(r.module, r.kernel)[r.grid](*args, **consts)
     if r.splits > 1:
         out = out.sum(0).to(r.final_dtype)
-    return out[:, 0], (given_state if r.inplace else r.unstabilize(finals))
+    if r.one_token:
+        out = out[:, 0]
+    return out, (given_state if r.inplace else r.unstabilize(finals) if r.store_final else None)

@@ -79,6 +79,14 @@ def _kernel(plan: Plan, device, form: str):
     return getattr(mod, mod.METADATA["kernels"][form])
 
 
+def settings() -> tuple:
+    """What a launch depends on besides its arguments: this module's block and phase choices
+    (tests and gpu_check set them), the tuner's mode. Part of a replayed launch's key
+    (runtime/fastpath.py), so changing one takes the bound path again."""
+    return (CHUNK_PHASES, CHUNK_TILE, RECURRENT_TILE, RECURRENT_SPLIT, _tuned, interpreting,
+            os.environ.get("MIXC_AUTOTUNE"))
+
+
 # A decode step's fast path (runtime/fastpath.py) replays the launch a first step made: while
 # recording, each forward launch leaves its shape-derived part here (kernel, grid, numbers,
 # constexprs, buffer shapes), so the argument order has one definition (_forward's).

@@ -85,6 +85,14 @@ class MixerOp:
                                   or (mode != "torch" and (chunk < 16 or chunk & (chunk - 1)))):
             want = "a positive int" if mode == "torch" else "a power of two >= 16 (a matmul block)"
             raise ArgumentError(f"chunk: expected {want}, got {chunk!r}")
+        key = None
+        if (cu_seqlens is None and type(mode) is str and type(CK) is int and (chunk is None or type(chunk) is int)
+                and not torch.compiler.is_compiling()):
+            # a call like an earlier kernel call replays its launch (runtime/fastpath.py)
+            key = fastpath.step_key(("call", mode, output_final_state, CK, chunk), kwargs, initial_state)
+            recipe = self._fast.get(key) if key is not None else None
+            if recipe is not None:
+                return fastpath.run_step(recipe, kwargs, initial_state)
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         device = next(iter(bound.inputs.values())).device
         asked, mode = mode, self._resolve(mode, device)
@@ -113,8 +121,25 @@ class MixerOp:
                     raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
                                         "use mode='recurrent'")
             else:
-                return self._kernels(bound, output_final_state, chunk_size_for(plan, bound) if chunk is None else chunk, True)
-        return self._kernels(bound, output_final_state, CK, False)
+                C = chunk_size_for(plan, bound) if chunk is None else chunk
+                return self._kernels_recorded(key, kwargs, bound, output_final_state, C, True)
+        return self._kernels_recorded(key, kwargs, bound, output_final_state, CK, False)
+
+    def _kernels_recorded(self, key, kwargs, bound, output_final_state: bool, CK: int, chunked: bool,
+                          one_token: bool = False):
+        """_kernels, its launch kept for replay under key where one launch without gradients
+        did the call (runtime/fastpath.py; the chunked forward's two launches on CUDA are not
+        replayed: the last launch of a call is replayable only where it is the call's one)."""
+        with launch.recording() as log:
+            o, st = self._kernels(bound, output_final_state, CK, chunked)
+        if key is not None and not (torch.is_grad_enabled() and _needs_grad(bound)):
+            recipe = fastpath.recipe_from(log, self.ir, kwargs, partial(_unstabilize, self._plan_for(bound.flags)),
+                                          one_token=one_token)
+            if recipe is not None:
+                if len(self._fast) >= fastpath.MAX_RECIPES:
+                    self._fast.clear()
+                self._fast[key] = recipe
+        return o, st
 
     def _kernels(self, bound, output_final_state: bool, CK: int, chunked: bool):
         """The kernels through the registered custom op (autograd included): the chunked or the
@@ -206,15 +231,7 @@ class MixerOp:
                 st = _state_dtype(st, bound)
             return o, st
         # the recurrent kernels on the arguments bound above (bound once, not again by __call__)
-        with launch.recording() as log:
-            o, st = self._kernels(_as_sequence(bound), True, 32, False)
-        if key is not None and not (torch.is_grad_enabled() and _needs_grad(bound)):
-            plan = self._plan_for(bound.flags)
-            recipe = fastpath.recipe_from(log, self.ir, kwargs, partial(_unstabilize, plan))
-            if recipe is not None:
-                if len(self._fast) >= fastpath.MAX_RECIPES:
-                    self._fast.clear()
-                self._fast[key] = recipe
+        o, st = self._kernels_recorded(key, kwargs, _as_sequence(bound), True, 32, False, one_token=True)
         return o[:, 0], st
 
     def reference(self, **kwargs):
