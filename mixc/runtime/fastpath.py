@@ -90,6 +90,9 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
     if any(isinstance(v, torch.Tensor) and k not in tensor_args for k, v in kwargs.items()):
         return None             # a number option given as a tensor: its value is not in the key
     r = log[-1]
+    out_shape = r["out_shape"]
+    if one_token and r["splits"] == 1:         # [B, H, *dims]: the same memory as [B, 1, H, *dims]
+        out_shape, one_token = out_shape[:1] + out_shape[2:], False
     x0_slot = None
     consts = {}
     for k, v in r["consts"].items():
@@ -102,7 +105,7 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
     return StepRecipe(r["module"], r["kernel"], r["grid"], tuple(d.name for d in m.inputs),
                       tuple(d.name for d in m.params), r["numbers"], r["tail"], consts, x0_slot,
                       r["inplace"], one_token, r["consts"]["STORE_FINAL_STATE"], rows,
-                      tuple(r["states"]), r["out_shape"], r["out_dtype"], r["splits"], r["final_dtype"],
+                      tuple(r["states"]), out_shape, r["out_dtype"], r["splits"], r["final_dtype"],
                       r["x0"].device, unstabilize)
 
 
