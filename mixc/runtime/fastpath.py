@@ -1,11 +1,14 @@
-"""The decode step's fast path (issue 17): op.step() on arguments that look like an earlier
-step's replays that step's launch without binding them again.
+"""The kernel calls' fast path (issue 17): op.step() (in place too, runtime/decode.py) and op()
+of one launch, on arguments that look like an earlier call's, replay that call's launch
+without binding them again. (The chunked forward's two launches, CUDA's default, are not:
+the call's last launch reads the first's checkpoints, which a recipe does not carry, so such
+a call is not recorded.)
 
 What a step's launch needs is fixed by what its arguments look like: the bound sizes, the
 option values, the plan, the launch config, the output and state buffers' shapes and dtypes,
 the grid, the positional argument order with its numbers and constexprs. step_key() reduces
-the arguments to that look (per tensor its shape, dtype, device and requires_grad; numbers and
-flags by type and value; the grad mode and the mode asked), and the first step with a key
+the arguments to that look (per tensor its shape, dtype, device, contiguity and requires_grad;
+numbers and flags by type and value; the grad mode, the mode asked and launch.settings()), and the first step with a key
 records its launch (launch.recording) into a StepRecipe. A later step with the same key does a
 dict lookup, the .contiguous() and state .to(float32) of the slow path, allocates the output
 and the new states, and launches: no bind, no plan or module lookup, no option evaluation.

@@ -43,7 +43,7 @@ class MixerOp:
         self.ir = mixer
         self._plans: dict[tuple, Plan] = {}
         self._ops: dict[tuple, tuple] = {}
-        self._fast: dict[tuple, fastpath.StepRecipe] = {}     # step()'s replayable launches by argument look
+        self._fast: dict[tuple, fastpath.StepRecipe] = {}     # replayable launches of op(), step() by argument look
 
     @property
     def name(self) -> str:
