@@ -81,9 +81,10 @@ def _kernel(plan: Plan, device, form: str):
 
 def settings() -> tuple:
     """What a launch depends on besides its arguments: this module's block and phase choices
-    (tests and gpu_check set them), the tuner's mode. Part of a replayed launch's key
+    (tests and gpu_check set them), the tuner's mode, whether Triton interprets (mode "auto" on
+    CPU tensors, KernelUnavailable without it). Part of a replayed launch's key
     (runtime/fastpath.py), so changing one takes the bound path again."""
-    return (CHUNK_PHASES, CHUNK_TILE, RECURRENT_TILE, RECURRENT_SPLIT, _tuned, interpreting,
+    return (CHUNK_PHASES, CHUNK_TILE, RECURRENT_TILE, RECURRENT_SPLIT, _tuned, interpreting(),
             os.environ.get("MIXC_AUTOTUNE"))
 
 
