@@ -22,8 +22,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*(deprecated|attention mask)")
 
 # default runs: Qwen3-Next, Mamba and the Mamba-2 family (its copies cost ~0.1 s each once the
 # op is loaded) in the torch backend, Qwen3-Next through the chunked kernels (Triton's
-# interpreter); Kimi-Linear (the kda op's first load), the other models and modes are slow
-FAST = {("qwen3_next", "torch"), ("mamba", "torch"), ("jamba", "torch"), ("qwen3_next", "chunk")} | {
+# interpreter), Kimi-Linear (KDA) in the torch backend; the other models and modes are slow
+FAST = {("qwen3_next", "torch"), ("mamba", "torch"), ("jamba", "torch"), ("qwen3_next", "chunk"),
+        ("kimi_linear", "torch")} | {
     (n, "torch") for n in ("mamba2", "bamba", "falcon_h1", "zamba2", "nemotron_h", "granite_moe_hybrid")}
 CASES = [(n, "torch") for n in MODELS] + [(n, "chunk") for n in ("qwen3_next", "kimi_linear", "mamba2", "nemotron_h")] \
     + [(n, "recurrent") for n in ("mamba", "qwen3_next")]
