@@ -32,11 +32,12 @@ from . import reference as _reference
 from .cache import interpreting
 from .launch import chunk_size_for
 from .signature import ArgumentError, Bound, bind, option_values
+from .spec_held import HeldBySpec
 
 MODES = ("auto", "recurrent", "chunk", "conv", "torch", "reference")
 
 
-class MixerOp:
+class MixerOp(HeldBySpec):
     is_sequence = False
 
     def __init__(self, mixer: MixerIR):
@@ -51,18 +52,6 @@ class MixerOp:
 
     def __repr__(self) -> str:
         return f"<mixc op '{self.name}' from {self.ir.source.filename}>"
-
-    # An op pickles as its checked spec (plans and custom ops are rebuilt on first use), so a
-    # layer or model holding it saves whole (torch.save). It holds no data of its own: a copy
-    # (copy.deepcopy of a model, AveragedModel) shares it.
-    def __reduce__(self):
-        return type(self), (self.ir,)
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
 
     def plan(self, **flags) -> Plan:
         """The derivation for the given flag values (the spec's defaults otherwise)."""

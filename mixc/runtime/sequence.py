@@ -26,11 +26,12 @@ from ..derive.plan import Plan, derive
 from ..dsl import MixerIR, ir
 from .sequence_eval import Run, evaluate, leaves
 from .signature import ArgumentError, _scalar, bind, option_values
+from .spec_held import HeldBySpec
 
 MODES = ("auto", "torch", "reference")
 
 
-class SequenceOp:
+class SequenceOp(HeldBySpec):
     is_sequence = True
 
     def __init__(self, mixer: MixerIR):
@@ -43,16 +44,6 @@ class SequenceOp:
 
     def __repr__(self) -> str:
         return f"<mixc sequence op '{self.name}' from {self.ir.source.filename}>"
-
-    # pickles as its spec; copies share it (it holds no data): as MixerOp
-    def __reduce__(self):
-        return type(self), (self.ir,)
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
 
     def plan(self, **flags) -> Plan:
         return self._plan_for(flags)
