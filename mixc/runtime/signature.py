@@ -20,10 +20,9 @@ import torch
 
 from ..dsl import ir, scalar
 from ..dsl.unparse import expr_text
+from .errors import ArgumentError  # noqa: F401  (one class for ops and compiled modules)
 
 
-class ArgumentError(ValueError):
-    """A call's argument is missing, extra, or of the wrong shape or dtype."""
 
 
 def _fmt(names, sizes=None) -> str:

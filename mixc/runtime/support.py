@@ -19,12 +19,12 @@ import os
 import torch
 import triton
 
+from .errors import ArgumentError  # noqa: F401  (mixc's own: one class everywhere)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 RECURRENT_TILE, RECURRENT_SPLIT, CHUNK_TILE = 32, 64, 64       # as runtime/launch.py
 
 
-class ArgumentError(ValueError):
-    """A call's argument is missing, extra, or of the wrong shape or dtype."""
 
 
 _MAX_MIN = {"max": max, "min": min}

@@ -284,3 +284,10 @@ def test_compiled_module_evaluates_a_function_in_an_option_default(tmp_path, cap
     small, _ = random_args(op.ir, B=1, T=4, H=2, sizes={"K": 3, "V": 3}, dtype=torch.float32, seed=23)
     with pytest.raises(ArgumentError, match=r"option 'scale': its default has no finite real value at K = 3, V = 3"):
         mod.op(**small, mode="recurrent")
+
+
+def test_a_compiled_module_raises_mixcs_own_argument_error():
+    """One ArgumentError class: `except mixc.runtime.signature.ArgumentError` catches a compiled
+    module's bad argument too (support.py had a class of its own)."""
+    from mixc.runtime import signature, support
+    assert support.ArgumentError is signature.ArgumentError
