@@ -1,4 +1,4 @@
-"""The stages only look down: dsl <- derive <- codegen <- runtime <- (pipeline, tools, nn, cli).
+"""The stages only look down: dsl <- classes <- derive <- codegen <- runtime <- (pipeline, tools, nn, cli).
 Every module's imports, at module and function level, are read with ast: a stage that imports
 a stage above it (or the pipeline, the tools, the layers, the CLI) fails here, and so does an
 import cycle between modules."""
@@ -10,7 +10,7 @@ import pytest
 import mixc
 
 ROOT = Path(mixc.__file__).resolve().parent
-STAGES = ("dsl", "derive", "codegen", "runtime")
+STAGES = ("dsl", "classes", "derive", "codegen", "runtime")
 
 
 def _module_name(path: Path) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import classes
 from . import plan as P
 from .decay_sign import negative_decay
 
@@ -37,7 +38,7 @@ def _fft_blocker(plan: P.Plan) -> str | None:
     if plan.stabilizer is not None:
         return "the states carry a max-stabilizer"
     for st in plan.states:
-        if st.transition not in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG, P.VALUE_DIAG):
+        if not classes.unit(st.transition).conv_form:
             return f"state {st.name} is a {st.transition}"
         if st.key is None:
             return f"the input term of state {st.name} is not an outer product key (x) value"

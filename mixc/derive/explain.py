@@ -6,6 +6,7 @@ import json
 
 import sympy as sp
 
+from .. import classes
 from ..dsl.unparse import expr_text
 from . import plan as P
 
@@ -73,44 +74,11 @@ def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
     if key is None:
         rows.append(f"the input term {s(st.input_term)} is not an outer product key (x) value: "
                     "the chunked form takes it as a full-rank term per token")
-    if st.transition == P.PREFIX_SUM:
-        rows += [f"O   = Q {S}0 + [(Q K^T) masked i >= j] V",
-                 f"{S}_C = {S}0 + K^T V"]
-    elif st.transition in (P.SCALAR, P.KEY_DIAG):
-        over = "" if st.transition == P.SCALAR else f" (a vector over {', '.join(st.decay_dims)})"
-        intra = ("[ (Q K^T)_ij exp(b_i - b_j), i >= j ] V" if st.transition == P.SCALAR
-                 else "[ sum_d q_id k_jd exp(b_id - b_jd), i >= j ] V")
-        rows += [f"b_t = cumulative sum of log a = {s(st.log_decay)} inside the chunk{over}",
-                 f"O   = (Q * exp(b)) {S}0 + {intra}",
-                 f"{S}_C = exp(b_C) * {S}0 + (K * exp(b_C - b))^T V",
-                 "only exponents b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
-        if st.transition == P.KEY_DIAG:
-            rows.append("the intra-chunk term runs on sub-chunks of 16 relative to a sub-chunk reference, "
-                        "diagonal sub-blocks elementwise in fp32")
-    elif st.transition == P.VALUE_DIAG:
-        rows += [f"b_t = cumulative sum of log a = {s(st.log_decay)} over {', '.join(st.decay_dims)} inside the chunk",
-                 f"O   = (Q {S}0) * exp(b) + [ (Q K^T) masked i >= j, times exp(b_i - b_j) per value channel ] V",
-                 f"{S}_C = {S}0 * exp(b_C) + K^T (V * exp(b_C - b))"]
-    elif st.transition == P.RANK1:
-        r = st.rank1[0]
-        per_key = f" (a vector over {', '.join(st.decay_dims)})" if st.decay_dims else ""
-        rows += [f"transition: {S}_t = a_t {S}_{{t-1}} + l_t (r_t . {S}_{{t-1}}) + B_t with a = {s(st.decay)}, "
-                 f"l = {s(r.left)}, r = {s(r.right)}",
-                 f"b_t = cumulative sum of log a = {s(st.log_decay)} inside the chunk{per_key}; L, R = rows of l, r",
-                 f"X_t = exp(-b_t) {S}_t gains l~_t u_t^T + k~_t v_t^T per token, u_t = r~_t . X_{{t-1}}:",
-                 "A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik) for i < j   (A_rl from R, L; A_rk from R, K)",
-                 f"U   = (I - A_rl)^-1 ((R * exp(b_{{j-1}})) {S}0 + A_rk V)   the triangular solve: forward "
-                 "substitution (W = (I - A_rl)^-1 R^ and U' = (I - A_rl)^-1 A_rk V, U = W S0 + U')",
-                 f"O   = (Q * exp(b)) {S}0 + [A_ql]_(i >= j) U + [A_qk]_(i >= j) V    (A_q. with exp(b_i - b_j))",
-                 f"{S}_C = exp(b_C) {S}0 + (L * exp(b_C - b))^T U + (K * exp(b_C - b))^T V",
-                 "only exponents b_{j-1} - b_i (i < j), b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
-    elif st.transition == P.ELEMENTWISE:
-        rows = [f"no matmul form: {S}_t = a_t * {S}_{{t-1}} + B_t is a first-order recurrence per element of "
-                f"{_shape(st.shape)} with a = {s(st.decay)}",
-                "parallel form: an associative scan over pairs (a, B), (a1, B1) o (a2, B2) = (a1 a2, a2 B1 + B2), "
-                f"in log space: log a = {s(st.log_decay)}"]
-    else:
-        rows = ["no parallel form: the transition is a general linear map (more than one projection term)"]
+    unit = classes.unit(st.transition)
+    if unit.parallel_form == "chunk":
+        rows += unit.explain_chunk(st, s)
+    else:           # no matmul form: the class's own lines say which parallel form (if any)
+        rows = unit.explain_chunk(st, s)
     if st.time_invariant:
         rows.append("time-invariant transition: also a convolution form (mode=\"conv\", below)")
     return rows

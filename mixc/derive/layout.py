@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsl import ir
-from .classes import ELEMENTWISE, KEY_DIAG, PREFIX_SUM, RANK1, SCALAR, VALUE_DIAG
+from .. import classes
 from .decay_sign import negative_decay
 
 __all__ = ["KernelLayout", "kernel_layout", "chunk_supported", "torch_chunk_supported", "chunk_size",
@@ -47,7 +47,7 @@ def kernel_layout(plan) -> KernelLayout:
 def chunk_supported(plan) -> str | None:
     """Why the chunked kernel cannot serve this plan, or None when it can."""
     for st in plan.states:
-        if st.transition not in (PREFIX_SUM, SCALAR, KEY_DIAG, VALUE_DIAG, RANK1):
+        if classes.unit(st.transition).parallel_form != "chunk":
             return f"state {st.name} is a {st.transition}"
         if st.ir_pieces is None or st.ir_pieces.key is None:
             return f"the input term of state {st.name} is not an outer product key (x) value"
@@ -64,10 +64,10 @@ def chunk_supported(plan) -> str | None:
 def torch_chunk_supported(plan) -> str | None:
     """Why the torch backend has no chunked form for this plan, or None: the kernels' classes
     and the elementwise one (Mamba: exp(b_i - b_j) per element of the state)."""
-    if all(st.transition != ELEMENTWISE for st in plan.states):
+    if all(classes.unit(st.transition).parallel_form == "chunk" for st in plan.states):
         return chunk_supported(plan)
     for st in plan.states:      # the elementwise class: exp(b_i - b_j) per state element
-        if st.transition not in (PREFIX_SUM, SCALAR, KEY_DIAG, VALUE_DIAG, RANK1, ELEMENTWISE):
+        if not classes.unit(st.transition).torch_chunked:
             return f"state {st.name} is a {st.transition}"
         if st.ir_pieces is None or st.ir_pieces.key is None:
             return f"the input term of state {st.name} is not an outer product key (x) value"
@@ -79,15 +79,10 @@ def torch_chunk_supported(plan) -> str | None:
 
 
 def chunk_size(plan) -> int:
-    """C: 16 where the intra-chunk term is a [C, C, dim] block (key- or value-diagonal decay,
-    rank-1 with a per-key decay, the torch backend's elementwise form), 32 for the rank-1
-    class, 64 otherwise. The torch backend takes the same C."""
-    diag = any(s.transition in (KEY_DIAG, VALUE_DIAG, ELEMENTWISE) or (s.transition == RANK1 and s.decay_dims)
-               for s in plan.states)
-    if diag:
-        return 16
-    # the rank-1 class keeps U, the [C, C] solve and its adjoint live: 64 spills on sm_90
-    return 32 if any(s.transition == RANK1 for s in plan.states) else 64
+    """C: the smallest of its states' classes' policies (classes/<unit>.py chunk_size: 16 where
+    the intra-chunk term is a [C, C, dim] block, 32 for the rank-1 class, 64 otherwise). The
+    torch backend takes the same C."""
+    return min((classes.unit(s.transition).chunk_size(s) for s in plan.states), default=64)
 
 
 def tile_dim(m: ir.MixerIR) -> str | None:

@@ -12,9 +12,11 @@ from ..dsl.errors import SpecError
 from . import affine, stabilize
 from .stabilize import Stabilizer
 from .budget import Budget
-# the transition classes, named here too for the users of plan.PREFIX_SUM, plan.SCALAR, ...
-from .classes import (CHUNK_CLASSES, ELEMENTWISE, GENERAL, KEY_DIAG, PREFIX_SUM, RANK1, SCALAR,  # noqa: F401
-                      VALUE_DIAG)
+# the transition classes (one unit each: mixc/classes/), named here too for the users of
+# plan.PREFIX_SUM, plan.SCALAR, ...
+from .. import classes
+from ..classes import (CHUNK_CLASSES, ELEMENTWISE, GENERAL, KEY_DIAG, PREFIX_SUM, RANK1, SCALAR,  # noqa: F401
+                       VALUE_DIAG)
 from .functions import log_of
 from .layout import KernelLayout, kernel_layout
 from .logspace import log_ir
@@ -150,8 +152,7 @@ class Plan:
         """The class of the spec: its states' classes, hardest first."""
         if self.sequence is not None:
             return self.sequence.kind
-        order = [GENERAL, RANK1, ELEMENTWISE, KEY_DIAG, VALUE_DIAG, SCALAR, PREFIX_SUM]
-        return min((s.transition for s in self.states), key=order.index)
+        return max((s.transition for s in self.states), key=lambda name: classes.unit(name).hardness)
 
     def state(self, name: str) -> StatePlan:
         return next(s for s in self.states if s.name == name)
@@ -264,9 +265,10 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
         budget.check(spec.output.span, f"the derivatives of {nd.describe()[:60]}", *(p.expr for p in parts))
 
     forms = ["recurrent", "step"]
-    if all(s.transition in CHUNK_CLASSES for s in states):
+    parallel = {classes.unit(s.transition).parallel_form for s in states}
+    if parallel == {"chunk"}:
         forms.insert(0, "chunk")
-    elif all(s.transition in CHUNK_CLASSES + (ELEMENTWISE,) for s in states):
+    elif parallel <= {"chunk", "scan"}:
         forms.insert(0, "scan")
     else:
         hard = [s for s in states if s.transition == GENERAL]
@@ -313,22 +315,10 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     if decay == 0 and not proj:
         raise SpecError(f"the update of {upd.state} multiplies the state by 0", spec.source, upd.expr.span)
 
-    if proj:
-        t = proj[0]
-        ok_rank1 = (len(proj) == 1 and set(t.over) == set(kdims) and set(t.proj.shape) <= set(t.over)
-                    and (t.scale is None or set(t.scale.shape) <= set(t.over))
-                    and set(decay_dims) <= set(kdims))
-        transition = RANK1 if ok_rank1 else GENERAL
-    elif decay == 1:
-        transition = PREFIX_SUM
-    elif not decay_dims:
-        transition = SCALAR
-    elif set(decay_dims) <= set(kdims):
-        transition = KEY_DIAG
-    elif set(decay_dims) <= set(vdims) and (set(decay_dims) != set(decl.shape) or not kdims):
-        transition = VALUE_DIAG         # hgrn's h[D], read as is, decays per value channel
-    else:
-        transition = ELEMENTWISE
+    shape = classes.UpdateShape(
+        decl.shape, kdims, vdims, decay == 1, decay_dims,
+        tuple(classes.Projection(t.scale.shape if t.scale is not None else None, t.proj.shape, t.over) for t in proj))
+    transition = classes.classify(shape).name
     gated = transition == RANK1 and decay != 1
 
     log_decay = log_of(decay) if decay != 0 else sp.S.NegativeInfinity
@@ -340,9 +330,10 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     coefs = [decay] + [r.left for r in rank1] + [r.right for r in rank1]
     ti = _time_invariant(coefs, table)
     forms = ("recurrent", "step")
-    if transition in CHUNK_CLASSES and key is not None:
+    parallel = classes.unit(transition).parallel_form
+    if parallel == "chunk" and key is not None:
         forms = ("chunk",) + forms
-    elif transition == ELEMENTWISE:
+    elif parallel == "scan":
         forms = ("scan",) + forms
     if ti:
         forms = forms + ("conv",)

@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 
 from ..dsl import ir
 from . import affine
-from .classes import PREFIX_SUM, SCALAR
+from .. import classes
+from ..classes import SCALAR
 
 M = "_m"                  # the stabilizer's name in the kernels (spec names never start with '_')
 
@@ -93,7 +94,7 @@ def find(spec: ir.MixerIR, states, combine_ir: ir.Expr, readouts, notes: list[st
             gate, value = split_gate(p.value)
         if gate is None:
             continue
-        if st.transition not in (SCALAR, PREFIX_SUM):
+        if not classes.unit(st.transition).stabilizable:
             notes.append(f"state {st.name} has an exponential input gate but a {st.transition}: not stabilized")
             return None
         log_decay = p.log_decay if st.transition == SCALAR else affine.num(0)

@@ -31,6 +31,7 @@ import torch
 import triton
 
 from .. import __version__
+from .. import classes
 from ..derive.plan import Plan
 from .cache import cache_dir, interpreting, write_atomic
 
@@ -82,15 +83,11 @@ def active(device: torch.device) -> bool:
 # ---- the configuration lists, per transition class ----
 
 def chunk_candidates(plan: Plan) -> list[int]:
-    """C values for the chunked kernels: the class's default (plan.layout.chunk_size) first, then
-    half of it where the intra-chunk term is a [C, C] matrix (scalar decay, prefix sum, the
-    rank-1 class with a scalar decay). The [C, C, dim] blocks of the key- and value-diagonal
-    classes stay at 16 (32 would hold 32 x 32 x K values)."""
-    c0 = plan.layout.chunk_size
-    out = [c0]
-    if c0 // 2 >= 16:
-        out.append(c0 // 2)
-    return out
+    """C values for the chunked kernels: the plan's default (plan.layout.chunk_size) first, then
+    what the class of its hardest state adds (classes/base.py chunk_candidates: half of it where
+    the intra-chunk term is a [C, C] matrix; the [C, C, dim] blocks of the diagonal classes stay
+    at 16, as 32 would hold 32 x 32 x K values)."""
+    return classes.unit(plan.transition).chunk_candidates(plan.layout.chunk_size)
 
 
 def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[Config]:

@@ -1,0 +1,34 @@
+"""The key-diagonal decay: S_t = diag(a_t) S_{t-1} + B_t with a_t over the key dims (GLA,
+RWKV-6, HGRN-2, KDA's decay part)."""
+from __future__ import annotations
+
+from .base import TransitionClass, UpdateShape
+
+
+class KeyDiagonal(TransitionClass):
+    name = "key-diagonal decay"
+    hardness = 3
+    parallel_form = "chunk"
+    torch_chunked = True
+    conv_form = True
+    template = "key_diag.j2"
+
+    def claims(self, u: UpdateShape) -> bool:
+        return not u.projections and set(u.decay_dims) <= set(u.key_dims)
+
+    def chunk_size(self, st) -> int:
+        # the intra-chunk term is a [C, C, K] block: 16 keeps it in registers
+        return 16
+
+    def explain_chunk(self, st, s) -> list[str]:
+        S = st.name
+        return [f"b_t = cumulative sum of log a = {s(st.log_decay)} inside the chunk "
+                f"(a vector over {', '.join(st.decay_dims)})",
+                f"O   = (Q * exp(b)) {S}0 + [ sum_d q_id k_jd exp(b_id - b_jd), i >= j ] V",
+                f"{S}_C = exp(b_C) * {S}0 + (K * exp(b_C - b))^T V",
+                "only exponents b_i - b_j (i >= j) and b_C - b_j are formed: none is positive",
+                "the intra-chunk term runs on sub-chunks of 16 relative to a sub-chunk reference, "
+                "diagonal sub-blocks elementwise in fp32"]
+
+
+UNIT = KeyDiagonal()
