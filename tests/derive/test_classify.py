@@ -20,6 +20,7 @@ EXPECTED = {
     "mlstm": (P.SCALAR, ("chunk", "recurrent", "step"), False, "logsigmoid(f)"),
     "gla": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "rwkv6": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "w"),
+    "rwkv4": (P.SCALAR, ("chunk", "recurrent", "step", "conv"), True, "-exp(w)"),      # stabilized exp(k)
     "hgrn": (P.VALUE_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "mamba": (P.ELEMENTWISE, ("scan", "recurrent", "step"), False, "A*softplus(dt + dt_bias)"),
     "s4d": (P.KEY_DIAG, ("chunk", "recurrent", "step", "conv"), True, "A*exp(log_dt)"),
