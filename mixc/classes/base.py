@@ -76,5 +76,67 @@ class TransitionClass:
         expression as the explain text writes it."""
         return []
 
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
+    # The Triton of a class's chunk is in its template's macros (<template>); these hooks pick
+    # the per-spec names and render them. `code` is the plan's ChunkCode (ChunkBackward): it
+    # owns what every class shares (the chunk's rows, the cumulative log decay b_<S> and its
+    # resets, the stabilizer, fresh names, the gradient lists G) and hands out the macros
+    # (code.macros(unit)). `parts` is a state's (K, V, g, kd, vd): its key and value matrices
+    # [C, KF], [C, VF], its log decay and its flat key and value axes. The defaults are the
+    # diagonal decays' (key- and value-diagonal): the others override what differs.
+    def decay_is_vector(self, st) -> bool:
+        """The chunk's log decay is one number per token, a [C] vector (else [C, axes])."""
+        return False
+
+    def decay_axes(self, st, kd, vd):
+        """The axes of the chunk's log decay [C, axes] given the state's flat key and value
+        axes: () for a [C] vector, None where the class has no decay."""
+        return None
+
+    def render(self, code, macro: str, **names) -> list[str]:
+        """The lines of one macro of the class's template, at the chunk loop's indent."""
+        text = getattr(code.macros(self), macro)(**names)
+        return [code.indent + line for line in text.strip("\n").split("\n")]
+
+    def chunk_inputs(self, code, st, em, kd) -> dict[str, str]:
+        """The class's own per-token matrices beside K and V, by role (rank-1: L, R)."""
+        return {}
+
+    def chunk_setup(self, code, st, parts) -> list[str]:
+        """What the readouts and the update of a chunk share, after the cumulative decays."""
+        return []
+
+    def chunk_readout(self, code, st, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
+        """R = the readout of S_t (of S_{t-1} with prev) for the chunk's C query rows Q."""
+        pre, bq = code.query_decay(st, prev)
+        return pre + self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev, bq=bq,
+                                 bq0=code.query_b0(st, prev), ok=code.pair_ok(st, code.query_z(st, prev)))
+
+    def chunk_advance(self, code, st, parts) -> list[str]:
+        """s_<S> = S_C: the state at the chunk's end."""
+        K, V = parts[:2]
+        return self.render(code, "advance", n=st.name, K=K, V=V)
+
+    def chunk_readout_backward(self, code, st, dR: str, Q: str, K: str, V: str, prev: bool, dQ: str,
+                               G: dict) -> list[str]:
+        """dQ (assigned), and the readout term's parts of dK, dV, db and dS0 (into G)."""
+        dK, dV, dS0, db = code.grad_names(G, "t", with_db=True)
+        pre, bq = code.query_decay(st, prev)
+        return pre + self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev, bq=bq,
+                                 bq0=code.query_b0(st, prev), ok=code.pair_ok(st, code.query_z(st, prev)),
+                                 dQ=dQ, dK=dK, dV=dV, dS0=dS0, db=db) + code.query_side(st, db, prev)
+
+    def chunk_advance_backward(self, code, st, parts, G: dict) -> list[str]:
+        """The update's parts of dK, dV, db and dS0 given d_<S> = dL/dS_C (and _dbl_<S>, the
+        gradient of b at the chunk's last token)."""
+        K, V = parts[:2]
+        dK, dV, dS0, db = code.grad_names(G, "u", with_db=True)
+        return self.render(code, "advance_backward", n=st.name, K=K, V=V, dK=dK, dV=dV, dS0=dS0, db=db)
+
+    def chunk_setup_backward(self, code, st, parts, G: dict) -> tuple[list[str], list]:
+        """Back through chunk_setup, after the update's adjoint: (lines, seeds), a seed being
+        (IR expression, its gradient's name, that gradient's dims) for the spec's adjoint."""
+        return [], []
+
     def __repr__(self) -> str:
         return f"<transition class {self.name}>"

@@ -21,5 +21,20 @@ class PrefixSum(TransitionClass):
         return [f"O   = Q {S}0 + [(Q K^T) masked i >= j] V",
                 f"{S}_C = {S}0 + K^T V"]
 
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
+    # no decay: no log weights, no db; advance is the default (prefix_sum.j2)
+    def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
+        return self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev)
+
+    def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
+        dK, dV, dS0 = code.grad_names(G, "t", with_db=False)
+        return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev, dQ=dQ, dK=dK,
+                           dV=dV, dS0=dS0)
+
+    def chunk_advance_backward(self, code, st, parts, G) -> list[str]:
+        K, V = parts[:2]
+        dK, dV, dS0 = code.grad_names(G, "u", with_db=False)
+        return self.render(code, "advance_backward", n=st.name, K=K, V=V, dK=dK, dV=dV, dS0=dS0)
+
 
 UNIT = PrefixSum()

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .. import classes
 from ..derive import plan as P
 from ..derive.plan import Plan
 from ..dsl import ir
 from .recurrent import I1, I2, base_env, common_hooks, numel
+from .templating import macros
 from .triton_expr import Emitter, canon, expand
 
 UNIT = "_1"
@@ -37,7 +39,10 @@ def _block(dims) -> str:
 
 
 class ChunkCode:
-    """Builds the hook texts of templates/chunk_fwd.py.j2 for one plan."""
+    """Builds the hook texts of templates/chunk_fwd.py.j2 for one plan: the generic parts here,
+    each state's class stages from its unit (mixc/classes: its chunk_* hooks and macros)."""
+
+    indent = I2                 # the chunk loop's body
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -58,6 +63,10 @@ class ChunkCode:
         key, value = self.stab.key_value(st.name)
         pieces = replace(st.ir_pieces, key=key, value=value, log_decay=self.stab.log_decay)
         return replace(st, transition=P.SCALAR, ir_pieces=pieces)
+
+    def macros(self, unit: classes.TransitionClass):
+        """The unit's kernel macros (mixc/classes/<unit.template>)."""
+        return macros(unit)
 
     def state(self, name: str) -> P.StatePlan:
         return next(s for s in self.states if s.name == name)
@@ -496,8 +505,7 @@ class ChunkCode:
         causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
         S = f"s_{n}"
         if st.transition == P.PREFIX_SUM:
-            return [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
-                    f"{I}{R} = _mixc_dot({Q}, {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
+            return classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev)
         b = f"_b_{n}"
         pre, bq = self.query_decay(st, prev)
         bq0, ok = self.query_b0(st, prev), self.pair_ok(st, self.query_z(st, prev))
@@ -522,7 +530,7 @@ class ChunkCode:
         K, V, g, kd, vd = parts
         n, I, S = st.name, I2, f"s_{st.name}"
         if st.transition == P.PREFIX_SUM:
-            return [f"{I}{S} = {S} + _mixc_dot(tl.trans({K}), {V}, DOT)"]
+            return classes.unit(st.transition).chunk_advance(self, st, parts)
         kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         if st.transition == P.SCALAR:
             bs, kw = self.scalar_advance_logs(st)

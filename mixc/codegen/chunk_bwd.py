@@ -10,6 +10,7 @@ the chunks from last to first, with dL/dS (a [key, value] matrix per state) in r
    inputs of the chunk's tokens, the params (summed) and the lets."""
 from __future__ import annotations
 
+from .. import classes
 from ..derive import plan as P
 from ..derive.plan import Plan
 from .adjoint import Adjoint, combine
@@ -377,14 +378,7 @@ class ChunkBackward(ChunkCode):
         S = f"s_{n}"
         lines = []
         if st.transition == P.PREFIX_SUM:
-            dK, dV, dS0 = self.grad_names(G, "t", with_db=False)
-            lines += [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
-                      f"{I}_dA = tl.where({causal}, _mixc_dot({dR}, tl.trans({V}), DOT), 0.0)",
-                      f"{I}{dQ} = _mixc_dot({dR}, tl.trans({S}), DOT) + _mixc_dot(_dA, {K}, DOT)",
-                      f"{I}{dK} = _mixc_dot(tl.trans(_dA), {Q}, DOT)",
-                      f"{I}{dV} = _mixc_dot(tl.trans(_A), {dR}, DOT)",
-                      f"{I}{dS0} = _mixc_dot(tl.trans({Q}), {dR}, DOT)"]
-            return lines
+            return classes.unit(st.transition).chunk_readout_backward(self, st, dR, Q, K, V, prev, dQ, G)
         b = f"_b_{n}"
         dK, dV, dS0, db = self.grad_names(G, "t", with_db=True)
         lines, bq = self.query_decay(st, prev)
@@ -462,10 +456,7 @@ class ChunkBackward(ChunkCode):
         K, V, g, kd, vd = parts
         n, I, S, dS = st.name, I2, f"s_{st.name}", f"d_{st.name}"
         if st.transition == P.PREFIX_SUM:
-            dK, dV, dS0 = self.grad_names(G, "u", with_db=False)
-            return [f"{I}{dS0} = {dS}",
-                    f"{I}{dK} = _mixc_dot({V}, tl.trans({dS}), DOT)",
-                    f"{I}{dV} = _mixc_dot({K}, {dS}, DOT)"]
+            return classes.unit(st.transition).chunk_advance_backward(self, st, parts, G)
         kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         dK, dV, dS0, db = self.grad_names(G, "u", with_db=True)
         if st.transition == P.SCALAR:

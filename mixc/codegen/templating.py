@@ -1,0 +1,27 @@
+"""The class macros: a transition class's kernel stages are Jinja macros that read as Triton,
+in mixc/classes/<unit.template>; `macros(unit)` hands them to the unit's `chunk_*` hooks
+(codegen/chunk.py, chunk_bwd.py call the hooks). jinja2 loads with codegen, which the pipeline
+imports only to render: derive and `mixc check` never pay for it."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+from .. import classes
+
+CLASS_TEMPLATES = Path(classes.__file__).parent
+
+
+@lru_cache(maxsize=1)
+def macro_env() -> jinja2.Environment:
+    # Triton lines between block tags: trim_blocks and lstrip_blocks drop a tag's own line, so
+    # a macro renders exactly its Triton lines. No autoescape: the output is Python.
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(CLASS_TEMPLATES)), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
+
+
+def macros(unit: classes.TransitionClass):
+    """The macros of a class's template as attributes (each renders its lines of Triton)."""
+    return macro_env().get_template(unit.template).module
