@@ -30,5 +30,9 @@ class KeyDiagonal(TransitionClass):
                 "the intra-chunk term runs on sub-chunks of 16 relative to a sub-chunk reference, "
                 "diagonal sub-blocks elementwise in fp32"]
 
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
+    def decay_axes(self, st, kd, vd):
+        return kd
+
 
 UNIT = KeyDiagonal()

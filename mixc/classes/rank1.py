@@ -41,5 +41,12 @@ class Rank1(TransitionClass):
                 f"{S}_C = exp(b_C) {S}0 + (L * exp(b_C - b))^T U + (K * exp(b_C - b))^T V",
                 "only exponents b_{j-1} - b_i (i < j), b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
 
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
+    def decay_is_vector(self, st) -> bool:
+        return not st.decay_dims            # a scalar decay (gated DeltaNet), else per key (KDA)
+
+    def decay_axes(self, st, kd, vd):
+        return () if self.decay_is_vector(st) else kd
+
 
 UNIT = Rank1()

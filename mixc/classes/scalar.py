@@ -24,5 +24,49 @@ class ScalarDecay(TransitionClass):
                 f"{S}_C = exp(b_C) * {S}0 + (K * exp(b_C - b))^T V",
                 "only exponents b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
 
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
+    # the log weights come from ChunkCode.scalar_logs / scalar_advance_logs, which subtract
+    # the stabilizer's m for the states of its group (scalar.j2)
+    def decay_is_vector(self, st) -> bool:
+        return True
+
+    def decay_axes(self, st, kd, vd):
+        return ()
+
+    def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
+        pre, bq, bk, b0 = code.scalar_logs(st, prev)
+        return pre + self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev,
+                                 ok=code.pair_ok(st, code.query_z(st, prev)), bq=bq, bk=bk, b0=b0)
+
+    def chunk_advance(self, code, st, parts) -> list[str]:
+        K, V = parts[:2]
+        bs, kw = code.scalar_advance_logs(st)
+        return self.render(code, "advance", n=st.name, K=K, V=V, bs=bs, kw=kw)
+
+    def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
+        dK, dV, dS0, db = code.grad_names(G, "t", with_db=True)
+        pre, bq, bk, b0 = code.scalar_logs(st, prev)
+        di = self._di(code, st, G)
+        return pre + self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev,
+                                 ok=code.pair_ok(st, code.query_z(st, prev)), bq=bq, bk=bk, b0=b0, dQ=dQ, dK=dK,
+                                 dV=dV, dS0=dS0, db=db, stabilized=di is not None, di=di) \
+            + code.query_side(st, db, prev)
+
+    def chunk_advance_backward(self, code, st, parts, G) -> list[str]:
+        K, V = parts[:2]
+        dK, dV, dS0, db = code.grad_names(G, "u", with_db=True)
+        bs, kw = code.scalar_advance_logs(st)
+        di = self._di(code, st, G)
+        return self.render(code, "advance_backward", n=st.name, K=K, V=V, bs=bs, kw=kw, dK=dK, dV=dV, dS0=dS0,
+                           db=db, stabilized=di is not None, di=di)
+
+    @staticmethod
+    def _di(code, st, G) -> str | None:
+        """A stabilized state's part of the gate exponent's gradient (None: not stabilized)."""
+        if not code.stabilized(st):
+            return None
+        G["di"].append(code.fresh("di"))
+        return G["di"][-1]
+
 
 UNIT = ScalarDecay()

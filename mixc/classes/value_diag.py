@@ -27,5 +27,9 @@ class ValueDiagonal(TransitionClass):
                 f"O   = (Q {S}0) * exp(b) + [ (Q K^T) masked i >= j, times exp(b_i - b_j) per value channel ] V",
                 f"{S}_C = {S}0 * exp(b_C) + K^T (V * exp(b_C - b))"]
 
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
+    def decay_axes(self, st, kd, vd):
+        return vd
+
 
 UNIT = ValueDiagonal()

@@ -159,13 +159,14 @@ class ChunkCode:
             g = None
             if st.transition == P.RANK1:          # left * (right @ S): the WY/UT form (rank1_setup)
                 self.rank1_parts[st.name] = (self.matrix(em, em(pieces.left), kd), self.matrix(em, em(pieces.right), kd))
-            if st.transition != P.PREFIX_SUM:
+            g_axes = classes.unit(st.transition).decay_axes(st, kd, vd)
+            if g_axes is not None:                # the log decay: [C] or [C, key or value axes]
                 gv = em(pieces.log_decay)
-                if g_is_vector(st):
+                if not g_axes:
                     g, _ = em.emit(f"tl.where(_mask__T, {expand(gv[0], gv[1], ('_T',))} + "
                                    "tl.zeros([_BLOCK__T], dtype=tl.float32), 0.0)", ("_T",))
                 else:
-                    g = self.matrix(em, gv, kd if st.transition in (P.KEY_DIAG, P.RANK1) else vd)
+                    g = self.matrix(em, gv, g_axes)
             per_state[st.name] = (K, V, g, kd, vd)
         body += em.lines[mark:]
         mark = len(em.lines)
@@ -510,10 +511,7 @@ class ChunkCode:
         pre, bq = self.query_decay(st, prev)
         bq0, ok = self.query_b0(st, prev), self.pair_ok(st, self.query_z(st, prev))
         if st.transition == P.SCALAR:
-            pre, bq, bk, b0 = self.scalar_logs(st, prev)
-            return pre + [f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * "
-                    f"tl.exp(tl.where({causal} & {ok}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
-                    f"{I}{R} = _mixc_dot({Q} * tl.exp({b0})[:, None], {S}, DOT) + _mixc_dot(_A, {V}, DOT)"]
+            return classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev)
         if st.transition == P.KEY_DIAG:
             return pre + [f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * tl.exp(tl.where({causal}[:, :, None] & "
                     f"{ok}, {bq}[:, None, :] - {b}[None, :, :], float('-inf'))), axis=2)",
@@ -533,9 +531,7 @@ class ChunkCode:
             return classes.unit(st.transition).chunk_advance(self, st, parts)
         kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         if st.transition == P.SCALAR:
-            bs, kw = self.scalar_advance_logs(st)
-            return [f"{I}{S} = tl.exp({bs}) * {S} + "
-                    f"_mixc_dot(tl.trans({K} * tl.exp({kw})[:, None]), {V}, DOT)"]
+            return classes.unit(st.transition).chunk_advance(self, st, parts)
         if st.transition == P.KEY_DIAG:
             return [f"{I}{S} = tl.exp({bl0})[:, None] * {S} + _mixc_dot(tl.trans({K} * tl.exp({kw})), {V}, DOT)"]
         return [f"{I}{S} = {S} * tl.exp({bl0})[None, :] + _mixc_dot(tl.trans({K}), {V} * tl.exp({kw}), DOT)"]
@@ -543,7 +539,7 @@ class ChunkCode:
 
 def g_is_vector(st: P.StatePlan) -> bool:
     """A scalar decay's per-token log decay is a [C] vector; the diagonal ones are [C, dim]."""
-    return st.transition == P.SCALAR or (st.transition == P.RANK1 and not st.decay_dims)
+    return classes.unit(st.transition).decay_is_vector(st)
 
 
 def chunk_fwd_hooks(plan: Plan) -> dict:

@@ -278,9 +278,9 @@ class ChunkBackward(ChunkCode):
                      f"_Xk * {Q}[:, None, :] * {K}[None, :, :], 0.0)",
                      f"{I}_dbq = tl.sum(_E, axis=1) + _Gq * {Q} * _eb",
                      f"{I}{db} = -tl.sum(_E, axis=0)"]
-        return lines + self._query_side(st, db, prev)
+        return lines + self.query_side(st, db, prev)
 
-    def _query_side(self, st, db: str, prev: bool) -> list[str]:
+    def query_side(self, st, db: str, prev: bool) -> list[str]:
         """_dbq, the gradient of the query rows' b, into db (b_{i-1} for prev: row i - 1)."""
         I = I2
         if not prev:
@@ -377,7 +377,7 @@ class ChunkBackward(ChunkCode):
         causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
         S = f"s_{n}"
         lines = []
-        if st.transition == P.PREFIX_SUM:
+        if st.transition in (P.PREFIX_SUM, P.SCALAR):
             return classes.unit(st.transition).chunk_readout_backward(self, st, dR, Q, K, V, prev, dQ, G)
         b = f"_b_{n}"
         dK, dV, dS0, db = self.grad_names(G, "t", with_db=True)
@@ -390,25 +390,7 @@ class ChunkBackward(ChunkCode):
         bq0, ok = self.query_b0(st, prev), self.pair_ok(st, self.query_z(st, prev))
         keep = (lambda e: e) if self.stabilized(st) else (lambda e: f"tl.where({span}, {e}, 0.0)")
         keep3 = lambda e: f"tl.where({span}[:, :, None], {e}, 0.0)"
-        if st.transition == P.SCALAR:
-            lines, bq, bk, b0 = self.scalar_logs(st, prev)
-            lines += [f"{I}_D = tl.exp(tl.where({causal} & {ok}, {bq}[:, None] - {bk}[None, :], float('-inf')))",
-                      f"{I}_A = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
-                      f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
-                      f"{I}_dP = _dA * _D",
-                      f"{I}_E = {keep('_dA * _A')}",
-                      f"{I}_eb = tl.exp({b0})",
-                      f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
-                      f"{I}{dQ} = _mixc_dot(_dP, {K}, DOT) + _Gq * _eb[:, None]",
-                      f"{I}{dK} = _mixc_dot(tl.trans(_dP), {Q}, DOT)",
-                      f"{I}{dV} = _mixc_dot(tl.trans(_A), {dR}, DOT)",
-                      f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb[:, None]), {dR}, DOT)",
-                      f"{I}_dbq = tl.sum(_E, axis=1) + tl.sum(_Gq * {Q}, axis=1) * _eb",
-                      f"{I}{db} = -tl.sum(_E, axis=0)"]
-            if self.stabilized(st):       # exp(bq_i - b_j + i_j): the gate weighs like -b_j
-                G["di"].append(self.fresh("di"))
-                lines.append(f"{I}{G['di'][-1]} = -{db}")
-        elif st.transition == P.KEY_DIAG:
+        if st.transition == P.KEY_DIAG:
             lines += [f"{I}_W = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
                       "float('-inf')))",
                       f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _W, axis=2)",
@@ -455,25 +437,10 @@ class ChunkBackward(ChunkCode):
             return self.rank1_advance_backward(st, parts, G)
         K, V, g, kd, vd = parts
         n, I, S, dS = st.name, I2, f"s_{st.name}", f"d_{st.name}"
-        if st.transition == P.PREFIX_SUM:
+        if st.transition in (P.PREFIX_SUM, P.SCALAR):
             return classes.unit(st.transition).chunk_advance_backward(self, st, parts, G)
         kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         dK, dV, dS0, db = self.grad_names(G, "u", with_db=True)
-        if st.transition == P.SCALAR:
-            bs, kw = self.scalar_advance_logs(st)
-            lines = [f"{I}_w = tl.exp({kw})",
-                     f"{I}{dS0} = tl.exp({bs}) * {dS}",
-                     f"{I}{dV} = _mixc_dot({K} * _w[:, None], {dS}, DOT)",
-                     f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
-                     f"{I}{dK} = _dKw * _w[:, None]",
-                     f"{I}_F = tl.sum(_dKw * {K}, axis=1) * _w",
-                     f"{I}_Fb = {'_F' if self.stabilized(st) else f'tl.where({LAST}, 0.0, _F)'}",
-                     f"{I}{db} = -_Fb",
-                     f"{I}_dbl_{n} = tl.sum(_Fb, axis=0) + tl.sum({S} * {dS}) * tl.exp({bs})"]
-            if self.stabilized(st):
-                G["di"].append(self.fresh("di"))
-                lines.append(f"{I}{G['di'][-1]} = _F")
-            return lines
         if st.transition == P.KEY_DIAG:
             return [f"{I}_w = tl.exp({kw})",
                     f"{I}{dS0} = tl.exp({bl0})[:, None] * {dS}",
