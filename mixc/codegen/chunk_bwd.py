@@ -377,7 +377,7 @@ class ChunkBackward(ChunkCode):
         causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
         S = f"s_{n}"
         lines = []
-        if st.transition in (P.PREFIX_SUM, P.SCALAR):
+        if st.transition in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG):
             return classes.unit(st.transition).chunk_readout_backward(self, st, dR, Q, K, V, prev, dQ, G)
         b = f"_b_{n}"
         dK, dV, dS0, db = self.grad_names(G, "t", with_db=True)
@@ -390,22 +390,7 @@ class ChunkBackward(ChunkCode):
         bq0, ok = self.query_b0(st, prev), self.pair_ok(st, self.query_z(st, prev))
         keep = (lambda e: e) if self.stabilized(st) else (lambda e: f"tl.where({span}, {e}, 0.0)")
         keep3 = lambda e: f"tl.where({span}[:, :, None], {e}, 0.0)"
-        if st.transition == P.KEY_DIAG:
-            lines += [f"{I}_W = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
-                      "float('-inf')))",
-                      f"{I}_A = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _W, axis=2)",
-                      f"{I}_dA = _mixc_dot({dR}, tl.trans({V}), DOT)",
-                      f"{I}_X = _dA[:, :, None] * _W",
-                      f"{I}_E = {keep3(f'_X * {Q}[:, None, :] * {K}[None, :, :]')}",
-                      f"{I}_eb = tl.exp({bq0})",
-                      f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
-                      f"{I}{dQ} = tl.sum(_X * {K}[None, :, :], axis=1) + _Gq * _eb",
-                      f"{I}{dK} = tl.sum(_X * {Q}[:, None, :], axis=0)",
-                      f"{I}{dV} = _mixc_dot(tl.trans(_A), {dR}, DOT)",
-                      f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb), {dR}, DOT)",
-                      f"{I}_dbq = tl.sum(_E, axis=1) + _Gq * {Q} * _eb",
-                      f"{I}{db} = -tl.sum(_E, axis=0)"]
-        else:       # value-diagonal
+        if True:       # value-diagonal
             lines += [f"{I}_P = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
                       f"{I}_W = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
                       "float('-inf')))",
@@ -437,19 +422,10 @@ class ChunkBackward(ChunkCode):
             return self.rank1_advance_backward(st, parts, G)
         K, V, g, kd, vd = parts
         n, I, S, dS = st.name, I2, f"s_{st.name}", f"d_{st.name}"
-        if st.transition in (P.PREFIX_SUM, P.SCALAR):
+        if st.transition in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG):
             return classes.unit(st.transition).chunk_advance_backward(self, st, parts, G)
         kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
         dK, dV, dS0, db = self.grad_names(G, "u", with_db=True)
-        if st.transition == P.KEY_DIAG:
-            return [f"{I}_w = tl.exp({kw})",
-                    f"{I}{dS0} = tl.exp({bl0})[:, None] * {dS}",
-                    f"{I}{dV} = _mixc_dot({K} * _w, {dS}, DOT)",
-                    f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
-                    f"{I}{dK} = _dKw * _w",
-                    f"{I}_F = tl.where({LAST}[:, None], 0.0, _dKw * {K} * _w)",
-                    f"{I}{db} = -_F",
-                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=1) * tl.exp({bl0})"]
         return [f"{I}_w = tl.exp({kw})",
                 f"{I}{dS0} = {dS} * tl.exp({bl0})[None, :]",
                 f"{I}{dK} = _mixc_dot({V} * _w, tl.trans({dS}), DOT)",
