@@ -498,41 +498,16 @@ class ChunkCode:
                 f"_mixc_dot(tl.trans({K} * _w), {V}, DOT)"]
 
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
-        """R = the readout of S_t (or S_{t-1}) for the C query rows Q."""
+        """R = the readout of S_t (or S_{t-1}) for the C query rows Q: the class's stage."""
         if st.transition == P.RANK1:
             return self.rank1_readout(st, R, Q, K, V, prev)
-        n, I = st.name, I2
-        cmp = ">" if prev else ">="
-        causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
-        S = f"s_{n}"
-        if st.transition == P.PREFIX_SUM:
-            return classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev)
-        b = f"_b_{n}"
-        pre, bq = self.query_decay(st, prev)
-        bq0, ok = self.query_b0(st, prev), self.pair_ok(st, self.query_z(st, prev))
-        if st.transition == P.SCALAR:
-            return classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev)
-        if st.transition == P.KEY_DIAG:
-            return classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev)
-        # value-diagonal: the decay runs per value channel
-        return pre + [f"{I}_A = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
-                f"{I}{R} = _mixc_dot({Q}, {S}, DOT) * tl.exp({bq0}) + tl.sum(_A[:, :, None] * {V}[None, :, :] * "
-                f"tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], float('-inf'))), "
-                "axis=1)"]
+        return classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev)
 
     def advance(self, st: P.StatePlan, parts) -> list[str]:
+        """s_<S> = S_C, the state at the chunk's end: the class's stage."""
         if st.transition == P.RANK1:
             return self.rank1_advance(st, parts)
-        K, V, g, kd, vd = parts
-        n, I, S = st.name, I2, f"s_{st.name}"
-        if st.transition == P.PREFIX_SUM:
-            return classes.unit(st.transition).chunk_advance(self, st, parts)
-        kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
-        if st.transition == P.SCALAR:
-            return classes.unit(st.transition).chunk_advance(self, st, parts)
-        if st.transition == P.KEY_DIAG:
-            return classes.unit(st.transition).chunk_advance(self, st, parts)
-        return [f"{I}{S} = {S} * tl.exp({bl0})[None, :] + _mixc_dot(tl.trans({K}), {V} * tl.exp({kw}), DOT)"]
+        return classes.unit(st.transition).chunk_advance(self, st, parts)
 
 
 def g_is_vector(st: P.StatePlan) -> bool:

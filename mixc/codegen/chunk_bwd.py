@@ -372,68 +372,13 @@ class ChunkBackward(ChunkCode):
         """dQ (assigned), and contributions to dK, dV, db and dS0 of one readout term."""
         if st.transition == P.RANK1:
             return self.rank1_readout_backward(st, dR, Q, K, V, prev, dQ, G)
-        n, I = st.name, I2
-        cmp = ">" if prev else ">="
-        causal = f"(_offs__T[:, None] {cmp} _offs__T[None, :])"
-        S = f"s_{n}"
-        lines = []
-        if st.transition in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG):
-            return classes.unit(st.transition).chunk_readout_backward(self, st, dR, Q, K, V, prev, dQ, G)
-        b = f"_b_{n}"
-        dK, dV, dS0, db = self.grad_names(G, "t", with_db=True)
-        lines, bq = self.query_decay(st, prev)
-        # the pair of a row with the token it reads last (j = i, or i - 1 with prev) spans no
-        # log decay: its +E (query side) and -E (key side) cancel exactly in math, but in fp32
-        # they are O(1) against a dg of exp(g) ~ 1e-9 at g = -20; dropped from both (not
-        # stabilized: there the gate's gradient di needs every pair)
-        span = _span(prev)
-        bq0, ok = self.query_b0(st, prev), self.pair_ok(st, self.query_z(st, prev))
-        keep = (lambda e: e) if self.stabilized(st) else (lambda e: f"tl.where({span}, {e}, 0.0)")
-        keep3 = lambda e: f"tl.where({span}[:, :, None], {e}, 0.0)"
-        if True:       # value-diagonal
-            lines += [f"{I}_P = tl.where({causal}, _mixc_dot({Q}, tl.trans({K}), DOT), 0.0)",
-                      f"{I}_W = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
-                      "float('-inf')))",
-                      f"{I}_Y = {dR}[:, None, :] * _W",
-                      f"{I}_E = {keep3(f'_P[:, :, None] * _Y * {V}[None, :, :]')}",
-                      f"{I}_dP = tl.where({causal}, tl.sum(_Y * {V}[None, :, :], axis=2), 0.0)",
-                      f"{I}_eb = tl.exp({bq0})",
-                      f"{I}_Z = _mixc_dot({Q}, {S}, DOT)",
-                      f"{I}_dZ = {dR} * _eb",
-                      f"{I}{dQ} = _mixc_dot(_dP, {K}, DOT) + _mixc_dot(_dZ, tl.trans({S}), DOT)",
-                      f"{I}{dK} = _mixc_dot(tl.trans(_dP), {Q}, DOT)",
-                      f"{I}{dV} = tl.sum(_P[:, :, None] * _Y, axis=0)",
-                      f"{I}{dS0} = _mixc_dot(tl.trans({Q}), _dZ, DOT)",
-                      f"{I}_dbq = tl.sum(_E, axis=1) + {dR} * _Z * _eb",
-                      f"{I}{db} = -tl.sum(_E, axis=0)"]
-        if prev:     # b_{i-1} = b shifted: its gradient goes to row i - 1
-            back = "(_offs__T[None, :] - 1 == _offs__T[:, None])"
-            if g_is_vector(st):
-                lines.append(f"{I}{db} = {db} + tl.sum(tl.where({back}, _dbq[None, :], 0.0), axis=1)")
-            else:
-                lines.append(f"{I}{db} = {db} + tl.sum(tl.where({back}[:, :, None], _dbq[None, :, :], 0.0), axis=1)")
-        else:
-            lines.append(f"{I}{db} = {db} + _dbq")
-        return lines
+        return classes.unit(st.transition).chunk_readout_backward(self, st, dR, Q, K, V, prev, dQ, G)
 
     def advance_backward(self, st: P.StatePlan, parts, G: dict) -> list[str]:
         """Contributions of S_C = f(S0, K, V, b) given d_<state> = dL/dS_C."""
         if st.transition == P.RANK1:
             return self.rank1_advance_backward(st, parts, G)
-        K, V, g, kd, vd = parts
-        n, I, S, dS = st.name, I2, f"s_{st.name}", f"d_{st.name}"
-        if st.transition in (P.PREFIX_SUM, P.SCALAR, P.KEY_DIAG):
-            return classes.unit(st.transition).chunk_advance_backward(self, st, parts, G)
-        kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
-        dK, dV, dS0, db = self.grad_names(G, "u", with_db=True)
-        return [f"{I}_w = tl.exp({kw})",
-                f"{I}{dS0} = {dS} * tl.exp({bl0})[None, :]",
-                f"{I}{dK} = _mixc_dot({V} * _w, tl.trans({dS}), DOT)",
-                f"{I}_dVw = _mixc_dot({K}, {dS}, DOT)",
-                f"{I}{dV} = _dVw * _w",
-                f"{I}_F = tl.where({LAST}[:, None], 0.0, _dVw * {V} * _w)",
-                f"{I}{db} = -_F",
-                f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=0) * tl.exp({bl0})"]
+        return classes.unit(st.transition).chunk_advance_backward(self, st, parts, G)
 
 
 def _span(prev: bool) -> str:
