@@ -138,5 +138,82 @@ class TransitionClass:
         (IR expression, its gradient's name, that gradient's dims) for the spec's adjoint."""
         return [], []
 
+    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    # The chunked algorithm in plain torch (autograd gives the backward), in two layouts: one
+    # chunk at a time [B, c, H, *] (torch_setup, torch_readout, torch_advance: every class with
+    # torch_chunked) and groups of chunks [B' H, N, C, *] (torch_decay and torch_chunks_*: the
+    # classes with torch_batched), the runtime keeping the loop, the batching and the walk.
+    # st is the state's TORCH_STATES entry (its "class", "decay": decay_axis, kd, vd, decl);
+    # K [.., KF], V [.., VF], the rank-1 L, R [.., KF] (else None); S [B, H, KF, VF] the state
+    # at the chunk's start; bb the chunk's logs (torch_ops.loop_chunk_logs: b, b at the last
+    # token, b_{i-1}, the suffix sums, g; None without a decay); logs the stabilizer's (m per
+    # row, the gate, m at the start, m at the end) for a state of its group, else None.
+    torch_batched: bool = True             # the batched form (torch_chunks.py) serves it
+
+    def decay_axis(self, st) -> str | None:
+        """What the state's log decay g runs over, for the torch form and the context-parallel
+        summary (TORCH_STATES' "decay"): None (no decay: g is None), "scalar" (g [.., H]),
+        "key" ([.., H, KF]), "value" ([.., H, VF]) or "element" ([.., H, KF, VF])."""
+        return None
+
+    def torch_setup(self, st, K, V, L, R, S, bb):
+        """What a chunk's readouts and its update share (handed back to them as ctx)."""
+        return None
+
+    def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):
+        """[B, c, H, VF]: the readouts q . S_t (S_{t-1} with prev) of the chunk's query rows Q."""
+        raise NotImplementedError
+
+    def torch_advance(self, st, K, V, L, S, bb, logs, ctx):
+        """[B, H, KF, VF]: the state at the chunk's end."""
+        raise NotImplementedError
+
+    def torch_decay(self, st, g, fast: bool):
+        """The state's decay over a group of chunks for the batched form: a torch_ops.NoDecay
+        (or kin) that does the decayed products, the factors on the keys and the factor of the
+        walk. g [BH, N, C(, F)] in the chunk layout, or None (no decay); fast: no autograd
+        graph is recorded."""
+        _, ops = torch_form()
+        return ops.DECAYS[st["decay"] if g is not None else None](g, fast)
+
+    def torch_chunks_setup(self, dec, K, V, L, R):
+        """What the walk needs besides S <- a S + KV per chunk (rank-1: U = W0 + Wm S), or None."""
+        return None
+
+    def torch_chunks_update(self, dec, K, V):
+        """[BH, n, KF, VF]: each chunk's own part of the state at its end, (K exp(b_C - b))^T V."""
+        _, ops = torch_form()
+        return ops.mm(dec.on_keys(K, 3).transpose(-1, -2), V, fast=dec.fast)
+
+    def torch_chunks_readout(self, dec, Q, K, V, L, S_starts, U, prev):
+        """[BH, n, C, VF]: one readout term q . S over a group of chunks, S_starts the states at
+        the chunks' starts (and U the rank-1 walk's)."""
+        _, ops = torch_form()
+        val = ops.mm(dec.on_keys(Q, 2 if prev else 0), S_starts, fast=dec.fast)
+        return ops.mm(dec.product(Q, K, prev), V, val, fast=dec.fast)
+
+    # ---- context parallel (runtime/context_parallel.py) ----
+    # A shard maps its state at its start affinely to its end: S_end = Phi S_start + Z.
+    def cp_transition(self, st, pc, name: str, n: int, H: int):
+        """Phi of the state `name` over a shard, from the shard's torch pieces pc (torch_pieces:
+        [n, T, H, *]): here a diagonal decay's exp(the sum of g over the shard), [n, H], [n, H,
+        KF], [n, H, VF] or [n, H, KF, VF] as g runs over nothing, the keys, the values or every
+        element."""
+        return pc["g"][name].sum(1).exp()
+
+    def cp_apply(self, st, phi, S):
+        """Phi S for a state S [n, H, KF, VF]."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<transition class {self.name}>"
+
+
+def torch_form():
+    """(torch, mixc.classes.torch_ops) for the units' torch and context-parallel methods,
+    imported on their first call, never at module level: derive imports the units, and `mixc
+    check` / `explain` must not pay torch's import (~4 s)."""
+    import torch
+
+    from . import torch_ops
+    return torch, torch_ops

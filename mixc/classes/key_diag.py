@@ -2,7 +2,7 @@
 RWKV-6, HGRN-2, KDA's decay part)."""
 from __future__ import annotations
 
-from .base import TransitionClass, UpdateShape
+from .base import TransitionClass, UpdateShape, torch_form
 
 
 class KeyDiagonal(TransitionClass):
@@ -33,6 +33,28 @@ class KeyDiagonal(TransitionClass):
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
     def decay_axes(self, st, kd, vd):
         return kd
+
+    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    def decay_axis(self, st) -> str | None:
+        return "key"
+
+    def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):
+        torch, ops = torch_form()
+        b, _, b_excl, _, g = bb                                                   # g: [B, c, H, K]
+        bq = b_excl if prev else b
+        w = torch.exp(ops.loop_pair_logs(g, prev))                                # [B, i, j, H, K]
+        A = torch.einsum("bihk,bjhk,bijhk->bhij", Q, K, w)
+        return torch.einsum("bihk,bhkv->bihv", Q * bq.exp(), S) + torch.einsum("bhij,bjhv->bihv", A, V)
+
+    def torch_advance(self, st, K, V, L, S, bb, logs, ctx):
+        torch, _ = torch_form()
+        _, bl, _, sfx, _ = bb
+        w = torch.exp(sfx)                                                        # [B, c, H, K]
+        return bl.exp().unsqueeze(-1) * S + torch.einsum("bjhk,bjhv->bhkv", K * w, V)
+
+    # ---- context parallel (runtime/context_parallel.py) ----
+    def cp_apply(self, st, phi, S):
+        return phi.unsqueeze(-1) * S                    # phi [n, H, KF]
 
 
 UNIT = KeyDiagonal()

@@ -1,7 +1,7 @@
 """The prefix sum: S_t = S_{t-1} + B_t (linear attention, no decay)."""
 from __future__ import annotations
 
-from .base import TransitionClass, UpdateShape
+from .base import TransitionClass, UpdateShape, torch_form
 
 
 class PrefixSum(TransitionClass):
@@ -35,6 +35,23 @@ class PrefixSum(TransitionClass):
         K, V = parts[:2]
         dK, dV, dS0 = code.grad_names(G, "u", with_db=False)
         return self.render(code, "advance_backward", n=st.name, K=K, V=V, dK=dK, dV=dV, dS0=dS0)
+
+    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):
+        torch, ops = torch_form()
+        A = torch.einsum("bihk,bjhk->bhij", Q, K).masked_fill(~ops.causal(Q.shape[1], prev, Q.device), 0.0)
+        return torch.einsum("bihk,bhkv->bihv", Q, S) + torch.einsum("bhij,bjhv->bihv", A, V)
+
+    def torch_advance(self, st, K, V, L, S, bb, logs, ctx):
+        torch, _ = torch_form()
+        return S + torch.einsum("bjhk,bjhv->bhkv", K, V)
+
+    # ---- context parallel (runtime/context_parallel.py) ----
+    def cp_transition(self, st, pc, name, n, H):
+        return pc["K"][name].new_ones((n, H))           # Phi = 1
+
+    def cp_apply(self, st, phi, S):
+        return phi[:, :, None, None] * S
 
 
 UNIT = PrefixSum()

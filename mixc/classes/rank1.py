@@ -3,7 +3,7 @@ decay a_t a scalar or over the key dims (DeltaNet, gated DeltaNet, Comba, KDA, L
 the chunked WY/UT form, a [C, C] triangular solve per chunk."""
 from __future__ import annotations
 
-from .base import TransitionClass, UpdateShape
+from .base import TransitionClass, UpdateShape, torch_form
 
 
 class Rank1(TransitionClass):
@@ -47,6 +47,93 @@ class Rank1(TransitionClass):
 
     def decay_axes(self, st, kd, vd):
         return () if self.decay_is_vector(st) else kd
+
+    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    def decay_axis(self, st) -> str | None:
+        return "key" if st.decay_dims else "scalar"     # the delta rule has g = 0 as a scalar
+
+    def torch_setup(self, st, K, V, L, R, S, bb):
+        """The WY/UT form of a chunk of S_t = D_t S_{t-1} + l_t (r_t . S_{t-1}) + k_t v_t^T (D_t =
+        exp(g_t), a scalar or per key). With b the cumulative log decay in the chunk, the state
+        divided by the decay, X_t = exp(-b_t) S_t, gains l~_t u_t^T + k~_t v_t^T per token, where
+        u_t = r~_t . X_{t-1}; over the chunk the u solve one unit lower-triangular system:
+
+            (I - A_rl) U = R^ S0 + A_rk V,   A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik), i < j
+
+        with R^ = R * exp(b_{j-1}) (each exp(b_{j-1} - b_i) summed per pair: loop_pair_logs).
+        Returns (U [B, c, H, VF], the chunk's logs per key)."""
+        torch, ops = torch_form()
+        if st["decay"] == "scalar":             # the same decay on every key
+            bb = tuple(x.unsqueeze(-1).expand(x.shape + K.shape[-1:]) for x in bb)
+        c = K.shape[1]
+        E = torch.exp(ops.loop_pair_logs(bb[4], True))                            # [B, j, i, H, K]
+        A_rl = torch.einsum("bjhk,bihk,bjihk->bhji", R, L, E)
+        A_rk = torch.einsum("bjhk,bihk,bjihk->bhji", R, K, E)
+        Y = torch.einsum("bjhk,bhkv->bhjv", R * bb[2].exp(), S) + torch.einsum("bhji,bihv->bhjv", A_rk, V)
+        eye = torch.eye(c, dtype=K.dtype, device=K.device)
+        U = torch.linalg.solve_triangular(eye - A_rl, Y, upper=False, unitriangular=True)
+        return U.permute(0, 2, 1, 3), bb
+
+    def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):
+        """q . S_t (or S_{t-1}) for the chunk's rows: X_0 = S0 and the l~ u, k~ v terms so far."""
+        torch, ops = torch_form()
+        U, bb = ctx
+        bq = bb[2] if prev else bb[0]
+        w = torch.exp(ops.loop_pair_logs(bb[4], prev))
+        A_ql = torch.einsum("bthk,bjhk,btjhk->bhtj", Q, L, w)
+        A_qk = torch.einsum("bthk,bjhk,btjhk->bhtj", Q, K, w)
+        return (torch.einsum("bthk,bhkv->bthv", Q * bq.exp(), S) + torch.einsum("bhtj,bjhv->bthv", A_ql, U)
+                + torch.einsum("bhtj,bjhv->bthv", A_qk, V))
+
+    def torch_advance(self, st, K, V, L, S, bb, logs, ctx):
+        """S_C = exp(b_C) S0 + (L * exp(b_C - b))^T U + (K * exp(b_C - b))^T V."""
+        torch, _ = torch_form()
+        U, bb = ctx
+        bl, w = bb[1], torch.exp(bb[3])
+        return (bl.exp().unsqueeze(-1) * S + torch.einsum("bjhk,bjhv->bhkv", L * w, U)
+                + torch.einsum("bjhk,bjhv->bhkv", K * w, V))
+
+    def torch_chunks_setup(self, dec, K, V, L, R):
+        """The WY/UT form (torch_setup) for a group of chunks: (I - A_rl) U = R^ S0 + A_rk V,
+        solved once as U = W0 + Wm S0, so the walk is two matmuls per chunk. (W0, Wm, the
+        update's (L exp(b_C - b))^T)."""
+        torch, ops = torch_form()
+        A_rl, A_rk = dec.product(R, L, True), dec.product(R, K, True)
+        # unitriangular: the solve takes the diagonal as 1, so -A_rl serves for I - A_rl
+        A = A_rl.neg_() if dec.fast else -A_rl
+        rhs = torch.cat([ops.mm(A_rk, V, fast=dec.fast), dec.on_keys(R, 2)], -1)
+        sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+        vf = V.shape[-1]
+        return sol[..., :vf], sol[..., vf:], dec.on_keys(L, 3).transpose(-1, -2)
+
+    def torch_chunks_readout(self, dec, Q, K, V, L, S_starts, U, prev):
+        _, ops = torch_form()
+        val = super().torch_chunks_readout(dec, Q, K, V, L, S_starts, U, prev)
+        return ops.mm(dec.product(Q, L, prev), U, val, fast=dec.fast)
+
+    # ---- context parallel (runtime/context_parallel.py) ----
+    def cp_transition(self, st, pc, name, n, H):
+        """The [KF, KF] map of a shard of S_t = D_t S_{t-1} + l_t (r_t . S_{t-1}) (+ k v^T, dropped):
+        the torch form's chunks (torch_setup, torch_advance) run on S0 = I with v = 0."""
+        torch, ops = torch_form()
+        L, R, K, g = pc["L"][name], pc["R"][name], pc["K"][name], pc["g"][name]
+        T, KF = K.shape[1], K.shape[3]
+        if g is None:                                 # no decay
+            g = torch.zeros(n, T, H, dtype=K.dtype, device=K.device)
+        S = torch.eye(KF, dtype=K.dtype, device=K.device).expand(n, H, KF, KF)
+        C = 32
+        for c0 in range(0, T, C):
+            c1 = min(c0 + C, T)
+            bb = ops.loop_chunk_logs(g[:, c0:c1])       # per-pair sums, suffixes
+            zero_v = torch.zeros(n, c1 - c0, H, KF, dtype=K.dtype, device=K.device)
+            L_, R_, K_ = L[:, c0:c1], R[:, c0:c1], K[:, c0:c1]
+            ctx = self.torch_setup(st, K_, zero_v, L_, R_, S, bb)
+            S = self.torch_advance(st, K_, zero_v, L_, S, bb, None, ctx)
+        return S                                      # S_end = Phi @ S_start over the key axis
+
+    def cp_apply(self, st, phi, S):
+        torch, _ = torch_form()
+        return torch.einsum("nhij,nhjv->nhiv", phi, S)
 
 
 UNIT = Rank1()

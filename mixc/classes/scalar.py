@@ -2,7 +2,7 @@
 Mamba-2, simple GLA, gated delta rule's decay part)."""
 from __future__ import annotations
 
-from .base import TransitionClass, UpdateShape
+from .base import TransitionClass, UpdateShape, torch_form
 
 
 class ScalarDecay(TransitionClass):
@@ -67,6 +67,36 @@ class ScalarDecay(TransitionClass):
             return None
         G["di"].append(code.fresh("di"))
         return G["di"][-1]
+
+    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    def decay_axis(self, st) -> str | None:
+        return "scalar"
+
+    def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):
+        torch, ops = torch_form()
+        b, _, b_excl, _, g = bb                                                   # g: [B, c, H]
+        bq = b_excl if prev else b
+        diff, b0 = ops.loop_pair_logs(g, prev), bq                                # [B, i, j, H]
+        if logs is not None:        # stabilized: m off each query row, the gate on the keys
+            mrow, gi, M0, _ = logs
+            diff, b0 = diff - mrow.unsqueeze(2) + gi.unsqueeze(1), bq + M0.unsqueeze(1) - mrow
+        A = torch.einsum("bihk,bjhk->bhij", Q, K) * torch.exp(diff.permute(0, 3, 1, 2))
+        return (torch.einsum("bihk,bhkv->bihv", Q * b0.exp().unsqueeze(-1), S)
+                + torch.einsum("bhij,bjhv->bihv", A, V))
+
+    def torch_advance(self, st, K, V, L, S, bb, logs, ctx):
+        torch, _ = torch_form()
+        _, bl, _, sfx, _ = bb
+        if logs is not None:
+            _, gi, M0, mnew = logs
+            w = torch.exp(sfx + gi - mnew.unsqueeze(1))
+            return torch.exp(bl + M0 - mnew)[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
+        w = torch.exp(sfx)                                                        # [B, c, H]
+        return bl.exp()[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
+
+    # ---- context parallel (runtime/context_parallel.py) ----
+    def cp_apply(self, st, phi, S):
+        return phi[:, :, None, None] * S                # phi [n, H]
 
 
 UNIT = ScalarDecay()

@@ -2,7 +2,7 @@
 (HGRN's h[D], read as is, decays per value channel)."""
 from __future__ import annotations
 
-from .base import TransitionClass, UpdateShape
+from .base import TransitionClass, UpdateShape, torch_form
 
 
 class ValueDiagonal(TransitionClass):
@@ -30,6 +30,41 @@ class ValueDiagonal(TransitionClass):
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
     def decay_axes(self, st, kd, vd):
         return vd
+
+    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    def decay_axis(self, st) -> str | None:
+        return "value"
+
+    def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):
+        torch, ops = torch_form()
+        b, _, b_excl, _, g = bb                                                   # g: [B, c, H, V]
+        bq = b_excl if prev else b
+        A = torch.einsum("bihk,bjhk->bhij", Q, K).masked_fill(~ops.causal(Q.shape[1], prev, Q.device), 0.0)
+        w = torch.exp(ops.loop_pair_logs(g, prev))
+        return torch.einsum("bihk,bhkv->bihv", Q, S) * bq.exp() + torch.einsum("bhij,bijhv,bjhv->bihv", A, w, V)
+
+    def torch_advance(self, st, K, V, L, S, bb, logs, ctx):
+        torch, _ = torch_form()
+        _, bl, _, sfx, _ = bb
+        w = torch.exp(sfx)
+        return S * bl.exp().unsqueeze(-2) + torch.einsum("bjhk,bjhv->bhkv", K, V * w)
+
+    # the batched form: the decay acts on the values (dec: a torch_ops.ValueDecay, or a
+    # NoDecay for a log decay of constant 0, which takes the keys' path)
+    def torch_chunks_update(self, dec, K, V):
+        if dec.g is None:
+            return super().torch_chunks_update(dec, K, V)
+        return K.transpose(-1, -2) @ dec.on_values(V, 3)
+
+    def torch_chunks_readout(self, dec, Q, K, V, L, S_starts, U, prev):
+        if dec.g is None:
+            return super().torch_chunks_readout(dec, Q, K, V, L, S_starts, U, prev)
+        _, ops = torch_form()
+        return dec.on_values(Q @ S_starts, 2 if prev else 0) + ops.value_mix(dec.product(Q, K, prev), V, dec.g, prev)
+
+    # ---- context parallel (runtime/context_parallel.py) ----
+    def cp_apply(self, st, phi, S):
+        return phi.unsqueeze(-2) * S                    # phi [n, H, VF]
 
 
 UNIT = ValueDiagonal()

@@ -6,14 +6,26 @@ from __future__ import annotations
 
 import pprint
 
-from ..derive import plan as P
+from .. import classes
 from ..derive.plan import Plan
 from .chunk import ChunkCode
 from .torch_expr import TorchEmitter
 from .triton_expr import canon
 
 I1 = "    "
-KIND = {P.PREFIX_SUM: "prefix", P.SCALAR: "scalar", P.KEY_DIAG: "key", P.VALUE_DIAG: "value"}
+
+
+def _element_log_decay(em, log_decay, kd, vd, order) -> str:
+    """A log decay per state element: [B, T, H, KF, VF], key dims first, then value dims."""
+    kv = canon(order, kd + vd)
+    var, have = em(log_decay)
+    ksz = " * ".join(f"_sizes[{d!r}]" for d in kd) or "1"
+    vsz = " * ".join(f"_sizes[{d!r}]" for d in vd) or "1"
+    perm = ""
+    if kv != kd + vd:                     # the flat layout is key dims first, then value dims
+        perm = f".permute(0, 1, 2, {', '.join(str(3 + kv.index(d)) for d in kd + vd)})"
+    return (f"_t({em.expand(var, have, kv)}).to(_x0.dtype).expand(_B, _T, _H, "
+            f"{', '.join(f'_sizes[{d!r}]' for d in kv)}){perm}.reshape(_B, _T, _H, {ksz}, {vsz})")
 
 
 def _env_lines(plan: Plan) -> tuple[list[str], dict, set]:
@@ -63,31 +75,18 @@ def torch_hooks(plan: Plan) -> dict:
         p = st.ir_pieces
         out.append(f"{I1}_K[{st.name!r}] = {full(p.key, kd)}")
         out.append(f"{I1}_V[{st.name!r}] = {full(p.value, vd)}")
-        kind = KIND.get(st.transition)
-        if st.transition == P.RANK1:          # left * (right @ S): the WY/UT chunk (runtime/torch_chunk.py)
+        unit = classes.unit(st.transition)
+        axis = unit.decay_axis(st)                # what the log decay g runs over
+        if p.left is not None:                    # left * (right @ S): the WY/UT chunk (mixc/classes/rank1.py)
             out.append(f"{I1}_L[{st.name!r}] = {full(p.left, kd)}")
             out.append(f"{I1}_R[{st.name!r}] = {full(p.right, kd)}")
-            kind = "rank1-key" if st.decay_dims else "rank1"
-        if st.transition == P.ELEMENTWISE:     # a log decay per state element: [B, T, H, KF, VF]
-            kind = "elementwise"
-            kv = canon(order, kd + vd)
-            var, have = em(p.log_decay)
-            ksz = " * ".join(f"_sizes[{d!r}]" for d in kd) or "1"
-            vsz = " * ".join(f"_sizes[{d!r}]" for d in vd) or "1"
-            perm = ""
-            if kv != kd + vd:                     # the flat layout is key dims first, then value dims
-                perm = f".permute(0, 1, 2, {', '.join(str(3 + kv.index(d)) for d in kd + vd)})"
-            out.append(f"{I1}_g[{st.name!r}] = _t({em.expand(var, have, kv)}).to(_x0.dtype).expand(_B, _T, _H, "
-                       f"{', '.join(f'_sizes[{d!r}]' for d in kv)}){perm}.reshape(_B, _T, _H, {ksz}, {vsz})")
-        elif st.transition == P.PREFIX_SUM:
-            out.append(f"{I1}_g[{st.name!r}] = None")
-        elif st.transition == P.SCALAR or kind == "rank1":
-            var, _ = em(p.log_decay)
-            out.append(f"{I1}_g[{st.name!r}] = _t({var}).to(_x0.dtype).expand(_B, _T, _H)")
-        else:
-            on_keys = st.transition in (P.KEY_DIAG, P.RANK1)
-            out.append(f"{I1}_g[{st.name!r}] = {full(p.log_decay, kd if on_keys else vd)}")
-        states[st.name] = {"class": kind, "kd": list(kd), "vd": list(vd),
+        g = {None: lambda: "None",
+             "scalar": lambda: f"_t({em(p.log_decay)[0]}).to(_x0.dtype).expand(_B, _T, _H)",
+             "key": lambda: full(p.log_decay, kd),
+             "value": lambda: full(p.log_decay, vd),
+             "element": lambda: _element_log_decay(em, p.log_decay, kd, vd, order)}[axis]()
+        out.append(f"{I1}_g[{st.name!r}] = {g}")
+        states[st.name] = {"class": unit.name, "decay": axis, "kd": list(kd), "vd": list(vd),
                            "decl": list(m.state(st.name).shape)}
     readouts = {}
     for r in plan.output.readouts:

@@ -11,6 +11,8 @@ transition (docs/distributed.md):
     rank-1 (delta rules, RWKV-7) Phi = the product of the tokens' (D_t + l_t r_t^T), a [K, K]
                                        matrix per head, from the WY form run on S0 = I, v = 0
 
+each computed and applied by the class's unit (mixc/classes/<class>.py: cp_transition, cp_apply):
+
 1. every rank runs its shard from a zero start (or the given initial states of the
    sequences that start in it): its output is final where no sequence enters the shard, and
    its last sequence's final state is Z;
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import classes
 from .cache import load_module
 from .signature import ArgumentError, Bound, bind, option_values
 
@@ -248,36 +251,9 @@ def _transition(plan, bound: Bound, start: int, end: int, x0: torch.Tensor) -> d
     opt = {k: torch.tensor(v, dtype=dtype, device=x0.device) for k, v in option_values(plan.ir, bound).items()}
     n = bound.B if bound.cu_seqlens is None else 1
     pc = mod.torch_pieces(x, p, opt, dict(bound.sizes), x0.shape[0], end - start, bound.H)
-    out = {}
-    for name, st in mod.TORCH_STATES.items():
-        kind = st["class"]
-        g = pc["g"][name]
-        if kind.startswith("rank1"):
-            out[name] = _rank1_transition(kind, pc, name, g)
-        elif kind == "prefix" or g is None:
-            out[name] = torch.ones((n, bound.H), dtype=dtype, device=x0.device)
-        else:
-            out[name] = g.sum(1).exp()          # [n, H] (scalar), [n, H, KF], [n, H, VF], [n, H, KF, VF]
-    return out
-
-
-def _rank1_transition(kind, pc, name, g):
-    """The [KF, KF] map of a shard of S_t = D_t S_{t-1} + l_t (r_t . S_{t-1}) (+ k v^T, dropped):
-    the chunked WY form (runtime/torch_chunk.py) run on S0 = I with v = 0, chunk by chunk."""
-    from .torch_chunk import _chunk_logs, _rank1_advance, _rank1_setup
-    L, R, K = pc["L"][name], pc["R"][name], pc["K"][name]
-    n, T, H, KF = K.shape
-    if g is None:                                 # the delta rule: no decay
-        g = torch.zeros(n, T, H, dtype=K.dtype, device=K.device)
-    S = torch.eye(KF, dtype=K.dtype, device=K.device).expand(n, H, KF, KF)
-    C = 32
-    for c0 in range(0, T, C):
-        c1 = min(c0 + C, T)
-        bb = _chunk_logs(g[:, c0:c1])              # torch_chunk's chunk logs (per-pair sums, suffixes)
-        zero_v = torch.zeros(n, c1 - c0, H, KF, dtype=K.dtype, device=K.device)
-        U, b_key = _rank1_setup(kind, L[:, c0:c1], R[:, c0:c1], K[:, c0:c1], zero_v, S, bb)
-        S = _rank1_advance(L[:, c0:c1], K[:, c0:c1], zero_v, S, U, b_key)
-    return S                                      # S_end = Phi @ S_start over the key axis
+    # each class's Phi is its unit's (mixc/classes/<class>.py, cp_transition)
+    return {name: classes.unit(st["class"]).cp_transition(st, pc, name, n, bound.H)
+            for name, st in mod.TORCH_STATES.items()}
 
 
 def _apply(plan, name: str, phi: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -290,15 +266,5 @@ def _apply(plan, name: str, phi: torch.Tensor, state: torch.Tensor) -> torch.Ten
     shape = flat.shape
     kf = int(torch.tensor(shape[2:2 + len(st["kd"])]).prod()) if st["kd"] else 1
     flat = flat.reshape(n, H, kf, -1).to(phi.dtype)
-    kind = st["class"]
-    if kind.startswith("rank1"):
-        new = torch.einsum("nhij,nhjv->nhiv", phi, flat)
-    elif phi.dim() == 2:                           # a scalar per head (or the prefix sum's 1)
-        new = phi[:, :, None, None] * flat
-    elif kind == "key":
-        new = phi.unsqueeze(-1) * flat
-    elif kind == "value":
-        new = phi.unsqueeze(-2) * flat
-    else:                                          # elementwise: [n, H, KF, VF]
-        new = phi * flat
+    new = classes.unit(st["class"]).cp_apply(st, phi, flat)
     return new.reshape(shape).permute(0, 1, *[2 + i for i in back]).to(state.dtype)

@@ -61,13 +61,13 @@ def conv_forward(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: t
             name = rd["state"]
             total = 0
             for Q, sc in pc["Q"][r]:
-                val = _readout(states[name]["class"], Q[0, 0], pc["K"][name][0, 0], pc["V"][name][rows, start:end],
+                val = _readout(states[name]["decay"], Q[0, 0], pc["K"][name][0, 0], pc["V"][name][rows, start:end],
                                pc["g"][name], s0[name], rd["prev"])
                 total = total + (val * sc[rows, start:end] if sc is not None else val)
             vals[r].append(total)
         if output_final_state:
             for name, st in states.items():
-                S = _final(states[name]["class"], pc["K"][name][0, 0], pc["V"][name][rows, start:end],
+                S = _final(states[name]["decay"], pc["K"][name][0, 0], pc["V"][name][rows, start:end],
                            pc["g"][name], s0[name])
                 S = S.reshape(S.shape[:2] + tuple(sizes[d] for d in st["kd"] + st["vd"]))
                 finals[name].append(S.permute(0, 1, *[2 + (st["kd"] + st["vd"]).index(d) for d in st["decl"]]))
@@ -81,19 +81,16 @@ def conv_forward(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: t
     return o, final
 
 
-def _log_decay(kind: str, g, kf: int, vf: int) -> torch.Tensor:
-    """log a as [H, KF, VF] (broadcast): zero for a prefix sum; g is time-invariant, read at token 0."""
-    if kind == "prefix" or g is None:
+def _log_decay(decay: str | None, g, kf: int, vf: int) -> torch.Tensor:
+    """log a as [H, KF, VF] (broadcast), None for a prefix sum; g is time-invariant, read at
+    token 0. decay: what it runs over (TORCH_STATES' "decay", the class unit's decay_axis)."""
+    if decay is None or g is None:
         return None
     g = g[0, 0]
-    if kind == "scalar":
-        return g[:, None, None]
-    if kind == "key":
-        return g[:, :, None]
-    return g[:, None, :]                               # value-diagonal
+    return {"scalar": lambda: g[:, None, None], "key": lambda: g[:, :, None], "value": lambda: g[:, None, :]}[decay]()
 
 
-def _readout(kind, Q, K, V, g, S0, prev):
+def _readout(decay, Q, K, V, g, S0, prev):
     """The readout q . S_t (S_{t-1} with prev) for the tokens of V [B, T, H, VF]; Q, K [H, KF]."""
     Tn = V.shape[1]
     # causality under non-finite input: the FFT mixes every value into every output, so values
@@ -101,11 +98,11 @@ def _readout(kind, Q, K, V, g, S0, prev):
     bad = ~torch.isfinite(V)
     V = V.masked_fill(bad, 0.0)
     poison = (torch.cumsum(bad.to(torch.int32), 1) - (bad.to(torch.int32) if prev else 0)) > 0
-    return _readout_finite(kind, Q, K, V, g, S0, prev, Tn).masked_fill(poison, float("nan"))
+    return _readout_finite(decay, Q, K, V, g, S0, prev, Tn).masked_fill(poison, float("nan"))
 
 
-def _readout_finite(kind, Q, K, V, g, S0, prev, Tn):
-    lg = _log_decay(kind, g, K.shape[-1], V.shape[-1])
+def _readout_finite(decay, Q, K, V, g, S0, prev, Tn):
+    lg = _log_decay(decay, g, K.shape[-1], V.shape[-1])
     QK = Q * K                                                             # [H, KF]
     if lg is None:                # a prefix sum: the kernel is constant, a cumulative sum
         y = QK.sum(-1)[None, None, :, None] * torch.cumsum(V, 1)
@@ -128,10 +125,10 @@ def _readout_finite(kind, Q, K, V, g, S0, prev, Tn):
     return y
 
 
-def _final(kind, K, V, g, S0):
+def _final(decay, K, V, g, S0):
     """S_{T-1} = a^T * S0 + sum_s a^(T-1-s) key (x) value_s as [B, H, KF, VF]."""
     Tn = V.shape[1]
-    lg = _log_decay(kind, g, K.shape[-1], V.shape[-1])
+    lg = _log_decay(decay, g, K.shape[-1], V.shape[-1])
     if lg is None:
         S = torch.einsum("hk,bshv->bhkv", K, V)
         return S if S0 is None else S + S0

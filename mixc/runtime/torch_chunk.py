@@ -2,11 +2,15 @@
 algorithm as the chunked Triton kernel (codegen/chunk.py) in plain torch, autograd giving the
 backward. The spec's expressions come from the generated module (codegen/torch_module.py,
 templates/torch_chunk.py.j2: torch_pieces, torch_combine and the tables of states and
-readouts); the chunk loop below is the same for every spec."""
+readouts); the chunk loop below is the same for every spec, and each class's chunk (its
+readouts, its update, the rank-1 solve) is its unit's torch form (mixc/classes/<class>.py,
+looked up by TORCH_STATES' "class")."""
 from __future__ import annotations
 
 import torch
 
+from .. import classes
+from ..classes.torch_ops import loop_chunk_logs, loop_pair_logs
 from ..derive.plan import Plan
 from .cache import load_module
 from .signature import Bound, option_values
@@ -29,125 +33,6 @@ def torch_chunked(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: 
     init = dict(bound.initial_state) if bound.initial_state is not None else None
     return torch_forward(mod, x, p, opt, dict(bound.sizes), bound.B, bound.T, bound.H, initial_state=init,
                          cu_seqlens=bound.cu_seqlens, output_final_state=output_final_state, C=C)
-
-
-def _pair_logs(g, prev):
-    """[B, i, j, H, *]: the log decay from token j to the query row i, the sum of g_s over
-    j < s <= i (s <= i - 1 for a readout of S_{i-1}) where j is at or before that row, -inf
-    elsewhere. Summed per pair, not as a difference b_i - b_j of cumulative sums: a log
-    decay of -inf (a decay of 0, a state reset) gives -inf - -inf = NaN in the difference but
-    -inf in the pair's own sum; and at strong decay (b of -1000 over a chunk) the difference
-    rounds to ulp(b), 1e-4 relative in exp(g) for neighbours, while the pair's sum is exact
-    for neighbours. Its autograd is a reverse cumsum of the per-pair terms, each well scaled,
-    so dg does not cancel (the q dq - k dk identity subtracts the diagonal's O(1) terms)."""
-    c = g.shape[1]
-    ar = torch.arange(c, device=g.device)
-    shape = (1, c, c) + (1,) * (g.dim() - 2)
-    after = (ar[:, None] > ar[None, :]).view(shape)                          # [s, j]: s after j
-    seg = torch.where(after, g.unsqueeze(2), torch.zeros((), dtype=g.dtype, device=g.device)).cumsum(1)
-    if prev:                                  # row i takes the sum up to s = i - 1
-        seg = torch.cat([torch.zeros_like(seg[:, :1]), seg[:, :-1]], 1)
-    causal = (ar[:, None] - int(prev) >= ar[None, :]).view(shape)
-    return seg.masked_fill(~causal, float("-inf"))
-
-
-def _chunk_logs(g):
-    """(b: the cumulative log decay, b at the chunk's last token, b_{i-1}, the suffix sums
-    sum_{s > j} g_s, g). The suffix sum is the log weight of key j in S_C, summed from the
-    chunk's end (bl - b_j would be NaN after a reset and round at strong decay)."""
-    b = g.cumsum(1)
-    sfx = g.flip(1).cumsum(1).flip(1)
-    sfx = torch.cat([sfx[:, 1:], torch.zeros_like(sfx[:, :1])], 1)
-    return b, b[:, -1], torch.cat([torch.zeros_like(b[:, :1]), b[:, :-1]], 1), sfx, g
-
-
-def _readout(kind, Q, K, V, S, bb, prev, logs):
-    """[B, c, H, VF]: the readouts of one chunk's tokens (S: the state at the chunk start)."""
-    c = Q.shape[1]
-    causal = torch.ones(c, c, dtype=torch.bool, device=Q.device).tril(-1 if prev else 0)
-    if kind == "prefix":
-        A = torch.einsum("bihk,bjhk->bhij", Q, K).masked_fill(~causal, 0.0)
-        return torch.einsum("bihk,bhkv->bihv", Q, S) + torch.einsum("bhij,bjhv->bihv", A, V)
-    b, _, b_excl, _, g = bb
-    bq = b_excl if prev else b
-    if kind == "scalar":                                                     # g: [B, c, H]
-        diff, b0 = _pair_logs(g, prev), bq                                    # [B, i, j, H]
-        if logs is not None:        # stabilized: m off each query row, the gate on the keys
-            mrow, gi, M0, _ = logs
-            diff, b0 = diff - mrow.unsqueeze(2) + gi.unsqueeze(1), bq + M0.unsqueeze(1) - mrow
-        A = torch.einsum("bihk,bjhk->bhij", Q, K) * torch.exp(diff.permute(0, 3, 1, 2))
-        return (torch.einsum("bihk,bhkv->bihv", Q * b0.exp().unsqueeze(-1), S)
-                + torch.einsum("bhij,bjhv->bihv", A, V))
-    if kind == "elementwise":                                                # g: [B, c, H, K, V]
-        w = torch.exp(_pair_logs(g, prev))
-        return (torch.einsum("bthk,bhkv,bthkv->bthv", Q, S, bq.exp())
-                + torch.einsum("bthk,bjhk,bjhv,btjhkv->bthv", Q, K, V, w))
-    if kind == "key":                                                        # g: [B, c, H, K]
-        w = torch.exp(_pair_logs(g, prev))                                    # [B, i, j, H, K]
-        A = torch.einsum("bihk,bjhk,bijhk->bhij", Q, K, w)
-        return torch.einsum("bihk,bhkv->bihv", Q * bq.exp(), S) + torch.einsum("bhij,bjhv->bihv", A, V)
-    A = torch.einsum("bihk,bjhk->bhij", Q, K).masked_fill(~causal, 0.0)      # value: g [B, c, H, V]
-    w = torch.exp(_pair_logs(g, prev))
-    return torch.einsum("bihk,bhkv->bihv", Q, S) * bq.exp() + torch.einsum("bhij,bijhv,bjhv->bihv", A, w, V)
-
-
-def _rank1_setup(kind, L, R, K, V, S, bb):
-    """The WY/UT form of a chunk of S_t = D_t S_{t-1} + l_t (r_t . S_{t-1}) + k_t v_t^T (D_t =
-    exp(g_t), a scalar or per key). With b the cumulative log decay in the chunk, the state
-    divided by the decay, X_t = exp(-b_t) S_t, gains l~_t u_t^T + k~_t v_t^T per token, where
-    u_t = r~_t . X_{t-1}; over the chunk the u solve one unit lower-triangular system:
-
-        (I - A_rl) U = R^ S0 + A_rk V,   A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik), i < j
-
-    with R^ = R * exp(b_{j-1}) (each exp(b_{j-1} - b_i) summed per pair: _pair_logs).
-    Returns (U [B, c, H, VF], the chunk's logs per key: _chunk_logs)."""
-    if kind == "rank1":                     # a scalar decay: the same on every key
-        bb = tuple(x.unsqueeze(-1).expand(x.shape + K.shape[-1:]) for x in bb)
-    c = K.shape[1]
-    E = torch.exp(_pair_logs(bb[4], True))                                  # [B, j, i, H, K]
-    A_rl = torch.einsum("bjhk,bihk,bjihk->bhji", R, L, E)
-    A_rk = torch.einsum("bjhk,bihk,bjihk->bhji", R, K, E)
-    Y = torch.einsum("bjhk,bhkv->bhjv", R * bb[2].exp(), S) + torch.einsum("bhji,bihv->bhjv", A_rk, V)
-    eye = torch.eye(c, dtype=K.dtype, device=K.device)
-    U = torch.linalg.solve_triangular(eye - A_rl, Y, upper=False, unitriangular=True)
-    return U.permute(0, 2, 1, 3), bb
-
-
-def _rank1_readout(Q, L, K, V, S, U, bb, prev):
-    """q . S_t (or S_{t-1}) for the chunk's rows: X_0 = S0 and the l~ u, k~ v terms so far."""
-    bq = bb[2] if prev else bb[0]
-    w = torch.exp(_pair_logs(bb[4], prev))
-    A_ql = torch.einsum("bthk,bjhk,btjhk->bhtj", Q, L, w)
-    A_qk = torch.einsum("bthk,bjhk,btjhk->bhtj", Q, K, w)
-    return (torch.einsum("bthk,bhkv->bthv", Q * bq.exp(), S) + torch.einsum("bhtj,bjhv->bthv", A_ql, U)
-            + torch.einsum("bhtj,bjhv->bthv", A_qk, V))
-
-
-def _rank1_advance(L, K, V, S, U, bb):
-    """S_C = exp(b_C) S0 + (L * exp(b_C - b))^T U + (K * exp(b_C - b))^T V."""
-    bl, w = bb[1], torch.exp(bb[3])
-    return (bl.exp().unsqueeze(-1) * S + torch.einsum("bjhk,bjhv->bhkv", L * w, U)
-            + torch.einsum("bjhk,bjhv->bhkv", K * w, V))
-
-
-def _advance(kind, K, V, S, bb, logs):
-    """The state at the chunk's end."""
-    if kind == "prefix":
-        return S + torch.einsum("bjhk,bjhv->bhkv", K, V)
-    _, bl, _, sfx, _ = bb
-    if kind == "scalar":
-        if logs is not None:
-            _, gi, M0, mnew = logs
-            w = torch.exp(sfx + gi - mnew.unsqueeze(1))
-            return torch.exp(bl + M0 - mnew)[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
-        w = torch.exp(sfx)                                                    # [B, c, H]
-        return bl.exp()[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
-    w = torch.exp(sfx)
-    if kind == "elementwise":                                                # [B, c, H, K, V]
-        return bl.exp() * S + torch.einsum("bjhk,bjhv,bjhkv->bhkv", K, V, w)
-    if kind == "key":                                                        # [B, c, H, K]
-        return bl.exp().unsqueeze(-1) * S + torch.einsum("bjhk,bjhv->bhkv", K * w, V)
-    return S * bl.exp().unsqueeze(-2) + torch.einsum("bjhk,bjhv->bhkv", K, V * w)
 
 
 def _nonfinite_rows(*xs):
@@ -179,6 +64,7 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
                        output_final_state=False, C=64):
     """torch_forward, one chunk at a time (for every class)."""
     TORCH_STATES, TORCH_READOUTS, TORCH_STABILIZED = mod.TORCH_STATES, mod.TORCH_READOUTS, mod.TORCH_STABILIZED
+    units = {name: classes.unit(st["class"]) for name, st in TORCH_STATES.items()}     # each class's chunk
     x0 = next(iter(x.values()))
     dtype, device = x0.dtype, x0.device
     opt = {k: torch.tensor(v, dtype=dtype, device=device) for k, v in opt.items()}
@@ -236,40 +122,33 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
             chunk_b = {}
             for name in TORCH_STATES:
                 if ch["g"][name] is not None:
-                    chunk_b[name] = _chunk_logs(ch["g"][name][ci])
+                    chunk_b[name] = loop_chunk_logs(ch["g"][name][ci])
             logs = None
             if TORCH_STABILIZED:
                 b, bl, _, sfx, g = chunk_b[TORCH_STABILIZED[0]]
-                L = _pair_logs(g, False) + gi.unsqueeze(1)                       # [B, i, j, H]
+                L = loop_pair_logs(g, False) + gi.unsqueeze(1)                       # [B, i, j, H]
                 # m is a scale the gradients hold constant
                 mrow = torch.maximum(L.amax(2), b + M.unsqueeze(1)).detach()
                 mnew = torch.maximum(bl + M, (sfx + gi).amax(1)).detach()
                 logs = (mrow, gi, M, mnew)
                 m_rows.append(mrow)
-            wy = {}
-            for name, st in TORCH_STATES.items():
-                if st["class"].startswith("rank1"):
-                    wy[name] = _rank1_setup(st["class"], L_[name], R_[name], K_[name], V_[name], states[name],
-                                            chunk_b[name])
+            # what each state's readouts and update share (rank-1: the WY/UT solve)
+            ctx = {name: units[name].torch_setup(st, K_[name], V_[name], L_.get(name), R_.get(name), states[name],
+                                                 chunk_b.get(name)) for name, st in TORCH_STATES.items()}
             for r, rd in TORCH_READOUTS.items():
                 s = rd["state"]
                 total = 0
                 for Q, sc in ch_q[r]:
-                    if s in wy:
-                        val = _rank1_readout(Q[ci], L_[s], K_[s], V_[s], states[s], *wy[s], rd["prev"])
-                    else:
-                        val = _readout(TORCH_STATES[s]["class"], Q[ci], K_[s], V_[s], states[s], chunk_b.get(s),
-                                       rd["prev"], logs if s in TORCH_STABILIZED else None)
+                    val = units[s].torch_readout(TORCH_STATES[s], Q[ci], K_[s], V_[s], L_.get(s), states[s],
+                                                 chunk_b.get(s), rd["prev"], logs if s in TORCH_STABILIZED else None,
+                                                 ctx[s])
                     total = total + (val * sc[ci] if sc is not None else val)
                 seen = bad[s].cumsum(1) - (bad[s].to(torch.long) if rd["prev"] else 0)      # bad tokens up to the row
                 outs[r].append(total.masked_fill((seen > 0).unsqueeze(-1), float("nan")))
             for name, st in TORCH_STATES.items():
-                if name in wy:
-                    states[name] = _rank1_advance(L_[name], K_[name], V_[name], states[name], wy[name][0],
-                                                  wy[name][1])
-                    continue
-                states[name] = _advance(st["class"], K_[name], V_[name], states[name], chunk_b.get(name),
-                                        logs if name in TORCH_STABILIZED else None)
+                states[name] = units[name].torch_advance(st, K_[name], V_[name], L_.get(name), states[name],
+                                                         chunk_b.get(name), logs if name in TORCH_STABILIZED else None,
+                                                         ctx[name])
             for name in TORCH_STATES:
                 states[name] = states[name].masked_fill(bad[name].any(1)[:, :, None, None], float("nan"))
             if logs is not None:

@@ -11,7 +11,9 @@ torch_chunk.py did ~166 small ops per chunk on the [B, c, H, dim] layout (einsum
 The numerics are torch_chunk.py's: decay factors from per-pair sums of the log decay (a decay
 of 0 resets; dg exact for neighbours at strong decay), key-side rows holding inf/NaN zeroed
 before the matmuls and the readouts from them on NaN. The stabilized (max-tracking) and
-elementwise classes stay on torch_chunk.py's loop (`batched_supported`).
+elementwise classes stay on torch_chunk.py's loop (`batched_supported`). What differs per
+class (its decay's products, its readout and update, the rank-1 solve) is its unit's torch form
+(mixc/classes/<class>.py, torch_decay and torch_chunks_*; the shared products in torch_ops.py).
 
 Sequences of cu_seqlens are gathered into chunks padded with zeros (a key and value of 0 and a
 log decay of 0 leave the state as it is), so one walk serves them all, resetting at each
@@ -20,19 +22,18 @@ from __future__ import annotations
 
 import torch
 
-# the forward runs in groups of chunks whose [C, max(C, dims)] tensors hold about this many
-# elements (1 MB in float32; the key class's [C, C, dim] products split further): fresh tensors
-# past glibc's mmap threshold cost page faults at every op, more than the op's own work, and a
-# group's tensors stay in cache from the inputs to the readouts (at B = 1, H = 4, d = 64: 2^18
-# ran simple_gla's forward in 0.98-1.15x fla's naive time, 2^20 1.2-1.4x, 2^16 1.15-1.4x)
-GROUP_ELEMENTS = 1 << 18
-# under autograd the forward's groups are larger (fewer graph nodes; linear_attn's forward +
-# backward at T = 16K: 0.96x fla's at 2^20, 1.2x at 2^18)
+from .. import classes
+from ..classes.torch_ops import GROUP_ELEMENTS, groups
+
+# the forward runs in groups of chunks of about GROUP_ELEMENTS elements (classes/torch_ops.py:
+# 1 MB in float32, below glibc's mmap threshold); under autograd the groups are larger (fewer
+# graph nodes; linear_attn's forward + backward at T = 16K: 0.96x fla's at 2^20, 1.2x at 2^18)
 GRAD_GROUP_ELEMENTS = 1 << 20
 
 
 def batched_supported(mod) -> bool:
-    return not mod.TORCH_STABILIZED and all(st["class"] != "elementwise" for st in mod.TORCH_STATES.values())
+    return not mod.TORCH_STABILIZED and all(classes.unit(st["class"]).torch_batched
+                                            for st in mod.TORCH_STATES.values())
 
 
 class Layout:
@@ -95,128 +96,6 @@ class Layout:
         return y[:, :self.T] if self.idx is None else y.index_select(1, self.back)
 
 
-def pair_logs(g, prev, axis):
-    """[.., i, j] (scalar g [.., C]: axis -1) or [.., i, j, f] (g [.., C, f]: axis -2): the log
-    decay from token j to the query row i, summed per pair over j < s <= i (s <= i - 1 for a
-    readout of S_{i-1}), -inf where j is after that row. Summed per pair, never as a difference
-    of cumulative sums: a log decay of -inf (a reset) stays -inf (not NaN), and at strong decay
-    a neighbour's factor is exp(g) exactly (the difference would round to ulp(b))."""
-    C = g.shape[axis]
-    ar = torch.arange(C, device=g.device)
-    tail = () if axis == -1 else (1,)
-    if prev:                 # row i takes the sum up to s = i - 1: g shifted by one token, s > j + 1
-        g = torch.cat([torch.zeros_like(g.narrow(axis, 0, 1)), g.narrow(axis, 0, C - 1)], axis)
-    after = (ar[:, None] > ar[None, :] + int(prev)).view((C, C) + tail)     # [s, j]: s after j
-    # in place on the fresh [C, C] tensor (autograd-safe: none of these saves its input)
-    seg = torch.where(after, g.unsqueeze(axis), torch.zeros((), dtype=g.dtype, device=g.device)).cumsum_(axis - 1)
-    causal = (ar[:, None] - int(prev) >= ar[None, :]).view((C, C) + tail)
-    return seg.masked_fill_(~causal, float("-inf"))
-
-
-def _groups(N, per_chunk, elements=None):
-    step = max(1, (elements or GROUP_ELEMENTS) // max(per_chunk, 1))
-    return [slice(n, min(n + step, N)) for n in range(0, N, step)]
-
-
-def decay_product(X, Y, g, kind, prev):
-    """[BH, N, C(i), C(j)]: sum_k X_ik Y_jk exp(the pair's log decay on k), causal (strictly
-    below the diagonal with prev). kind: prefix (no decay), scalar (g [BH, N, C]) or key
-    (g [BH, N, C, K])."""
-    if kind in ("prefix", "scalar"):
-        A = X @ Y.transpose(-1, -2)
-        if kind == "scalar":
-            return A * pair_logs(g, prev, -1).exp_()
-        C = A.shape[-1]
-        # in place on the matmul's fresh output (its backward keeps X and Y, not A)
-        return A.masked_fill_(torch.ones(C, C, dtype=torch.bool, device=A.device).tril(-int(prev)).logical_not(), 0.0)
-    BH, N, C, F = X.shape
-    # the sub-chunk factors need log decays <= 0, a host read: under torch.compile the pair sums
-    if C % SUB == 0 and C > SUB and not torch.compiler.is_compiling() and bool((g.detach() <= 0).all()):
-        return key_product(X, Y, g, prev)
-    out = []
-    for s in _groups(N, BH * C * C * F):
-        w = pair_logs(g[:, s], prev, -2).exp_()                               # [BH, n, i, j, K]
-        out.append(((X[:, s].unsqueeze(-2) * w) * Y[:, s].unsqueeze(-3)).sum(-1))
-    return out[0] if len(out) == 1 else torch.cat(out, 1)
-
-
-SUB = 8             # the key class's sub-chunk: pairs within one are summed per pair and key
-
-
-def key_product(X, Y, g, prev):
-    """decay_product for a per-key decay, on sub-chunks of SUB tokens (C a multiple of SUB):
-    per pair and key (pair_logs) only inside a sub-chunk; across sub-chunks one matmul of
-    factored rows, X_i exp(the log decay from its sub-chunk's start to i) against Y_j exp(the
-    log decay from j to that start). Each factor is a sum over tokens, never a difference (a
-    reset's -inf stays -inf; each factor is at most 1 for log decays <= 0, the only ones the
-    caller sends), so every product equals the pair's own factor to rounding. In groups of
-    chunks: a tensor past glibc's mmap threshold costs page faults at every op."""
-    BH, N, C, F = X.shape
-    out = []
-    for s in _groups(N, BH * C * 2 * C // SUB * F):
-        out.append(_key_product(X[:, s], Y[:, s], g[:, s], prev))
-    return out[0] if len(out) == 1 else torch.cat(out, 1)
-
-
-def _key_product(X, Y, g, prev):
-    BH, N, C, F = X.shape
-    n, c = C // SUB, SUB
-    gs = g.reshape(BH, N, n, c, F)
-    b = gs.cumsum(3)                                                        # within each sub-chunk
-    bq = torch.cat([torch.zeros_like(b[:, :, :, :1]), b[:, :, :, :-1]], 3) if prev else b
-    sfx = torch.cat([gs.flip(3).cumsum(3).flip(3)[:, :, :, 1:], torch.zeros_like(gs[:, :, :, :1])], 3)
-    gap = pair_logs(b[:, :, :, -1], True, -2)            # [BH, N, I, J, F]: the sub-chunks between, J < I
-    Ys = Y.reshape(BH, N, 1, n, c, F) * (sfx.unsqueeze(2) + gap.unsqueeze(4)).exp()             # [.., I, J, c, F]
-    Xs = X.reshape(BH, N, n, c, F) * bq.exp()
-    A = (Xs @ Ys.reshape(BH, N, n, C, F).transpose(-1, -2)).reshape(BH, N, n, c, n, c)
-    w = pair_logs(gs, prev, -2).exp_()                                       # [BH, N, n, i, j, F]
-    diag = ((X.reshape(BH, N, n, c, 1, F) * w) * Y.reshape(BH, N, n, 1, c, F)).sum(-1)
-    eye = torch.eye(n, dtype=X.dtype, device=X.device).view(n, 1, n, 1)
-    return (A + diag.unsqueeze(4) * eye).reshape(BH, N, C, C)
-
-
-def scalar_factors(g, prev):
-    """exp(pair_logs(g, prev, -1)) [BH, N, C, C] for a scalar log decay g [BH, N, C], on
-    sub-chunks of SUB as key_product: per pair inside a sub-chunk; across sub-chunks the product
-    exp(the log decay from its sub-chunk's start to i) exp(the sub-chunks between) exp(from j
-    to its sub-chunk's end), each factor a sum over tokens (a reset's -inf gives 0, never NaN:
-    every factor is at most 1 for log decays <= 0, the only ones taken here)."""
-    BH, N, C = g.shape
-    if C % SUB or C <= SUB or torch.compiler.is_compiling() or not bool((g <= 0).all()):
-        return pair_logs(g, prev, -1).exp_()
-    m, c = C // SUB, SUB
-    gs = g.reshape(BH, N, m, c)
-    b = gs.cumsum(-1)                                                       # within each sub-chunk
-    bq = torch.cat([torch.zeros_like(b[..., :1]), b[..., :-1]], -1) if prev else b
-    sfx = torch.cat([gs.flip(-1).cumsum(-1).flip(-1)[..., 1:], torch.zeros_like(gs[..., :1])], -1)
-    gap = pair_logs(b[..., -1], True, -1).exp_()           # [BH, N, I, J]: the sub-chunks between, J < I
-    rows = bq.exp().unsqueeze(-1) * gap.unsqueeze(-2)                       # [BH, N, I, i, J]
-    D = rows.unsqueeze(-1) * sfx.exp().view(BH, N, 1, 1, m, c)              # [BH, N, I, i, J, j]
-    D.diagonal(dim1=2, dim2=4).copy_(pair_logs(gs, prev, -1).exp_().permute(0, 1, 3, 4, 2))
-    return D.reshape(BH, N, C, C)
-
-
-def _value_mix(A, V, g, prev):
-    """sum_j A_ij exp(the pair's log decay on v) V_jv: the value-diagonal class's intra part."""
-    BH, N, C, F = V.shape
-    out = []
-    for s in _groups(N, BH * C * C * F):
-        w = pair_logs(g[:, s], prev, -2).exp_()                               # [BH, n, i, j, V]
-        out.append((A[:, s].unsqueeze(-1) * w * V[:, s].unsqueeze(-3)).sum(-2))
-    return out[0] if len(out) == 1 else torch.cat(out, 1)
-
-
-def chunk_logs(g, axis):
-    """(b, b at the chunk's last token, b_{i-1}, the suffix sums sum_{s > j} g_s) along axis
-    (the chunk's tokens). The suffix sum, the log weight of key j in S_C, is summed from the
-    chunk's end (bl - b_j would be NaN after a reset and round at strong decay)."""
-    b = g.cumsum(axis)
-    z = torch.zeros_like(g.narrow(axis, 0, 1))
-    C = g.shape[axis]
-    sfx = torch.cat([g.flip(axis).cumsum(axis).flip(axis).narrow(axis, 1, C - 1), z], axis)
-    return b, b.select(axis, -1), torch.cat([z, b.narrow(axis, 0, C - 1)], axis), sfx
-
-
 def nonfinite_rows(*xs):
     """[BH, N, C]: the tokens whose key-side values hold an inf or a NaN (None: none do). One
     sum per tensor first (isfinite over every element costs four passes): a finite sum means
@@ -232,70 +111,6 @@ def nonfinite_rows(*xs):
             nf = ~torch.isfinite(x).all(-1)
             bad = nf if bad is None else bad | nf
     return bad if bad is not None and (tracing or bool(bad.any())) else None
-
-
-# the most leading indices _mm loops over (one matmul each) before it takes matmul's copy
-MM_LOOP = 16
-
-
-def _mm(X, Y, acc=None, fast=False):
-    """X @ Y over [BH, n, a, b] @ [BH, n, b, c] (plus acc). fast (no autograd graph): per
-    leading index on the views as they are, into acc in place. The chunk layout's views of
-    [B, T, H, d] have no single stride over [BH, n], so matmul copies them whole; one bmm per
-    head reads them with the row stride H d instead."""
-    if not fast or X.shape[0] > MM_LOOP:
-        P = X @ Y
-        return P if acc is None else P.add_(acc)        # in place on the fresh product (autograd-safe)
-    if acc is None:
-        acc = torch.empty(X.shape[:-1] + Y.shape[-1:], dtype=X.dtype, device=X.device)
-        for h in range(X.shape[0]):
-            torch.matmul(X[h], Y[h], out=acc[h])
-        return acc
-    for h in range(X.shape[0]):
-        acc[h].baddbmm_(X[h], Y[h])
-    return acc
-
-
-class _Decay:
-    """One state's decay over the chunks: its kind for the products (prefix, scalar, key,
-    value), g in the chunk layout, its chunk logs, and the scalar pair factors, built once per
-    prev and shared by every product. fast: no autograd graph is recorded (fresh
-    intermediates are updated in place, _mm's per-head matmuls)."""
-
-    def __init__(self, cls, g, fast=False):
-        self.kind = {"rank1": "scalar", "rank1-key": "key"}.get(cls, cls) if g is not None else "prefix"
-        self.g, self.fast = g, fast
-        self.axis = -1 if self.kind == "scalar" else -2
-        self.logs = chunk_logs(g, self.axis) if g is not None else None
-        self._pairs = {}
-
-    def product(self, X, Y, prev):
-        if self.kind == "scalar":
-            if prev not in self._pairs:
-                # factored on sub-chunks without autograd (one pass, not four); the backward
-                # keeps the per-pair sums' gradients
-                self._pairs[prev] = (scalar_factors(self.g, prev) if self.fast
-                                     else pair_logs(self.g, prev, -1).exp_())
-            A = _mm(X, Y.transpose(-1, -2), fast=self.fast)
-            return A.mul_(self._pairs[prev]) if self.fast else A * self._pairs[prev]
-        if self.kind == "prefix" and self.fast:
-            C = X.shape[-2]
-            return _mm(X, Y.transpose(-1, -2), fast=True).masked_fill_(
-                torch.ones(C, C, dtype=torch.bool, device=X.device).tril(-int(prev)).logical_not(), 0.0)
-        return decay_product(X, Y, self.g, "key" if self.kind == "key" else "prefix", prev)
-
-    def on_keys(self, X, which):
-        """X [BH, N, C, K] times exp(the chunk log `which`) (scalar or per key)."""
-        if self.g is None:
-            return X
-        w = self.logs[which].exp()
-        return X * (w.unsqueeze(-1) if self.kind == "scalar" else w)
-
-    def last(self):
-        """exp(b at the chunk's end), shaped to multiply S [BH, N, KF, VF]."""
-        bl = self.logs[1].exp()
-        return {"scalar": lambda: bl[..., None, None], "key": lambda: bl.unsqueeze(-1),
-                "value": lambda: bl.unsqueeze(-2)}[self.kind]()
 
 
 def _walk(lay, s, KV, a, S, init, finals, rank1=None):
@@ -367,20 +182,13 @@ def _walk_into(lay, s, KV, a, S, init, finals, rank1):
     return buf[:-1].transpose(0, 1), (us.transpose(0, 1) if rank1 is not None else None), bufs[-1]
 
 
-def _readout_part(dec, terms, K, V, L, S_starts, U, prev):
+def _readout_part(unit, dec, terms, K, V, L, S_starts, U, prev):
     """The readouts of a group of chunks [BH, n, C, VF]: the state at each chunk's start plus the
-    chunk's own tokens, summed over the readout's terms (query, scale)."""
+    chunk's own tokens (the unit's torch_chunks_readout), summed over the readout's terms
+    (query, scale)."""
     total = 0
     for Q, sc in terms:
-        if dec.kind == "value":
-            val = (Q @ S_starts) * dec.logs[2 if prev else 0].exp() + _value_mix(
-                decay_product(Q, K, None, "prefix", prev), V, dec.g, prev)
-        else:
-            f = dec.fast
-            val = _mm(dec.on_keys(Q, 2 if prev else 0), S_starts, fast=f)
-            val = _mm(dec.product(Q, K, prev), V, val, fast=f)
-            if U is not None:
-                val = _mm(dec.product(Q, L, prev), U, val, fast=f)
+        val = unit.torch_chunks_readout(dec, Q, K, V, L, S_starts, U, prev)
         if sc is not None:
             val = val.mul_(sc) if dec.fast else val * sc
         total = val if isinstance(total, int) else (total.add_(val) if dec.fast else total + val)
@@ -413,15 +221,16 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
     finals = {name: {} for name in STATES}
     parts = {rname: [] for rname in READOUTS}
     width = max([C] + [d for kv in dims.values() for d in kv])
-    for s in _groups(lay.N, BH * C * width, None if lay.fast else GRAD_GROUP_ELEMENTS):
+    for s in groups(lay.N, BH * C * width, GROUP_ELEMENTS if lay.fast else GRAD_GROUP_ELEMENTS):
         walked = {}
         for name, st in STATES.items():
-            walked[name], carry[name] = _state_group(lay, s, st["class"], pc, name, carry[name],
+            walked[name], carry[name] = _state_group(lay, s, st, pc, name, carry[name],
                                                      lambda i, name=name: init(name, i), finals[name])
         for rname, rd in READOUTS.items():
+            unit = classes.unit(STATES[rd["state"]]["class"])
             K, V, L, dec, S_starts, U, bad = walked[rd["state"]]
             terms = [(lay.chunks(Q, s), lay.chunks(sc, s)) for Q, sc in pc["Q"][rname]]
-            total = _readout_part(dec, terms, K, V, L, S_starts, U, rd["prev"])
+            total = _readout_part(unit, dec, terms, K, V, L, S_starts, U, rd["prev"])
             if bad is not None:
                 seen = bad.cumsum(-1) - (bad.to(torch.long) if rd["prev"] else 0)      # bad tokens up to the row
                 total = total.masked_fill((seen > 0).unsqueeze(-1), float("nan"))
@@ -456,35 +265,23 @@ def _decay_or_none(g):
     return None if float(g.reshape(-1)[0]) == 0.0 else g
 
 
-def _state_group(lay, s, cls, pc, name, S, init, finals):
-    """One state over the chunks s: ((K, V, L, its _Decay, the states at the chunks' starts, the
-    rank-1 U, the tokens holding inf/NaN or None), the state after them)."""
+def _state_group(lay, s, st, pc, name, S, init, finals):
+    """One state over the chunks s: ((K, V, L, its decay (the unit's torch_decay), the states at
+    the chunks' starts, the rank-1 U, the tokens holding inf/NaN or None), the state after them)."""
+    unit = classes.unit(st["class"])
     K, V = lay.chunks(pc["K"][name], s), lay.chunks(pc["V"][name], s)
     L, R = lay.chunks(pc["L"].get(name), s), lay.chunks(pc["R"].get(name), s)
-    vf = V.shape[-1]
     # causality under non-finite input: a token's key-side rows holding inf or NaN are zeroed
     # before the matmuls; the readouts from it on and the states after are NaN
     bad = nonfinite_rows(K, V, L, R)
     if bad is not None:
         K, V, L, R = (t.masked_fill(bad.unsqueeze(-1), 0.0) if t is not None else None for t in (K, V, L, R))
-    dec = _Decay(cls, lay.chunks(pc["g"][name], s), lay.fast)
-    rank1 = None
-    if cls.startswith("rank1"):
-        # the WY/UT form (torch_chunk._rank1_setup): (I - A_rl) U = R^ S0 + A_rk V, solved once
-        # for the group's chunks as U = W0 + Wm S0, so the walk is two matmuls per chunk
-        # (unitriangular: the solve takes the diagonal as 1, so -A_rl serves for I - A_rl)
-        A_rl, A_rk = dec.product(R, L, True), dec.product(R, K, True)
-        A = A_rl.neg_() if lay.fast else -A_rl
-        rhs = torch.cat([_mm(A_rk, V, fast=lay.fast), dec.on_keys(R, 2)], -1)
-        sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-        rank1 = (sol[..., :vf], sol[..., vf:], dec.on_keys(L, 3).transpose(-1, -2))
-    if dec.kind == "value":
-        KV = K.transpose(-1, -2) @ (V * dec.logs[3].exp())
-    else:
-        KV = _mm((dec.on_keys(K, 3) if dec.g is not None else K).transpose(-1, -2), V, fast=lay.fast)
+    dec = unit.torch_decay(st, lay.chunks(pc["g"][name], s), lay.fast)
+    rank1 = unit.torch_chunks_setup(dec, K, V, L, R)          # rank-1: the WY/UT solve, U = W0 + Wm S0
+    KV = unit.torch_chunks_update(dec, K, V)
     if bad is not None:
         KV = KV.masked_fill(bad.any(-1)[..., None, None], float("nan"))
-    a = dec.last() if dec.g is not None else None
+    a = dec.last()
     S_starts, U, S = _walk(lay, s, KV, a, S, init, finals, rank1)
     return (K, V, L, dec, S_starts, U, bad), S
 

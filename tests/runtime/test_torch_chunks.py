@@ -1,11 +1,13 @@
 """The torch backend over all chunks at once (mixc/runtime/torch_chunks.py): packed sequences
-through the padded chunk layout, the key class's sub-chunk products against the per-pair
-sums, and the promise that only the state walk is sequential (a few ops per chunk)."""
+through the padded chunk layout, the key class's sub-chunk products (mixc/classes/torch_ops.py)
+against the per-pair sums, and the promise that only the state walk is sequential (a few ops
+per chunk)."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixc
+from mixc.classes import torch_ops
 from mixc.runtime import torch_chunks as tc
 
 from helpers import random_args, random_state
@@ -83,7 +85,7 @@ def test_key_sub_chunks_equal_the_pair_sums(prev):
     g[0, 1, 11, 2] = float("-inf")                 # a reset inside a sub-chunk
     g[1, 2, 16, :] = float("-inf")                 # at a sub-chunk's first token
     g[1, 0] = -20.0 - torch.rand(32, 4, generator=gen, dtype=torch.float64)
-    got = tc.key_product(X, Y, g, prev)
+    got = torch_ops.key_product(X, Y, g, prev)
     want = _pairwise(X, Y, g, prev)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-300)
@@ -98,7 +100,7 @@ def test_scalar_sub_chunk_factors_equal_the_pair_sums(prev):
     g[0, 1, 11] = float("-inf")
     g[1, 2, 16] = float("-inf")
     g[1, 0] = -20.0 - torch.rand(32, generator=gen, dtype=torch.float64)
-    got = tc.scalar_factors(g, prev)
+    got = torch_ops.scalar_factors(g, prev)
     one = torch.ones(2, 3, 32, 1, dtype=torch.float64)
     want = _pairwise(one, one, g.unsqueeze(-1), prev)                   # X = Y = 1: the factors alone
     assert torch.isfinite(got).all()

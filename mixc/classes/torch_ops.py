@@ -1,0 +1,308 @@
+"""The torch primitives the units' torch forms share (mixc/classes/*.py, the sections `torch
+form` and `context parallel`): per-pair and per-chunk log decays, the intra-chunk products of
+a decay over no axis, a scalar, the key or the value axis (the objects torch_decay returns),
+and the per-head matmul. The units import this module only inside their torch methods
+(base.torch_form): derive imports the units, and `mixc check` / `explain` must not pay
+torch's import (~4 s).
+
+Two layouts: one chunk [B, c, H, *] (the chunk-at-a-time loop, runtime/torch_chunk.py:
+loop_pair_logs, loop_chunk_logs) and groups of chunks [B' H, N, C, *] (the batched form,
+runtime/torch_chunks.py: the rest). Both take every decay factor from per-pair sums of the
+log decay, never from differences of cumulative sums (a decay of 0 resets; dg stays exact for
+neighbours at strong decay)."""
+from __future__ import annotations
+
+import torch
+
+
+# ---- one chunk [B, c, H, *] (runtime/torch_chunk.py) ----
+def loop_pair_logs(g, prev):
+    """[B, i, j, H, *]: the log decay from token j to the query row i, the sum of g_s over
+    j < s <= i (s <= i - 1 for a readout of S_{i-1}) where j is at or before that row, -inf
+    elsewhere. Summed per pair, not as a difference b_i - b_j of cumulative sums: a log
+    decay of -inf (a decay of 0, a state reset) gives -inf - -inf = NaN in the difference but
+    -inf in the pair's own sum; and at strong decay (b of -1000 over a chunk) the difference
+    rounds to ulp(b), 1e-4 relative in exp(g) for neighbours, while the pair's sum is exact
+    for neighbours. Its autograd is a reverse cumsum of the per-pair terms, each well scaled,
+    so dg does not cancel (the q dq - k dk identity subtracts the diagonal's O(1) terms)."""
+    c = g.shape[1]
+    ar = torch.arange(c, device=g.device)
+    shape = (1, c, c) + (1,) * (g.dim() - 2)
+    after = (ar[:, None] > ar[None, :]).view(shape)                          # [s, j]: s after j
+    seg = torch.where(after, g.unsqueeze(2), torch.zeros((), dtype=g.dtype, device=g.device)).cumsum(1)
+    if prev:                                  # row i takes the sum up to s = i - 1
+        seg = torch.cat([torch.zeros_like(seg[:, :1]), seg[:, :-1]], 1)
+    causal = (ar[:, None] - int(prev) >= ar[None, :]).view(shape)
+    return seg.masked_fill(~causal, float("-inf"))
+
+
+def loop_chunk_logs(g):
+    """(b: the cumulative log decay, b at the chunk's last token, b_{i-1}, the suffix sums
+    sum_{s > j} g_s, g). The suffix sum is the log weight of key j in S_C, summed from the
+    chunk's end (bl - b_j would be NaN after a reset and round at strong decay)."""
+    b = g.cumsum(1)
+    sfx = g.flip(1).cumsum(1).flip(1)
+    sfx = torch.cat([sfx[:, 1:], torch.zeros_like(sfx[:, :1])], 1)
+    return b, b[:, -1], torch.cat([torch.zeros_like(b[:, :1]), b[:, :-1]], 1), sfx, g
+
+
+def causal(c, prev, device):
+    """[c, c]: query row i sees key j <= i (j < i with prev)."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).tril(-1 if prev else 0)
+
+
+# ---- groups of chunks [B' H, N, C, *] (runtime/torch_chunks.py) ----
+# the forward runs in groups of chunks whose [C, max(C, dims)] tensors hold about this many
+# elements (1 MB in float32; the key class's [C, C, dim] products split further): fresh tensors
+# past glibc's mmap threshold cost page faults at every op, more than the op's own work, and a
+# group's tensors stay in cache from the inputs to the readouts (at B = 1, H = 4, d = 64: 2^18
+# ran simple_gla's forward in 0.98-1.15x fla's naive time, 2^20 1.2-1.4x, 2^16 1.15-1.4x)
+GROUP_ELEMENTS = 1 << 18
+
+
+def pair_logs(g, prev, axis):
+    """[.., i, j] (scalar g [.., C]: axis -1) or [.., i, j, f] (g [.., C, f]: axis -2): the log
+    decay from token j to the query row i, summed per pair over j < s <= i (s <= i - 1 for a
+    readout of S_{i-1}), -inf where j is after that row. Summed per pair, never as a difference
+    of cumulative sums: a log decay of -inf (a reset) stays -inf (not NaN), and at strong decay
+    a neighbour's factor is exp(g) exactly (the difference would round to ulp(b))."""
+    C = g.shape[axis]
+    ar = torch.arange(C, device=g.device)
+    tail = () if axis == -1 else (1,)
+    if prev:                 # row i takes the sum up to s = i - 1: g shifted by one token, s > j + 1
+        g = torch.cat([torch.zeros_like(g.narrow(axis, 0, 1)), g.narrow(axis, 0, C - 1)], axis)
+    after = (ar[:, None] > ar[None, :] + int(prev)).view((C, C) + tail)     # [s, j]: s after j
+    # in place on the fresh [C, C] tensor (autograd-safe: none of these saves its input)
+    seg = torch.where(after, g.unsqueeze(axis), torch.zeros((), dtype=g.dtype, device=g.device)).cumsum_(axis - 1)
+    causal = (ar[:, None] - int(prev) >= ar[None, :]).view((C, C) + tail)
+    return seg.masked_fill_(~causal, float("-inf"))
+
+
+def groups(N, per_chunk, elements=None):
+    """Slices of the N chunks, each group's tensors of about `elements` (GROUP_ELEMENTS)."""
+    step = max(1, (elements or GROUP_ELEMENTS) // max(per_chunk, 1))
+    return [slice(n, min(n + step, N)) for n in range(0, N, step)]
+
+
+def causal_product(X, Y, prev):
+    """[BH, N, C(i), C(j)]: X Y^T, causal (strictly below the diagonal with prev): the
+    products without a decay."""
+    A = X @ Y.transpose(-1, -2)
+    C = A.shape[-1]
+    # in place on the matmul's fresh output (its backward keeps X and Y, not A)
+    return A.masked_fill_(torch.ones(C, C, dtype=torch.bool, device=A.device).tril(-int(prev)).logical_not(), 0.0)
+
+
+def key_decay_product(X, Y, g, prev):
+    """[BH, N, C(i), C(j)]: sum_k X_ik Y_jk exp(the pair's log decay on k), causal (strictly
+    below the diagonal with prev), for a log decay per key g [BH, N, C, K]."""
+    BH, N, C, F = X.shape
+    # the sub-chunk factors need log decays <= 0, a host read: under torch.compile the pair sums
+    if C % SUB == 0 and C > SUB and not torch.compiler.is_compiling() and bool((g.detach() <= 0).all()):
+        return key_product(X, Y, g, prev)
+    out = []
+    for s in groups(N, BH * C * C * F):
+        w = pair_logs(g[:, s], prev, -2).exp_()                               # [BH, n, i, j, K]
+        out.append(((X[:, s].unsqueeze(-2) * w) * Y[:, s].unsqueeze(-3)).sum(-1))
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+
+SUB = 8             # the key class's sub-chunk: pairs within one are summed per pair and key
+
+
+def key_product(X, Y, g, prev):
+    """key_decay_product on sub-chunks of SUB tokens (C a multiple of SUB):
+    per pair and key (pair_logs) only inside a sub-chunk; across sub-chunks one matmul of
+    factored rows, X_i exp(the log decay from its sub-chunk's start to i) against Y_j exp(the
+    log decay from j to that start). Each factor is a sum over tokens, never a difference (a
+    reset's -inf stays -inf; each factor is at most 1 for log decays <= 0, the only ones the
+    caller sends), so every product equals the pair's own factor to rounding. In groups of
+    chunks: a tensor past glibc's mmap threshold costs page faults at every op."""
+    BH, N, C, F = X.shape
+    out = []
+    for s in groups(N, BH * C * 2 * C // SUB * F):
+        out.append(_key_product(X[:, s], Y[:, s], g[:, s], prev))
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+
+def _key_product(X, Y, g, prev):
+    BH, N, C, F = X.shape
+    n, c = C // SUB, SUB
+    gs = g.reshape(BH, N, n, c, F)
+    b = gs.cumsum(3)                                                        # within each sub-chunk
+    bq = torch.cat([torch.zeros_like(b[:, :, :, :1]), b[:, :, :, :-1]], 3) if prev else b
+    sfx = torch.cat([gs.flip(3).cumsum(3).flip(3)[:, :, :, 1:], torch.zeros_like(gs[:, :, :, :1])], 3)
+    gap = pair_logs(b[:, :, :, -1], True, -2)            # [BH, N, I, J, F]: the sub-chunks between, J < I
+    Ys = Y.reshape(BH, N, 1, n, c, F) * (sfx.unsqueeze(2) + gap.unsqueeze(4)).exp()             # [.., I, J, c, F]
+    Xs = X.reshape(BH, N, n, c, F) * bq.exp()
+    A = (Xs @ Ys.reshape(BH, N, n, C, F).transpose(-1, -2)).reshape(BH, N, n, c, n, c)
+    w = pair_logs(gs, prev, -2).exp_()                                       # [BH, N, n, i, j, F]
+    diag = ((X.reshape(BH, N, n, c, 1, F) * w) * Y.reshape(BH, N, n, 1, c, F)).sum(-1)
+    eye = torch.eye(n, dtype=X.dtype, device=X.device).view(n, 1, n, 1)
+    return (A + diag.unsqueeze(4) * eye).reshape(BH, N, C, C)
+
+
+def scalar_factors(g, prev):
+    """exp(pair_logs(g, prev, -1)) [BH, N, C, C] for a scalar log decay g [BH, N, C], on
+    sub-chunks of SUB as key_product: per pair inside a sub-chunk; across sub-chunks the product
+    exp(the log decay from its sub-chunk's start to i) exp(the sub-chunks between) exp(from j
+    to its sub-chunk's end), each factor a sum over tokens (a reset's -inf gives 0, never NaN:
+    every factor is at most 1 for log decays <= 0, the only ones taken here)."""
+    BH, N, C = g.shape
+    if C % SUB or C <= SUB or torch.compiler.is_compiling() or not bool((g <= 0).all()):
+        return pair_logs(g, prev, -1).exp_()
+    m, c = C // SUB, SUB
+    gs = g.reshape(BH, N, m, c)
+    b = gs.cumsum(-1)                                                       # within each sub-chunk
+    bq = torch.cat([torch.zeros_like(b[..., :1]), b[..., :-1]], -1) if prev else b
+    sfx = torch.cat([gs.flip(-1).cumsum(-1).flip(-1)[..., 1:], torch.zeros_like(gs[..., :1])], -1)
+    gap = pair_logs(b[..., -1], True, -1).exp_()           # [BH, N, I, J]: the sub-chunks between, J < I
+    rows = bq.exp().unsqueeze(-1) * gap.unsqueeze(-2)                       # [BH, N, I, i, J]
+    D = rows.unsqueeze(-1) * sfx.exp().view(BH, N, 1, 1, m, c)              # [BH, N, I, i, J, j]
+    D.diagonal(dim1=2, dim2=4).copy_(pair_logs(gs, prev, -1).exp_().permute(0, 1, 3, 4, 2))
+    return D.reshape(BH, N, C, C)
+
+
+def value_mix(A, V, g, prev):
+    """sum_j A_ij exp(the pair's log decay on v) V_jv: the value-diagonal class's intra part."""
+    BH, N, C, F = V.shape
+    out = []
+    for s in groups(N, BH * C * C * F):
+        w = pair_logs(g[:, s], prev, -2).exp_()                               # [BH, n, i, j, V]
+        out.append((A[:, s].unsqueeze(-1) * w * V[:, s].unsqueeze(-3)).sum(-2))
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+
+def chunk_logs(g, axis):
+    """(b, b at the chunk's last token, b_{i-1}, the suffix sums sum_{s > j} g_s) along axis
+    (the chunk's tokens). The suffix sum, the log weight of key j in S_C, is summed from the
+    chunk's end (bl - b_j would be NaN after a reset and round at strong decay)."""
+    b = g.cumsum(axis)
+    z = torch.zeros_like(g.narrow(axis, 0, 1))
+    C = g.shape[axis]
+    sfx = torch.cat([g.flip(axis).cumsum(axis).flip(axis).narrow(axis, 1, C - 1), z], axis)
+    return b, b.select(axis, -1), torch.cat([z, b.narrow(axis, 0, C - 1)], axis), sfx
+
+
+# the most leading indices mm loops over (one matmul each) before it takes matmul's copy
+MM_LOOP = 16
+
+
+def mm(X, Y, acc=None, fast=False):
+    """X @ Y over [BH, n, a, b] @ [BH, n, b, c] (plus acc). fast (no autograd graph): per
+    leading index on the views as they are, into acc in place. The chunk layout's views of
+    [B, T, H, d] have no single stride over [BH, n], so matmul copies them whole; one bmm per
+    head reads them with the row stride H d instead."""
+    if not fast or X.shape[0] > MM_LOOP:
+        P = X @ Y
+        return P if acc is None else P.add_(acc)        # in place on the fresh product (autograd-safe)
+    if acc is None:
+        acc = torch.empty(X.shape[:-1] + Y.shape[-1:], dtype=X.dtype, device=X.device)
+        for h in range(X.shape[0]):
+            torch.matmul(X[h], Y[h], out=acc[h])
+        return acc
+    for h in range(X.shape[0]):
+        acc[h].baddbmm_(X[h], Y[h])
+    return acc
+
+
+# ---- the decays of the batched form (a unit's torch_decay) ----
+class NoDecay:
+    """A state's decay over a group of chunks, for the products of the batched form: here none
+    (a prefix sum, or a log decay of constant 0). g [BH, N, C(, F)] in the chunk layout, its
+    chunk logs; fast: no autograd graph is recorded (fresh intermediates are updated in
+    place, mm's per-head matmuls)."""
+
+    axis = None
+
+    def __init__(self, g, fast=False):
+        self.g, self.fast = g, fast
+        self.logs = None
+
+    def product(self, X, Y, prev):
+        """[BH, N, C(i), C(j)]: sum_k X_ik Y_jk exp(the pair's log decay), causal."""
+        if self.fast:
+            C = X.shape[-2]
+            return mm(X, Y.transpose(-1, -2), fast=True).masked_fill_(
+                torch.ones(C, C, dtype=torch.bool, device=X.device).tril(-int(prev)).logical_not(), 0.0)
+        return causal_product(X, Y, prev)
+
+    def on_keys(self, X, which):
+        """X [BH, N, C, K] times exp(the chunk log `which`: chunk_logs' 0 = b, 2 = b_{i-1}, 3 = the
+        suffix sums), where the decay acts on the keys."""
+        return X
+
+    def last(self):
+        """exp(b at the chunk's end), shaped to multiply S [BH, N, KF, VF] (None: no decay)."""
+        return None
+
+
+class ScalarDecay(NoDecay):
+    """A log decay per head and token, g [BH, N, C]: the scalar pair factors are built once per
+    prev and shared by every product."""
+
+    axis = -1
+
+    def __init__(self, g, fast=False):
+        super().__init__(g, fast)
+        self.logs = chunk_logs(g, self.axis)
+        self._pairs = {}
+
+    def product(self, X, Y, prev):
+        if prev not in self._pairs:
+            # factored on sub-chunks without autograd (one pass, not four); the backward
+            # keeps the per-pair sums' gradients
+            self._pairs[prev] = (scalar_factors(self.g, prev) if self.fast
+                                 else pair_logs(self.g, prev, -1).exp_())
+        A = mm(X, Y.transpose(-1, -2), fast=self.fast)
+        return A.mul_(self._pairs[prev]) if self.fast else A * self._pairs[prev]
+
+    def on_keys(self, X, which):
+        return X * self.logs[which].exp().unsqueeze(-1)
+
+    def last(self):
+        return self.logs[1].exp()[..., None, None]
+
+
+class KeyDecay(NoDecay):
+    """A log decay per key, g [BH, N, C, K]."""
+
+    axis = -2
+
+    def __init__(self, g, fast=False):
+        super().__init__(g, fast)
+        self.logs = chunk_logs(g, self.axis)
+
+    def product(self, X, Y, prev):
+        return key_decay_product(X, Y, self.g, prev)
+
+    def on_keys(self, X, which):
+        return X * self.logs[which].exp()
+
+    def last(self):
+        return self.logs[1].exp().unsqueeze(-1)
+
+
+class ValueDecay(NoDecay):
+    """A log decay per value channel, g [BH, N, C, V]: the products over the keys have none
+    (the value-diagonal unit applies it on the values, value_mix)."""
+
+    axis = -2
+
+    def __init__(self, g, fast=False):
+        super().__init__(g, fast)
+        self.logs = chunk_logs(g, self.axis)
+
+    def product(self, X, Y, prev):
+        return causal_product(X, Y, prev)
+
+    def on_values(self, V, which):
+        """V [BH, N, C, VF] times exp(the chunk log `which`)."""
+        return V * self.logs[which].exp()
+
+    def last(self):
+        return self.logs[1].exp().unsqueeze(-2)
+
+
+# by a unit's decay_axis (TORCH_STATES' "decay"); "element" has no batched form
+DECAYS = {None: NoDecay, "scalar": ScalarDecay, "key": KeyDecay, "value": ValueDecay}
