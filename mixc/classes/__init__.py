@@ -5,11 +5,12 @@ CLASSES is also the order in which the units are asked to claim an update: the f
 claims it is its class (a rank-r class would go before `general`)."""
 from __future__ import annotations
 
-from . import elementwise, general, key_diag, prefix_sum, rank1, scalar, value_diag
+from . import elementwise, general, key_diag, prefix_sum, rank1, rank_r, scalar, value_diag
 from .base import Projection, TransitionClass, UpdateShape
 
 CLASSES: tuple[TransitionClass, ...] = (
     rank1.UNIT,
+    rank_r.UNIT,            # r >= 2 projections over the key dims (DeltaProduct)
     general.UNIT,           # any other update with projection terms
     prefix_sum.UNIT,
     scalar.UNIT,

@@ -3,6 +3,13 @@
 An update `S = f(S, ...)` is affine in S when f(S) = sum of linear terms + a constant.
 Each linear term is put in the normal form  scale * sum_over(proj * S)  (no projection:
 scale * S). The classes of DESIGN.md section 1 are read off these terms.
+
+A contraction of an expression that is itself affine in S is distributed over its terms
+(DeltaProduct's k2 @ (a S + b1 k1 (v1 - k1 @ (a S)))): a projected term projected again
+becomes one term whose scale takes what the outer contraction sums against
+(k2 @ (c k1 (k1 @ S)) = (k2 @ c k1) (k1 @ S)). An update's terms with the same projection
+are then merged (merge_projections), so that diag(a) S + sum_i u_i (w_i @ S) + b has one term
+per distinct w_i: its rank r.
 """
 from __future__ import annotations
 
@@ -13,10 +20,13 @@ from ..dsl.errors import SpecError
 
 
 class NotAffine(Exception):
-    def __init__(self, message: str, node: ir.Expr):
+    """linear: the expression is linear in the state, but not in a form mixc can normalize."""
+
+    def __init__(self, message: str, node: ir.Expr, linear: bool = False):
         super().__init__(message)
         self.message = message
         self.node = node
+        self.linear = linear
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,24 @@ def recip(a: ir.Expr) -> ir.Expr:
     return ir.BinOp(a.shape, None, "/", num(1), a)
 
 
+def factors(e: ir.Expr | None) -> list[ir.Expr]:
+    """The factors of a product (a - sign as the factor -1)."""
+    if e is None:
+        return []
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        return factors(e.left) + factors(e.right)
+    if isinstance(e, ir.Neg):
+        return [num(-1)] + factors(e.x)
+    return [e]
+
+
+def product(fs: list[ir.Expr]) -> ir.Expr | None:
+    out = None
+    for f in fs:
+        out = mul(out, f)
+    return out
+
+
 def source_text(ir_: ir.MixerIR, e: ir.Expr) -> str:
     sp_ = e.span
     if sp_ is None or sp_.line != sp_.end_line:
@@ -79,15 +107,22 @@ def source_text(ir_: ir.MixerIR, e: ir.Expr) -> str:
 # ---- the decomposition ----
 
 class _Affine:
-    def __init__(self, mixer: ir.MixerIR, is_state):
+    def __init__(self, mixer: ir.MixerIR, is_state, state_shape: ir.Shape):
         self.mixer = mixer
         self.is_state = is_state          # node -> bool: is this node the state variable?
+        self.state_shape = state_shape
 
     def depends(self, e: ir.Expr) -> bool:
         return any(self.is_state(n) for n in ir.walk(e))
 
     def text(self, e):
         return source_text(self.mixer, e)
+
+    def operand(self, e):
+        """An operand's text, in parentheses where it is a sum or a contraction (whose own span
+        leaves out the parentheses the spec wrote): found S * (k @ S)."""
+        t = self.text(e)
+        return f"({t})" if isinstance(e, ir.Contract) or (isinstance(e, ir.BinOp) and e.op in "+-") else t
 
     def form(self, e: ir.Expr) -> AffineForm:
         if self.is_state(e):
@@ -107,7 +142,7 @@ class _Affine:
                 return AffineForm(fa.terms + fb.terms, add(fa.const, fb.const))
             if e.op == "*":
                 if a_dep and b_dep:
-                    raise NotAffine(f"found {self.text(e.left)} * {self.text(e.right)}", e)
+                    raise NotAffine(f"found {self.operand(e.left)} * {self.operand(e.right)}", e)
                 return self.scaled(self.form(e.right), e.left) if b_dep else self.scaled(self.form(e.left), e.right)
             if e.op == "/":
                 if b_dep:
@@ -116,7 +151,7 @@ class _Affine:
             raise NotAffine(f"raises to a power: {self.text(e)}", e)
         if isinstance(e, ir.Contract):
             if self.depends(e.left) and self.depends(e.right):
-                raise NotAffine(f"found {self.text(e.left)} @ {self.text(e.right)}", e)
+                raise NotAffine(f"found {self.operand(e.left)} @ {self.operand(e.right)}", e)
             w, x = (e.right, e.left) if self.depends(e.left) else (e.left, e.right)
             return self.projected(self.form(x), w, e.over, e)
         if isinstance(e, ir.Reduce):
@@ -137,7 +172,8 @@ class _Affine:
         terms = []
         for t in f.terms:
             if t.proj is not None:
-                raise NotAffine(f"projects the state twice: {self.text(e)}", e)
+                terms.append(self.reprojected(t, w, over, e))
+                continue
             scale = t.scale
             inner = set(scale.shape) & set(over) if scale is not None else set()
             outer = set(scale.shape) - set(over) if scale is not None else set()
@@ -158,6 +194,50 @@ class _Affine:
         return AffineForm(tuple(terms), const)
 
 
+    def reprojected(self, t: LinTerm, w: ir.Expr | None, over: ir.Shape, e: ir.Expr) -> LinTerm:
+        """sum_over(w * t) of a projected term t = c * Y, Y = sum_{t.over}(p * S): distributed.
+
+        D, the summed dims that Y has, make one projection over t.over + D; E, the rest (dims
+        of w and c only), contract w with c into the new scale. Y's own summed dims are bound
+        inside it: a factor of c over them is a different index, kept outside the sum."""
+        y_dims = set(union(self.state_shape, t.proj.shape)) - set(t.over)
+        D = tuple(d for d in over if d in y_dims)
+        E = tuple(d for d in over if d not in y_dims)
+        c = mul(w, t.scale)
+        if E:               # E is in both w and c (a contraction's dims are shared; a sum's, c's)
+            shape = tuple(d for d in c.shape if d not in E)
+            c = (ir.Contract(shape, None, w, t.scale, E) if w is not None and t.scale is not None
+                 else ir.Reduce(shape, None, "sum", c, E))
+        if not D:
+            return LinTerm(c, t.proj, t.over)
+        inside = [x for x in factors(c) if set(x.shape) & set(D)]
+        outside = [x for x in factors(c) if not set(x.shape) & set(D)]
+        if any(set(x.shape) & set(t.over) for x in inside):
+            raise NotAffine(f"projects the state twice over {', '.join(t.over)}, and a factor that "
+                            f"depends on {', '.join(t.over)} would have to move inside the inner sum: "
+                            f"{self.text(e)} (write the projections out, or rename the dims)", e, linear=True)
+        return LinTerm(product(outside), mul(product(inside), t.proj), union(t.over, D))
+
+
+def merge_projections(f: AffineForm, same=None) -> AffineForm:
+    """One term per distinct projection: scale_1 (w @ S) + scale_2 (w @ S) = (scale_1 + scale_2)
+    (w @ S), for projections over the same dims that are structurally equal (spans aside) or
+    that `same(w1, w2)` says are equal (plan.py compares their sympy forms). The first term's
+    place is kept, so an update with one term per projection is unchanged."""
+    out: list[LinTerm] = []
+    for t in f.terms:
+        j = next((i for i, u in enumerate(out) if t.proj is not None and u.proj is not None
+                  and set(u.over) == set(t.over)
+                  and (u.proj == t.proj or (same is not None and set(u.proj.shape) == set(t.proj.shape)
+                                            and same(u.proj, t.proj)))), None)
+        if j is None:
+            out.append(t)
+        else:
+            u = out[j]
+            out[j] = LinTerm(add(u.scale or num(1), t.scale or num(1)), u.proj, u.over)
+    return AffineForm(tuple(out), f.const)
+
+
 def affine_in(mixer: ir.MixerIR, e: ir.Expr, state: str, version: str = "any") -> AffineForm:
     """Decompose e as affine in `state`. version: 'any' (updates: S and prev(S) are both
     the previous state), 'current' (S only) or 'prev' (prev(S) only)."""
@@ -168,14 +248,17 @@ def affine_in(mixer: ir.MixerIR, e: ir.Expr, state: str, version: str = "any") -
             return version in ("any", "prev")
         return False
 
-    return _Affine(mixer, is_state).form(e)
+    return _Affine(mixer, is_state, mixer.state(state).shape).form(e)
 
 
-def update_form(mixer: ir.MixerIR, upd: ir.Update) -> AffineForm:
+def update_form(mixer: ir.MixerIR, upd: ir.Update, same=None) -> AffineForm:
+    """The affine form of an update, one term per distinct projection (merge_projections;
+    `same` compares two projections beyond structural equality)."""
     try:
-        return affine_in(mixer, upd.expr, upd.state)
+        return merge_projections(affine_in(mixer, upd.expr, upd.state), same)
     except NotAffine as err:
-        raise SpecError(f"the update of {upd.state} is not linear in {upd.state}: {err.message}",
+        what = "is linear in {0}, but mixc cannot put it in its normal form" if err.linear else "is not linear in {0}"
+        raise SpecError(f"the update of {upd.state} {what.format(upd.state)}: {err.message}",
                         mixer.source, err.node.span or upd.expr.span,
                         ("mixc compiles updates of the form S = A_t(S) + B_t with A_t linear in S",)) from None
 

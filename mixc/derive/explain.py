@@ -149,6 +149,8 @@ def _explain(plan: P.Plan) -> str:
             queries = [s(proj) for r in plan.output.readouts if r.state == st.name for _, proj, _ in r.terms
                        if proj is not None]
             out += ["    " + line for line in _chunk_lines(st, queries)]
+        else:       # the class's own word on its parallel form: none known, or not generated yet
+            out += ["  parallel form: none generated"] + ["    " + line for line in _chunk_lines(st, [])]
     if plan.stabilizer is not None:
         out.append("")
         out += _stabilizer_lines(plan.stabilizer)

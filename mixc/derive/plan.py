@@ -297,7 +297,8 @@ def _combine_kind(combine: sp.Expr, readout_syms) -> str:
 def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSympy,
                 table: SymbolTable) -> StatePlan:
     decl = spec.state(upd.state)
-    form = affine.update_form(spec, upd)
+    # one term per distinct projection, equal as written or as sympy expressions (lets inlined)
+    form = affine.update_form(spec, upd, same=lambda a, b: sp.expand(conv(a) - conv(b)) == 0)
     if not form.terms:
         raise SpecError(f"the update of {upd.state} does not read {upd.state}: a state carries over from "
                         f"one token to the next (write e.g. `update {upd.state} = {upd.state} + ...`)",

@@ -6,6 +6,9 @@ import mixc
 from mixc.derive import plan as P
 from mixc.derive.functions import log_of, logsigmoid, sigmoid
 from mixc.derive.plan import derive
+from mixc.classes import rank_r
+
+RANK_R = rank_r.UNIT.name
 
 EXPECTED = {
     # spec: (class of the spec, forms, time-invariant, log decay of the first state)
@@ -32,7 +35,7 @@ EXPECTED = {
                        "-8*head*(1 - layer_idx/num_layers)/num_heads"),
     "kda": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "comba": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
-    "gated_delta_product": (P.GENERAL, ("recurrent", "step"), False, "g"),   # rank 2: waits for the rank-r class
+    "gated_delta_product": (RANK_R, ("recurrent", "step"), False, "g"),   # rank 2: no chunked kernels yet
 }
 
 
@@ -101,7 +104,8 @@ def _plan(body: str, dims="K, V", inputs="q[K], k[K], v[V]"):
     ("exp(g) * exp(h) * S + k * v", P.ELEMENTWISE),
     ("S - k * (k @ S) + k * v", P.RANK1),
     ("S + a * k * (v - k @ S)", P.RANK1),
-    ("S - k * (k @ S) - q * (q @ S) + k * v", P.GENERAL),    # two projections: no known chunked form
+    ("S - k * (k @ S) - q * (q @ S) + k * v", RANK_R),       # two projections over the key dims
+    ("S - k * (k @ S) - v * sum(S, V) + k * v", P.GENERAL),  # two, one of them over the value dim
     ("S - v * sum(S, V) + k * v", P.GENERAL),                # a projection over the value dim
 ], ids=lambda x: x if isinstance(x, str) and "*" not in x and "+" not in x else None)
 def test_class_from_algebra(update, cls):

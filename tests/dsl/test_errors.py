@@ -293,8 +293,14 @@ CASES = [
     C("update-power-of-state", upd("S ** 2 + k * v"), 5, 14, "the update of S is not linear in S: raises to a power"),
     C("update-divides-by-state", upd("k / S"), 5, 14, "the update of S is not linear in S: divides by the state"),
     C("update-max-of-state", upd("max(S, K) + k * v"), 5, 14, "applies max() to the state: max(S, K)"),
-    C("update-projects-twice", upd("k * (k @ (k * (k @ S))) + k * v"), 5, 19,
-      "the update of S is not linear in S: projects the state twice"),
+    C("update-state-times-projection", upd("S * (k @ S) + k * v"), 5, 14,
+      "the update of S is not linear in S: found S * (k @ S)"),
+    C("update-projection-times-projection", upd("(k @ S) * (k @ (k * (k @ S))) + k * v"), 5, 14,
+      "the update of S is not linear in S: found (k @ S) * (k @ (k * (k @ S)))"),
+    # linear (k @ (k * (k @ S)) is distributed: tests/derive/test_compound_updates.py), but the
+    # factor (k * v + 1) is over the inner sum's K and the outer sum's V at once
+    C("update-projects-twice-inseparable", upd("sum((k * v + 1) * (k @ S), V) * v + k * v"), 5, 14,
+      "the update of S is linear in S, but mixc cannot put it in its normal form: projects the state twice over K"),
     C("update-not-reading-state", upd("k * v"), 5, 14,
       "the update of S does not read S: a state carries over from one token to the next"),
     C("update-not-reading-state-under-flag", HEAD + "  option f = false\n  update S = if f then S + k * v else k * v\n"
