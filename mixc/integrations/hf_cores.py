@@ -2,8 +2,8 @@
 
 Each replacement takes the arguments of the function it stands in for (fla's
 chunk_gated_delta_rule / fused_recurrent_gated_delta_rule / chunk_kda / fused_recurrent_kda,
-mamba_ssm's mamba_chunk_scan_combined / selective_state_update / selective_scan_fn, in the
-layouts transformers passes them) and returns what that function returns, so the layer's own
+mamba_ssm's mamba_chunk_scan_combined / selective_state_update / selective_scan_fn,
+transformers' rwkv_linear_attention, in the layouts transformers passes them) and returns what that function returns, so the layer's own
 projections, conv, norm and cache keep working. What the layouts need:
 
 - grouped heads (Qwen3-Next's key heads < value heads, Mamba-2's n_groups): mixc has one
@@ -16,7 +16,9 @@ projections, conv, norm and cache keep working. What the layouts need:
 - per-channel D and the z gate are applied outside the op when the spec has no place for them
   (D[head, P] in Mamba-2, z everywhere), exactly as the replaced function does;
 - the fused training paths (mamba_split_conv1d_scan_combined, mamba_inner_fn) return None,
-  which makes the layer take its unfused path through the functions above.
+  which makes the layer take its unfused path through the functions above;
+- RWKV-4's cache keeps (num, den, max) with the real state num * exp(max); mixc's rwkv4 takes
+  the unscaled state, so the keys are shifted by the state's scale (_rwkv4).
 """
 from __future__ import annotations
 
@@ -251,10 +253,55 @@ def _mamba(mode: str, op_kwargs: dict) -> dict:
             "mamba_inner_fn": inner_fn}
 
 
+# ---- RWKV-4 (transformers' Rwkv) ----
+
+def _rwkv4(mode: str, op_kwargs: dict) -> dict:
+    op = spec_op("rwkv4")
+
+    def linear_attention(time_decay, time_first, key, value, state=None, return_state=False):
+        """transformers' rwkv_linear_attention: key, value [batch, T, C]; time_decay (w),
+        time_first (u) [C]; state (num, den, max) [batch, C] each, the real numerator and
+        denominator num * exp(max), den * exp(max). Returns (output [batch, T, C], the new
+        (num, den, max) or None)."""
+        if key.dim() != 3 or value.shape != key.shape:
+            raise ArgumentError(f"key, value: expected [batch, T, channels] each, got {list(key.shape)} and "
+                                f"{list(value.shape)}")
+        # one head per channel (V = 1), computed in float32 as transformers' own loop does
+        k, v = key.float(), value.float()[..., None]
+        if state is None and not return_state:
+            o, _ = op(k=k, v=v, w=time_decay, u=time_first, mode=mode, **op_kwargs)
+            return o[..., 0].to(key.dtype), None
+        # mixc's states are the unscaled num * exp(max), which overflows past max = 88. The
+        # output does not change when a channel's keys and its state's log scale move by the same
+        # c, so the op runs on k - c with the state at scale c = max(max, largest key): every
+        # exponent it sees is <= 0 and the state it returns is the cache's num, den at max = c.
+        # (A state below the call's largest exp(k) by more than exp(-87) underflows to 0, where
+        # transformers' running max keeps it: it weighs less than that key does.)
+        c = k.detach().amax(1)
+        if state is None:
+            init = None
+        else:
+            num, den, mx = (s.float() for s in state)
+            c = torch.maximum(c, mx)
+            rel = torch.exp(mx - c)
+            init = {"a": (num * rel)[..., None], "b": den * rel}
+        k = k - c[:, None]
+        if key.shape[1] == 1 and init is not None:       # decode
+            o, st = op.step(k=k[:, 0], v=v[:, 0], w=time_decay, u=time_first, state=init, mode=mode)
+            o = o[:, None]
+        else:
+            o, st = op(k=k, v=v, w=time_decay, u=time_first, initial_state=init, output_final_state=True,
+                       mode=mode, **op_kwargs)
+        return o[..., 0].to(key.dtype), [_cast_state(st, "a")[..., 0], _cast_state(st, "b"), c]
+
+    return {"rwkv_linear_attention": linear_attention}
+
+
 _FACTORIES = {
     "gated_delta_rule": _delta_rule_family("gated_delta_rule", "torch_chunk_gated_delta_rule",
                                            "torch_recurrent_gated_delta_rule"),
     "kda": _delta_rule_family("kda", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),
     "mamba2": _mamba2,
     "mamba": _mamba,
+    "rwkv4": _rwkv4,
 }

@@ -7,10 +7,10 @@
 
 transformers' mixer layers (Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention, MambaMixer,
 Mamba2Mixer and its copies in Bamba, FalconH1, Zamba2, NemotronH, GraniteMoeHybrid, Jamba's
-and FalconMamba's MambaMixer, OlmoHybrid's GatedDeltaNet) compute their projections, short
+and FalconMamba's MambaMixer, OlmoHybrid's GatedDeltaNet, RWKV's RwkvSelfAttention) compute their projections, short
 convolution, gate and norm in their own forward and call one module-level function for the
-core: `torch_chunk_gated_delta_rule`, `mamba2_chunk_scan`, `mamba_selective_scan`, ... with
-fla's or mamba_ssm's signature (transformers binds them to fla / mamba_ssm when installed, to
+core: `torch_chunk_gated_delta_rule`, `mamba2_chunk_scan`, `mamba_selective_scan`,
+`rwkv_linear_attention`, ... with fla's or mamba_ssm's signature (transformers binds them to fla / mamba_ssm when installed, to
 its pure-torch loops otherwise). patch() gives each such layer its own copy of its forward
 whose global names point at mixc's ops (hf_cores.py) instead: the model's code, weights and
 cache layout stay as they are, nothing global changes (other layers, other models and the
@@ -37,7 +37,11 @@ FAMILIES = {
     "kda": ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),
     "mamba2": ("mamba2_chunk_scan", "mamba2_selective_state_update", "mamba2_split_conv1d_scan_combined"),
     "mamba": ("mamba_selective_scan", "mamba_selective_state_update", "mamba_inner_fn"),
+    "rwkv4": ("rwkv_linear_attention",),
 }
+# transformers' pure-torch function for a core function that dispatches by itself (no
+# `__wrapped__` fallback): RWKV's picks its CUDA kernel when the `kernels` package loaded it
+_TORCH_PATHS = {"rwkv_linear_attention": "rwkv_linear_attention_cpu"}
 MODES = ("auto", "chunk", "recurrent", "torch", "reference")
 _MARK = "_mixc_patch"
 
@@ -55,7 +59,7 @@ def find_mixers(model: torch.nn.Module) -> dict[str, str]:
 
 def patch(model: torch.nn.Module, mode: str = "auto", **op_kwargs) -> torch.nn.Module:
     """Swap the core of every mixer layer of a transformers model for mixc's op of its spec
-    (gated_delta_rule, kda, mamba2, mamba), prefill and decode, in place; returns the model.
+    (gated_delta_rule, kda, mamba2, mamba, rwkv4), prefill and decode, in place; returns the model.
     mode: the op's mode ("auto": the kernels on CUDA or under TRITON_INTERPRET=1, plain torch
     otherwise; "chunk", "recurrent", "torch", "reference": float64, cast back). op_kwargs go to
     every call of the op (e.g. chunk=32). Patching again replaces the earlier patch."""
@@ -68,7 +72,7 @@ def patch(model: torch.nn.Module, mode: str = "auto", **op_kwargs) -> torch.nn.M
             f"model: {type(model).__name__} has no mixer layer mixc can patch (a layer whose forward "
             f"calls one of {', '.join(n for names in FAMILIES.values() for n in names[:2])}); "
             "transformers' Qwen3-Next, Kimi-Linear, Mamba, Mamba-2, Bamba, FalconH1, Zamba2, NemotronH, "
-            "Jamba, GraniteMoeHybrid and OlmoHybrid have one")
+            "Jamba, GraniteMoeHybrid, OlmoHybrid and RWKV have one")
     if mode == "chunk":
         for name, family in found.items():
             if "chunk" not in hf_cores.spec_op(family).plan().forms:
@@ -107,6 +111,8 @@ def torch_fallback(model: torch.nn.Module) -> torch.nn.Module:
             inner = getattr(f, "__wrapped__", None)
             if inner is not None and getattr(f, "__module__", None) == fn.__module__:
                 fallbacks[name] = inspect.unwrap(f)
+            elif _TORCH_PATHS.get(name) in fn.__globals__:
+                fallbacks[name] = fn.__globals__[_TORCH_PATHS[name]]
         _rebind(module, fallbacks, mark=("transformers", "torch"))
     return model
 

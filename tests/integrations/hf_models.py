@@ -2,6 +2,8 @@
 hidden 32, two layers (a mixer and, in hybrids, an attention layer), vocab 64, small heads;
 weights drawn with a fixed seed and a larger init scale than the library default (0.02 gives
 logits within 0.4 of each other, where greedy decoding is decided by rounding)."""
+import math
+
 import torch
 import transformers as T
 
@@ -99,14 +101,27 @@ def _granite_moe_hybrid():
         mamba_chunk_size=8, initializer_range=INIT, **_TOKENS))
 
 
+def _rwkv():
+    # RWKV-4. Its init ties every time_first (u) to 1 and draws the head orthogonal with gain
+    # 0.5 (logits within ~2): u is redrawn per channel and the head scaled by 4
+    model = T.RwkvForCausalLM(T.RwkvConfig(
+        vocab_size=VOCAB, context_length=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+        intermediate_size=64, **_TOKENS))
+    with torch.no_grad():
+        for block in model.rwkv.blocks:
+            block.attention.time_first.copy_(math.log(0.3) + 0.5 * torch.randn(32))
+        model.head.weight.mul_(4)
+    return model
+
+
 MODELS = {
     "qwen3_next": _qwen3_next, "kimi_linear": _kimi_linear, "mamba": _mamba, "mamba2": _mamba2,
     "bamba": _bamba, "falcon_h1": _falcon_h1, "zamba2": _zamba2, "nemotron_h": _nemotron_h,
     "jamba": _jamba, "granite_moe_hybrid": _granite_moe_hybrid, "olmo_hybrid": _olmo_hybrid,
-    "falcon_mamba": _falcon_mamba,
+    "falcon_mamba": _falcon_mamba, "rwkv": _rwkv,
 }
 SPEC_OF = {"qwen3_next": "gated_delta_rule", "olmo_hybrid": "gated_delta_rule", "kimi_linear": "kda",
-           "mamba": "mamba", "falcon_mamba": "mamba", "jamba": "mamba"}       # the others: mamba2
+           "mamba": "mamba", "falcon_mamba": "mamba", "jamba": "mamba", "rwkv": "rwkv4"}       # the others: mamba2
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
