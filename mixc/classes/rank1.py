@@ -48,6 +48,68 @@ class Rank1(TransitionClass):
     def decay_axes(self, st, kd, vd):
         return () if self.decay_is_vector(st) else kd
 
+    # rank1.j2; code.extra[S] holds the state's L and R matrices (sanitized)
+    def chunk_inputs(self, code, st, em, kd) -> dict[str, str]:
+        pieces = st.ir_pieces                # left * (right @ S): the rows of l and r
+        return {"L": code.matrix(em, em(pieces.left), kd), "R": code.matrix(em, em(pieces.right), kd)}
+
+    def chunk_setup(self, code, st, parts) -> list[str]:
+        K, V = parts[:2]
+        n, LR = st.name, code.extra[st.name]
+        return [code.shifted(st, f"_b_{n}", f"_bx_{n}"), code.shifted(st, f"_z_{n}", f"_zx_{n}")] + self.render(
+            code, "setup", n=n, K=K, V=V, L=LR["L"], R=LR["R"], ok=code.pair_ok(st, f"_zx_{n}"),
+            vector=self.decay_is_vector(st))
+
+    def _query(self, code, st, prev: bool) -> dict[str, str]:
+        """b at the query rows, their weight from the chunk's start and the no-reset pair mask
+        (b_{i-1} for prev: setup's shifted rows)."""
+        n, x = st.name, "x" if prev else ""
+        return {"bq": f"_b{x}_{n}", "bq0": f"_b{x}0_{n}", "ok": code.pair_ok(st, f"_z{x}_{n}")}
+
+    def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
+        return self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, L=code.extra[st.name]["L"], prev=prev,
+                           vector=self.decay_is_vector(st), **self._query(code, st, prev))
+
+    def chunk_advance(self, code, st, parts) -> list[str]:
+        K, V = parts[:2]
+        return self.render(code, "advance", n=st.name, K=K, V=V, L=code.extra[st.name]["L"],
+                           vector=self.decay_is_vector(st))
+
+    @staticmethod
+    def _grads(code, G) -> dict[str, str]:
+        """Fresh names of one stage's dK, dV, dS0, db, dL, dU, registered in G."""
+        dK, dV, dS0, db = code.grad_names(G, "w", with_db=True)
+        t = code.fresh("w")
+        G["dL"].append(f"_dL{t}")
+        G["dU"].append(f"_dU{t}")
+        return {"dK": dK, "dV": dV, "dS0": dS0, "db": db, "dL": f"_dL{t}", "dU": f"_dU{t}"}
+
+    def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
+        names = self._grads(code, G)
+        return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, L=code.extra[st.name]["L"],
+                           prev=prev, vector=self.decay_is_vector(st), dQ=dQ, **self._query(code, st, prev),
+                           **names) + code.query_side(st, names["db"], prev)
+
+    def chunk_advance_backward(self, code, st, parts, G) -> list[str]:
+        K, V = parts[:2]
+        return self.render(code, "advance_backward", n=st.name, K=K, V=V, L=code.extra[st.name]["L"],
+                           vector=self.decay_is_vector(st), **self._grads(code, G))
+
+    def chunk_setup_backward(self, code, st, parts, G) -> tuple[list[str], list]:
+        K, V, g, kd, vd = parts
+        n, LR = st.name, code.extra[st.name]
+        dR = code.fresh("dRt")
+        dK, dV, dS0, db = code.grad_names(G, "y", with_db=True)
+        dL = f"_dL{code.fresh('y')}"
+        dU = " + ".join(G["dU"])             # every dU above: the readouts' and the update's
+        G["dL"].append(dL)
+        lines = self.render(code, "setup_backward", n=n, K=K, V=V, L=LR["L"], R=LR["R"],
+                            ok=code.pair_ok(st, f"_zx_{n}"), vector=self.decay_is_vector(st), dU=dU, dR=dR, dK=dK,
+                            dV=dV, dS0=dS0, db=db, dL=dL)
+        rows = ("_T",) + kd                  # dR and dL seed the spec's right and left
+        return lines, [(st.ir_pieces.right, code.unflat(dR, rows), rows),
+                       (st.ir_pieces.left, code.unflat(" + ".join(G["dL"]), rows), rows)]
+
     # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
     def decay_axis(self, st) -> str | None:
         return "key" if st.decay_dims else "scalar"     # the delta rule has g = 0 as a scalar

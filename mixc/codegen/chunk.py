@@ -52,7 +52,7 @@ class ChunkCode:
         self.n = 0
         self.stab = plan.stabilizer
         self.states = tuple(self._stabilized(st) for st in plan.states)
-        self.rank1_parts: dict[str, tuple[str, str]] = {}      # state -> (L, R) matrices
+        self.extra: dict[str, dict[str, str]] = {}      # state -> its class's own matrices (rank-1: L, R)
         self.tile = plan.layout.tile
 
     def _stabilized(self, st: P.StatePlan) -> P.StatePlan:
@@ -157,9 +157,9 @@ class ChunkCode:
             K = self.matrix(em, em(pieces.key), kd)
             V = self.matrix(em, em(pieces.value) if pieces.value is not None else ("1.0", ()), vd)
             g = None
-            if st.transition == P.RANK1:          # left * (right @ S): the WY/UT form (rank1_setup)
-                self.rank1_parts[st.name] = (self.matrix(em, em(pieces.left), kd), self.matrix(em, em(pieces.right), kd))
-            g_axes = classes.unit(st.transition).decay_axes(st, kd, vd)
+            unit = classes.unit(st.transition)
+            self.extra[st.name] = unit.chunk_inputs(self, st, em, kd)
+            g_axes = unit.decay_axes(st, kd, vd)
             if g_axes is not None:                # the log decay: [C] or [C, key or value axes]
                 gv = em(pieces.log_decay)
                 if not g_axes:
@@ -181,9 +181,8 @@ class ChunkCode:
         if self.stab is not None:
             body += self.stabilizer_rows(em)
             mark = len(em.lines)
-        for st in self.states:
-            if st.transition == P.RANK1:
-                body += self.rank1_setup(st, per_state[st.name])
+        for st in self.states:      # what the class's readouts and update share (rank-1: U)
+            body += classes.unit(st.transition).chunk_setup(self, st, per_state[st.name])
 
         # readouts: per term the query matrix, the scale and the unscaled value
         out_env = dict(env)
@@ -294,7 +293,7 @@ class ChunkCode:
         state after its chunk too, as the recurrence would give."""
         K, V, g, kd, vd = per_state[st.name]
         n, I = st.name, I2
-        parts = [("K", K), ("V", V)] + list(zip(("L", "R"), self.rank1_parts.get(n, ())))
+        parts = [("K", K), ("V", V)] + list(self.extra[n].items())
         checks = [f"tl.max(tl.where(tl.abs({x}) < float('inf'), 0, 1), axis=1)" for _, x in parts]
         lines = [f"{I}_bad_{n} = {' | '.join(checks)}"]
         clean = {}
@@ -302,8 +301,7 @@ class ChunkCode:
             clean[role] = f"_{role}c_{n}"
             lines.append(f"{I}{clean[role]} = tl.where(_bad_{n}[:, None] > 0, 0.0, {x})")
         per_state[n] = (clean["K"], clean["V"], g, kd, vd)
-        if n in self.rank1_parts:
-            self.rank1_parts[n] = (clean["L"], clean["R"])
+        self.extra[n] = {role: clean[role] for role in self.extra[n]}
         return lines
 
     def cumulative_decay(self, st: P.StatePlan, g: str) -> list[str]:
@@ -424,89 +422,12 @@ class ChunkCode:
             return bl0, kw
         return f"({bl0} + _M0 - _mnew)", f"({kw} + _gi - _mnew)"
 
-    # ---- the rank-1 class: the WY/UT form ----
-    def rank1_setup(self, st: P.StatePlan, parts) -> list[str]:
-        """U [C, VF]: with b the cumulative log decay, X_t = exp(-b_t) S_t gains l~_t u_t^T +
-        k~_t v_t^T per token, u_t = r~_t . X_{t-1}; over the chunk, by forward substitution,
-
-            (I - A_rl) U = (R * exp(b_{j-1})) S0 + A_rk V,
-            A_xy[j, i] = sum_k x_jk y_ik exp(b_{j-1,k} - b_ik)  (i < j)
-
-        (a scalar decay: A_xy = (X Y^T) * exp(b_{j-1} - b_i)). Also _bx_<S> = b_{j-1}, and its
-        resets _zx_<S> and weight from the chunk's start _bx0_<S>."""
-        K, V, g, kd, vd = parts
-        L, R = self.rank1_parts[st.name]
-        n, I = st.name, I2
-        strict = "(_offs__T[:, None] > _offs__T[None, :])"
-        b, bx = f"_b_{n}", f"_bx_{n}"
-        ok = self.pair_ok(st, f"_zx_{n}")
-        lines = [self.shifted(st, b, bx), self.shifted(st, f"_z_{n}", f"_zx_{n}"),
-                 f"{I}_bx0_{n} = tl.where(_zx_{n} > 0, float('-inf'), {bx})"]
-        if g_is_vector(st):
-            lines += [f"{I}_E = tl.exp(tl.where({strict} & {ok}, {bx}[:, None] - {b}[None, :], float('-inf')))",
-                      f"{I}_Arl_{n} = _mixc_dot({R}, tl.trans({L}), DOT) * _E",
-                      f"{I}_Ark_{n} = _mixc_dot({R}, tl.trans({K}), DOT) * _E",
-                      f"{I}_Rh_{n} = {R} * tl.exp(_bx0_{n})[:, None]"]
-        else:
-            lines += [f"{I}_E = tl.exp(tl.where({strict}[:, :, None] & {ok}, {bx}[:, None, :] - {b}[None, :, :], "
-                      "float('-inf')))",
-                      f"{I}_Arl_{n} = tl.sum({R}[:, None, :] * {L}[None, :, :] * _E, axis=2)",
-                      f"{I}_Ark_{n} = tl.sum({R}[:, None, :] * {K}[None, :, :] * _E, axis=2)",
-                      f"{I}_Rh_{n} = {R} * tl.exp(_bx0_{n})"]
-        lines += [f"{I}_Y_{n} = _mixc_dot(_Rh_{n}, s_{n}, DOT) + _mixc_dot(_Ark_{n}, {V}, DOT)",
-                  f"{I}_U_{n} = _mixc_solve_lower(_Arl_{n}, _Y_{n}, _offs__T, _BLOCK__T)"]
-        return lines
-
-    def rank1_readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
-        L, _ = self.rank1_parts[st.name]
-        n, I = st.name, I2
-        causal = f"(_offs__T[:, None] {'>' if prev else '>='} _offs__T[None, :])"
-        b = f"_b_{n}"
-        bq, bq0, ok = self.rank1_query(st, prev)
-        if g_is_vector(st):
-            return [f"{I}_D = tl.exp(tl.where({causal} & {ok}, {bq}[:, None] - {b}[None, :], float('-inf')))",
-                    f"{I}_Aql = _mixc_dot({Q}, tl.trans({L}), DOT) * _D",
-                    f"{I}_Aqk = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
-                    f"{I}{R} = _mixc_dot({Q} * tl.exp({bq0})[:, None], s_{n}, DOT) + _mixc_dot(_Aql, _U_{n}, DOT) "
-                    f"+ _mixc_dot(_Aqk, {V}, DOT)"]
-        return [f"{I}_D = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
-                "float('-inf')))",
-                f"{I}_Aql = tl.sum({Q}[:, None, :] * {L}[None, :, :] * _D, axis=2)",
-                f"{I}_Aqk = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _D, axis=2)",
-                f"{I}{R} = _mixc_dot({Q} * tl.exp({bq0}), s_{n}, DOT) + _mixc_dot(_Aql, _U_{n}, DOT) "
-                f"+ _mixc_dot(_Aqk, {V}, DOT)"]
-
-    def rank1_query(self, st: P.StatePlan, prev: bool) -> tuple[str, str, str]:
-        """(b at the query rows, their weight from the chunk's start, the no-reset pair mask)
-        of a rank-1 readout (b_{i-1} from rank1_setup for prev)."""
-        n = st.name
-        if prev:
-            return f"_bx_{n}", f"_bx0_{n}", self.pair_ok(st, f"_zx_{n}")
-        return f"_b_{n}", f"_b0_{n}", self.pair_ok(st, f"_z_{n}")
-
-    def rank1_advance(self, st: P.StatePlan, parts) -> list[str]:
-        K, V, g, kd, vd = parts
-        L, _ = self.rank1_parts[st.name]
-        n, I, S = st.name, I2, f"s_{st.name}"
-        kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
-        if g_is_vector(st):
-            return [f"{I}_w = tl.exp({kw})[:, None]",
-                    f"{I}{S} = tl.exp({bl0}) * {S} + _mixc_dot(tl.trans({L} * _w), _U_{n}, DOT) + "
-                    f"_mixc_dot(tl.trans({K} * _w), {V}, DOT)"]
-        return [f"{I}_w = tl.exp({kw})",
-                f"{I}{S} = tl.exp({bl0})[:, None] * {S} + _mixc_dot(tl.trans({L} * _w), _U_{n}, DOT) + "
-                f"_mixc_dot(tl.trans({K} * _w), {V}, DOT)"]
-
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (or S_{t-1}) for the C query rows Q: the class's stage."""
-        if st.transition == P.RANK1:
-            return self.rank1_readout(st, R, Q, K, V, prev)
         return classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev)
 
     def advance(self, st: P.StatePlan, parts) -> list[str]:
         """s_<S> = S_C, the state at the chunk's end: the class's stage."""
-        if st.transition == P.RANK1:
-            return self.rank1_advance(st, parts)
         return classes.unit(st.transition).chunk_advance(self, st, parts)
 
 

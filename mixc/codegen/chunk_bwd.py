@@ -61,25 +61,21 @@ class ChunkBackward(ChunkCode):
                 if sc is not None:
                     dsc = self.fresh("dsc")
                     L(f"{I2}{dsc} = {dR} * {core}")
-                    seeds.append((t.scale, self._unflat(dsc, ("_T",) + vd), ("_T",) + vd))
+                    seeds.append((t.scale, self.unflat(dsc, ("_T",) + vd), ("_T",) + vd))
                     dcore = self.fresh("dR")
                     L(f"{I2}{dcore} = {dR} * {sc}")
                 dQ = self.fresh("dQ")
                 body += self.readout_backward(st, dcore, Q, K, V, r.prev, dQ, grads[n])
                 if t.proj is not None:
-                    seeds.append((t.proj, self._unflat(dQ, ("_T",) + kd), ("_T",) + kd))
+                    seeds.append((t.proj, self.unflat(dQ, ("_T",) + kd), ("_T",) + kd))
         # the state updates (dL/dS_C is d_<state>)
         for st in self.states:
             body += self.advance_backward(st, per_state[st.name], grads[st.name])
-        # the rank-1 class: back through the triangular solve of U (chunk.py's rank1_setup)
+        # back through the class's setup (rank-1: the triangular solve of U)
         for st in self.states:
-            if st.transition == P.RANK1:
-                dR = self.fresh("dRt")
-                body += self.rank1_solve_backward(st, per_state[st.name], grads[st.name], dR)
-                kd = per_state[st.name][3]
-                seeds.append((st.ir_pieces.right, self._unflat(dR, ("_T",) + kd), ("_T",) + kd))
-                seeds.append((st.ir_pieces.left, self._unflat(" + ".join(grads[st.name]["dL"]), ("_T",) + kd),
-                              ("_T",) + kd))
+            lines, more = classes.unit(st.transition).chunk_setup_backward(self, st, per_state[st.name], grads[st.name])
+            body += lines
+            seeds += more
 
         # 4. per-token log-decay gradients; the state gradient moves to the chunk start
         for st in self.states:
@@ -93,12 +89,11 @@ class ChunkBackward(ChunkCode):
                 # a reset's pairs all weigh exp(-inf) = 0: its gradient is 0, not the rounding
                 # left by the cancelling pairs of the reverse cumsum
                 L(f"{I2}_dg_{n} = tl.where(_r_{n}, 0.0, tl.cumsum(_db_{n}, axis=0, reverse=True))")
-                on_keys = st.transition in (P.KEY_DIAG, P.RANK1)
-                gdims = ("_T",) if g_is_vector(st) else ("_T",) + (kd if on_keys else vd)
-                seeds.append((st.ir_pieces.log_decay, self._unflat(f"_dg_{n}", gdims), gdims))
-            seeds.append((st.ir_pieces.key, self._unflat(" + ".join(G["dK"]), ("_T",) + kd), ("_T",) + kd))
+                gdims = ("_T",) + classes.unit(st.transition).decay_axes(st, kd, vd)
+                seeds.append((st.ir_pieces.log_decay, self.unflat(f"_dg_{n}", gdims), gdims))
+            seeds.append((st.ir_pieces.key, self.unflat(" + ".join(G["dK"]), ("_T",) + kd), ("_T",) + kd))
             if st.ir_pieces.value is not None:
-                seeds.append((st.ir_pieces.value, self._unflat(" + ".join(G["dV"]), ("_T",) + vd), ("_T",) + vd))
+                seeds.append((st.ir_pieces.value, self.unflat(" + ".join(G["dV"]), ("_T",) + vd), ("_T",) + vd))
 
         if self.stab is not None:     # the gate's exponent: its key-side log weights
             di = [x for n in self.stab.states for x in grads[n]["di"]]
@@ -215,7 +210,7 @@ class ChunkBackward(ChunkCode):
         out = f"tl.where({mask}, {full}, 0.0)"
         return out if len(vd) == 1 else f"tl.reshape({out}, [_BLOCK__T, {self._blocks(vd)}])"
 
-    def _unflat(self, var: str, dims) -> str | None:
+    def unflat(self, var: str, dims) -> str | None:
         """A [C, flat] gradient matrix back to the axes of `dims` (the key or value dims)."""
         if not var:
             return None
@@ -223,62 +218,6 @@ class ChunkBackward(ChunkCode):
         if len(axes) <= 1:
             return var
         return f"tl.reshape({var}, [_BLOCK__T, {', '.join(f'_BLOCK_{d}' for d in axes)}])"
-
-    # ---- the rank-1 class (chunk.py: rank1_setup, rank1_readout, rank1_advance) ----
-    def _rank1_names(self, G: dict) -> tuple[str, ...]:
-        dK, dV, dS0, db = self.grad_names(G, "w", with_db=True)
-        t = self.fresh("w")
-        dL, dU = f"_dL{t}", f"_dU{t}"
-        G["dL"].append(dL)
-        G["dU"].append(dU)
-        return dK, dV, dS0, db, dL, dU
-
-    def rank1_readout_backward(self, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
-        L, _ = self.rank1_parts[st.name]
-        n, I, S, U = st.name, I2, f"s_{st.name}", f"_U_{st.name}"
-        dK, dV, dS0, db, dL, dU = self._rank1_names(G)
-        causal = f"(_offs__T[:, None] {'>' if prev else '>='} _offs__T[None, :])"
-        b = f"_b_{n}"
-        bq, bq0, ok = self.rank1_query(st, prev)
-        span = _span(prev)
-        if g_is_vector(st):
-            lines = [f"{I}_D = tl.exp(tl.where({causal} & {ok}, {bq}[:, None] - {b}[None, :], float('-inf')))",
-                     f"{I}_Aql = _mixc_dot({Q}, tl.trans({L}), DOT) * _D",
-                     f"{I}_Aqk = _mixc_dot({Q}, tl.trans({K}), DOT) * _D",
-                     f"{I}_dAql = _mixc_dot({dR}, tl.trans({U}), DOT)",
-                     f"{I}_dAqk = _mixc_dot({dR}, tl.trans({V}), DOT)",
-                     f"{I}_eb = tl.exp({bq0})",
-                     f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
-                     f"{I}{dQ} = _mixc_dot(_dAql * _D, {L}, DOT) + _mixc_dot(_dAqk * _D, {K}, DOT) + _Gq * _eb[:, None]",
-                     f"{I}{dL} = _mixc_dot(tl.trans(_dAql * _D), {Q}, DOT)",
-                     f"{I}{dK} = _mixc_dot(tl.trans(_dAqk * _D), {Q}, DOT)",
-                     f"{I}{dU} = _mixc_dot(tl.trans(_Aql), {dR}, DOT)",
-                     f"{I}{dV} = _mixc_dot(tl.trans(_Aqk), {dR}, DOT)",
-                     f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb[:, None]), {dR}, DOT)",
-                     f"{I}_E = tl.where({span}, _dAql * _Aql + _dAqk * _Aqk, 0.0)",
-                     f"{I}_dbq = tl.sum(_E, axis=1) + tl.sum(_Gq * {Q}, axis=1) * _eb",
-                     f"{I}{db} = -tl.sum(_E, axis=0)"]
-        else:
-            lines = [f"{I}_D = tl.exp(tl.where({causal}[:, :, None] & {ok}, {bq}[:, None, :] - {b}[None, :, :], "
-                     "float('-inf')))",
-                     f"{I}_Aql = tl.sum({Q}[:, None, :] * {L}[None, :, :] * _D, axis=2)",
-                     f"{I}_Aqk = tl.sum({Q}[:, None, :] * {K}[None, :, :] * _D, axis=2)",
-                     f"{I}_Xl = _mixc_dot({dR}, tl.trans({U}), DOT)[:, :, None] * _D",
-                     f"{I}_Xk = _mixc_dot({dR}, tl.trans({V}), DOT)[:, :, None] * _D",
-                     f"{I}_eb = tl.exp({bq0})",
-                     f"{I}_Gq = _mixc_dot({dR}, tl.trans({S}), DOT)",
-                     f"{I}{dQ} = tl.sum(_Xl * {L}[None, :, :], axis=1) + tl.sum(_Xk * {K}[None, :, :], axis=1) "
-                     "+ _Gq * _eb",
-                     f"{I}{dL} = tl.sum(_Xl * {Q}[:, None, :], axis=0)",
-                     f"{I}{dK} = tl.sum(_Xk * {Q}[:, None, :], axis=0)",
-                     f"{I}{dU} = _mixc_dot(tl.trans(_Aql), {dR}, DOT)",
-                     f"{I}{dV} = _mixc_dot(tl.trans(_Aqk), {dR}, DOT)",
-                     f"{I}{dS0} = _mixc_dot(tl.trans({Q} * _eb), {dR}, DOT)",
-                     f"{I}_E = tl.where({span}[:, :, None], _Xl * {Q}[:, None, :] * {L}[None, :, :] + "
-                     f"_Xk * {Q}[:, None, :] * {K}[None, :, :], 0.0)",
-                     f"{I}_dbq = tl.sum(_E, axis=1) + _Gq * {Q} * _eb",
-                     f"{I}{db} = -tl.sum(_E, axis=0)"]
-        return lines + self.query_side(st, db, prev)
 
     def query_side(self, st, db: str, prev: bool) -> list[str]:
         """_dbq, the gradient of the query rows' b, into db (b_{i-1} for prev: row i - 1)."""
@@ -290,106 +229,14 @@ class ChunkBackward(ChunkCode):
             return [f"{I}{db} = {db} + tl.sum(tl.where({back}, _dbq[None, :], 0.0), axis=1)"]
         return [f"{I}{db} = {db} + tl.sum(tl.where({back}[:, :, None], _dbq[None, :, :], 0.0), axis=1)"]
 
-    def rank1_advance_backward(self, st, parts, G) -> list[str]:
-        K, V, g, kd, vd = parts
-        L, _ = self.rank1_parts[st.name]
-        n, I, S, dS, U = st.name, I2, f"s_{st.name}", f"d_{st.name}", f"_U_{st.name}"
-        dK, dV, dS0, db, dL, dU = self._rank1_names(G)
-        kw, bl0 = f"_kw_{n}", f"_bl0_{n}"
-        if g_is_vector(st):
-            return [f"{I}_w = tl.exp({kw})",
-                    f"{I}{dS0} = tl.exp({bl0}) * {dS}",
-                    f"{I}_dLw = _mixc_dot({U}, tl.trans({dS}), DOT)",
-                    f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
-                    f"{I}{dL} = _dLw * _w[:, None]",
-                    f"{I}{dK} = _dKw * _w[:, None]",
-                    f"{I}{dU} = _mixc_dot({L} * _w[:, None], {dS}, DOT)",
-                    f"{I}{dV} = _mixc_dot({K} * _w[:, None], {dS}, DOT)",
-                    f"{I}_F = tl.where({LAST}, 0.0, (tl.sum(_dLw * {L}, axis=1) + tl.sum(_dKw * {K}, axis=1)) * _w)",
-                    f"{I}{db} = -_F",
-                    f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}) * tl.exp({bl0})"]
-        return [f"{I}_w = tl.exp({kw})",
-                f"{I}{dS0} = tl.exp({bl0})[:, None] * {dS}",
-                f"{I}_dLw = _mixc_dot({U}, tl.trans({dS}), DOT)",
-                f"{I}_dKw = _mixc_dot({V}, tl.trans({dS}), DOT)",
-                f"{I}{dL} = _dLw * _w",
-                f"{I}{dK} = _dKw * _w",
-                f"{I}{dU} = _mixc_dot({L} * _w, {dS}, DOT)",
-                f"{I}{dV} = _mixc_dot({K} * _w, {dS}, DOT)",
-                f"{I}_F = tl.where({LAST}[:, None], 0.0, (_dLw * {L} + _dKw * {K}) * _w)",
-                f"{I}{db} = -_F",
-                f"{I}_dbl_{n} = tl.sum(_F, axis=0) + tl.sum({S} * {dS}, axis=1) * tl.exp({bl0})"]
-
-    def rank1_solve_backward(self, st, parts, G, dR: str) -> list[str]:
-        """Through (I - A_rl) U = R^ S0 + A_rk V: dY = (I - A_rl)^-T dU (back substitution),
-        dA_rl = dY U^T and dA_rk = dY V^T below the diagonal; dR (assigned), and dL, dK, dV,
-        dS0, db contributions."""
-        K, V, g, kd, vd = parts
-        L, R = self.rank1_parts[st.name]
-        n, I, S, U = st.name, I2, f"s_{st.name}", f"_U_{st.name}"
-        dK, dV, dS0, db = self.grad_names(G, "y", with_db=True)
-        dL = f"_dL{self.fresh('y')}"
-        G["dL"].append(dL)
-        strict = "(_offs__T[:, None] > _offs__T[None, :])"
-        back = "(_offs__T[None, :] - 1 == _offs__T[:, None])"
-        b, bx = f"_b_{n}", f"_bx_{n}"
-        ok, span = self.pair_ok(st, f"_zx_{n}"), _span(True)
-        lines = [f"{I}_dY = _mixc_solve_upper_t(_Arl_{n}, {' + '.join(G['dU'])}, _offs__T, _BLOCK__T)",
-                 f"{I}_dArl = tl.where({strict}, _mixc_dot(_dY, tl.trans({U}), DOT), 0.0)",
-                 f"{I}_dArk = tl.where({strict}, _mixc_dot(_dY, tl.trans({V}), DOT), 0.0)",
-                 f"{I}_dRh = _mixc_dot(_dY, tl.trans({S}), DOT)",
-                 f"{I}{dV} = _mixc_dot(tl.trans(_Ark_{n}), _dY, DOT)",
-                 f"{I}{dS0} = _mixc_dot(tl.trans(_Rh_{n}), _dY, DOT)"]
-        if g_is_vector(st):
-            lines += [f"{I}_E = tl.exp(tl.where({strict} & {ok}, {bx}[:, None] - {b}[None, :], float('-inf')))",
-                      f"{I}_Pl = _dArl * _E",
-                      f"{I}_Pk = _dArk * _E",
-                      f"{I}{dR} = _dRh * tl.exp(_bx0_{n})[:, None] + _mixc_dot(_Pl, {L}, DOT) + "
-                      f"_mixc_dot(_Pk, {K}, DOT)",
-                      f"{I}{dL} = _mixc_dot(tl.trans(_Pl), {R}, DOT)",
-                      f"{I}{dK} = _mixc_dot(tl.trans(_Pk), {R}, DOT)",
-                      f"{I}_Ey = tl.where({span}, _dArl * _Arl_{n} + _dArk * _Ark_{n}, 0.0)",
-                      f"{I}_dbx = tl.sum(_dRh * _Rh_{n}, axis=1) + tl.sum(_Ey, axis=1)",
-                      f"{I}{db} = -tl.sum(_Ey, axis=0) + tl.sum(tl.where({back}, _dbx[None, :], 0.0), axis=1)"]
-        else:
-            lines += [f"{I}_E = tl.exp(tl.where({strict}[:, :, None] & {ok}, {bx}[:, None, :] - {b}[None, :, :], "
-                      "float('-inf')))",
-                      f"{I}_Pl = _dArl[:, :, None] * _E",
-                      f"{I}_Pk = _dArk[:, :, None] * _E",
-                      f"{I}{dR} = _dRh * tl.exp(_bx0_{n}) + tl.sum(_Pl * {L}[None, :, :], axis=1) + "
-                      f"tl.sum(_Pk * {K}[None, :, :], axis=1)",
-                      f"{I}{dL} = tl.sum(_Pl * {R}[:, None, :], axis=0)",
-                      f"{I}{dK} = tl.sum(_Pk * {R}[:, None, :], axis=0)",
-                      f"{I}_Ey = tl.where({span}[:, :, None], _Pl * {R}[:, None, :] * {L}[None, :, :] + "
-                      f"_Pk * {R}[:, None, :] * {K}[None, :, :], 0.0)",
-                      f"{I}_dbx = _dRh * _Rh_{n} + tl.sum(_Ey, axis=1)",
-                      f"{I}{db} = -tl.sum(_Ey, axis=0) + tl.sum(tl.where({back}[:, :, None], _dbx[None, :, :], 0.0), "
-                      "axis=1)"]
-        return lines
-
     def readout_backward(self, st: P.StatePlan, dR: str, Q: str, K: str, V: str, prev: bool, dQ: str,
                          G: dict) -> list[str]:
         """dQ (assigned), and contributions to dK, dV, db and dS0 of one readout term."""
-        if st.transition == P.RANK1:
-            return self.rank1_readout_backward(st, dR, Q, K, V, prev, dQ, G)
         return classes.unit(st.transition).chunk_readout_backward(self, st, dR, Q, K, V, prev, dQ, G)
 
     def advance_backward(self, st: P.StatePlan, parts, G: dict) -> list[str]:
         """Contributions of S_C = f(S0, K, V, b) given d_<state> = dL/dS_C."""
-        if st.transition == P.RANK1:
-            return self.rank1_advance_backward(st, parts, G)
         return classes.unit(st.transition).chunk_advance_backward(self, st, parts, G)
-
-
-def _span(prev: bool) -> str:
-    """The pairs (query row i, key j) that span a log decay: i > j (i - 1 > j for a readout
-    of S_{i-1}, whose query side is b_{i-1})."""
-    return f"(_offs__T[:, None] - {int(prev)} > _offs__T[None, :])"
-
-
-# the chunk's last token: its key weight in S_C, exp(bl - b_last) = 1, spans no log decay (its
-# -F into db and +F into dbl cancel in math, not in fp32): dropped from both
-LAST = "(_offs__T == _n_valid - 1)"
 
 
 def chunk_bwd_hooks(plan: Plan) -> dict:
