@@ -12,7 +12,7 @@ are not generated yet: parallel_form is None, so the recurrent and step kernels 
 backend's token loop) serve the class, and `mixc explain` says so."""
 from __future__ import annotations
 
-from .base import TransitionClass, UpdateShape
+from .base import TransitionClass, UpdateShape, torch_form
 
 
 class RankR(TransitionClass):
@@ -38,6 +38,69 @@ class RankR(TransitionClass):
                 f"A_(t,i),(s,j) = r~_t,i . l~_s,j for s < t (a token's terms all read {S}_{{t-1}})",
                 "its chunked kernels are not generated yet: the recurrent and step kernels serve this "
                 "class (mode='chunk' is refused; mode='auto' takes the recurrent kernels)"]
+
+    # ---- torch form ----
+    # The generalized UT transform on one chunk, in the chunk-at-a-time layout of base.py's
+    # torch form with a term axis: L, R [B, c, H, r, KF] (the r terms l_(t,i), r_(t,i) of a
+    # token), K [B, c, H, m, KF] and V [B, c, H, m, VF] (B_t = sum_m k_(t,m) v_(t,m)^T: DeltaProduct's
+    # input term is a sum of n outer products), S [B, H, KF, VF], bb the chunk's logs
+    # (torch_ops.loop_chunk_logs). Checked in float64 against fla's loop with autograd's
+    # gradients (tests/ops/test_rank_r_torch_form.py). Not served yet (torch_chunked is False):
+    # the runtime hands a state one (L, R) pair and one key (x) value; serving it needs the plan
+    # to carry the r (left, right) pieces and the m (key, value) pieces of B_t, and
+    # codegen/torch_module.py to emit them.
+    torch_batched = False
+
+    def decay_axis(self, st) -> str | None:
+        return "key" if st.decay_dims else "scalar"
+
+    @staticmethod
+    def _per_key(st, bb, KF):
+        if st["decay"] == "scalar":             # the same decay on every key
+            return tuple(x.unsqueeze(-1).expand(x.shape + (KF,)) for x in bb)
+        return bb
+
+    def torch_setup(self, st, K, V, L, R, S, bb):
+        """The C*r rows u_(t,i) = r~_(t,i) . X_{t-1} of a chunk, X_t = exp(-b_t) S_t: with
+        E[t, s] = exp(b_{t-1} - b_s) per key (s < t, per pair: loop_pair_logs),
+
+            (I - A_rl) U = R^ S0 + A_rk V,   A_xy[(t,i), (s,j)] = sum_k x_(t,i)k y_(s,j)k E[t, s]_k
+
+        a [C*r, C*r] unit lower triangular system, block triangular in tokens (a token's r
+        terms all read S_{t-1}: E is -inf, its exp 0, on the diagonal blocks). R^ = R exp(b_{t-1}).
+        Returns (U [B, c, H, r, VF], the chunk's logs per key)."""
+        torch, ops = torch_form()
+        bb = self._per_key(st, bb, K.shape[-1])
+        B, c, H, r, _ = R.shape
+        E = torch.exp(ops.loop_pair_logs(bb[4], True))                            # [B, t, s, H, K]
+        A_rl = torch.einsum("bthik,bshjk,btshk->bhtisj", R, L, E).reshape(B, H, c * r, c * r)
+        A_rk = torch.einsum("bthik,bshmk,btshk->bhtism", R, K, E).reshape(B, H, c * r, -1)
+        Vf = V.permute(0, 2, 1, 3, 4).reshape(B, H, -1, V.shape[-1])              # rows (s, m)
+        Rh = (R * bb[2].exp().unsqueeze(3)).permute(0, 2, 1, 3, 4).reshape(B, H, c * r, -1)
+        Y = torch.einsum("bhxk,bhkv->bhxv", Rh, S) + torch.einsum("bhxy,bhyv->bhxv", A_rk, Vf)
+        eye = torch.eye(c * r, dtype=K.dtype, device=K.device)
+        U = torch.linalg.solve_triangular(eye - A_rl, Y, upper=False, unitriangular=True)
+        return U.reshape(B, H, c, r, -1).permute(0, 2, 1, 3, 4), bb
+
+    def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):
+        """q . S_t (S_{t-1} with prev) for the chunk's rows Q [B, c, H, KF]: X_0 = S0 and every
+        earlier (or this) token's l~ u and k~ v terms."""
+        torch, ops = torch_form()
+        U, bb = ctx
+        bq = bb[2] if prev else bb[0]
+        w = torch.exp(ops.loop_pair_logs(bb[4], prev))                            # [B, t, s, H, K]
+        A_ql = torch.einsum("bthk,bshjk,btshk->bhtsj", Q, L, w)
+        A_qk = torch.einsum("bthk,bshmk,btshk->bhtsm", Q, K, w)
+        return (torch.einsum("bthk,bhkv->bthv", Q * bq.exp(), S) + torch.einsum("bhtsj,bshjv->bthv", A_ql, U)
+                + torch.einsum("bhtsm,bshmv->bthv", A_qk, V))
+
+    def torch_advance(self, st, K, V, L, S, bb, logs, ctx):
+        """S_C = exp(b_C) S0 + sum_(s,j) l_(s,j) exp(b_C - b_s) u_(s,j)^T + the k v terms alike."""
+        torch, _ = torch_form()
+        U, bb = ctx
+        bl, w = bb[1], torch.exp(bb[3]).unsqueeze(3)                              # w [B, c, H, 1, K]
+        return (bl.exp().unsqueeze(-1) * S + torch.einsum("bshjk,bshjv->bhkv", L * w, U)
+                + torch.einsum("bshmk,bshmv->bhkv", K * w, V))
 
 
 UNIT = RankR()
