@@ -86,12 +86,12 @@ class TransitionClass:
     # diagonal decays' (key- and value-diagonal): the others override what differs.
     def decay_is_vector(self, st) -> bool:
         """The chunk's log decay is one number per token, a [C] vector (else [C, axes])."""
-        return False
+        return self.decay_axis(st) == "scalar"
 
     def decay_axes(self, st, kd, vd):
-        """The axes of the chunk's log decay [C, axes] given the state's flat key and value
-        axes: () for a [C] vector, None where the class has no decay."""
-        return None
+        """The axes of the chunk's log decay [C, axes] (decay_axis, given the state's flat key
+        and value axes): () for a [C] vector, None where the class has no decay."""
+        return {None: None, "scalar": (), "key": kd, "value": vd}[self.decay_axis(st)]
 
     def render(self, code, macro: str, **names) -> list[str]:
         """The lines of one macro of the class's template, at the chunk loop's indent."""

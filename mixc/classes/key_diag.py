@@ -31,8 +31,7 @@ class KeyDiagonal(TransitionClass):
                 "diagonal sub-blocks elementwise in fp32"]
 
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    def decay_axes(self, st, kd, vd):
-        return kd
+    # base.py's hooks (the diagonal decays' defaults) render key_diag.j2
 
     # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
     def decay_axis(self, st) -> str | None:

@@ -42,13 +42,8 @@ class Rank1(TransitionClass):
                 "only exponents b_{j-1} - b_i (i < j), b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
 
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    def decay_is_vector(self, st) -> bool:
-        return not st.decay_dims            # a scalar decay (gated DeltaNet), else per key (KDA)
-
-    def decay_axes(self, st, kd, vd):
-        return () if self.decay_is_vector(st) else kd
-
-    # rank1.j2; code.extra[S] holds the state's L and R matrices (sanitized)
+    # rank1.j2, its macros in two variants: vector, a scalar decay (gated DeltaNet's), else per
+    # key (KDA's); code.extra[S] holds the state's L and R matrices (sanitized)
     def chunk_inputs(self, code, st, em, kd) -> dict[str, str]:
         pieces = st.ir_pieces                # left * (right @ S): the rows of l and r
         return {"L": code.matrix(em, em(pieces.left), kd), "R": code.matrix(em, em(pieces.right), kd)}

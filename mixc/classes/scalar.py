@@ -27,12 +27,6 @@ class ScalarDecay(TransitionClass):
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
     # the log weights come from ChunkCode.scalar_logs / scalar_advance_logs, which subtract
     # the stabilizer's m for the states of its group (scalar.j2)
-    def decay_is_vector(self, st) -> bool:
-        return True
-
-    def decay_axes(self, st, kd, vd):
-        return ()
-
     def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
         pre, bq, bk, b0 = code.scalar_logs(st, prev)
         return pre + self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev,

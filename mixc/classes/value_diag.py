@@ -28,8 +28,7 @@ class ValueDiagonal(TransitionClass):
                 f"{S}_C = {S}0 * exp(b_C) + K^T (V * exp(b_C - b))"]
 
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    def decay_axes(self, st, kd, vd):
-        return vd
+    # base.py's hooks (the diagonal decays' defaults) render value_diag.j2
 
     # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
     def decay_axis(self, st) -> str | None:
