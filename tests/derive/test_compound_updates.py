@@ -76,6 +76,8 @@ NUMERIC = {
     # a sum over V of a term projected over K: the projection widens to K and V
     "widened": "S + k * sum(v * (k @ (a * S - k * (k @ S))), V) + k * v",
     "value-projection": "S - k * (k @ (S - k * (S @ v))) + k * v",
+    # a sum over K of a term projected over K: the outer K is the scale's own, summed into it
+    "reduced": "S + k * sum(b1 * k * (k @ S), K) + k * v",
 }
 
 
