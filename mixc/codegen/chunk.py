@@ -311,11 +311,27 @@ class ChunkCode:
         b its precision. A pair (i, j) spans a reset where z_i > z_j (pair_ok masks it out);
         the weights from the chunk's start (_b0_<S>, _bl0_<S>) and into S_C (_kw_<S>) likewise.
         b and z at the chunk's last token are read off b and z themselves: a separate sum would
-        round differently, and exp(b_C - b_last) must be exactly 1."""
+        round differently, and exp(b_C - b_last) must be exactly 1.
+
+        A scalar decay's b is also kept as a compensated sum (compensated, below)."""
         n, I = st.name, I2
         last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
         bl = f"_bl_{n}" if g_is_vector(st) else f"_bl_{n}[None, :]"
         zl = f"_zl_{n}" if g_is_vector(st) else f"_zl_{n}[None, :]"
+        if self.compensated(st):
+            return [f"{I}_r_{n} = {g} == float('-inf')",
+                    f"{I}_g_{n} = tl.where(_r_{n}, 0.0, {g})",
+                    f"{I}_gh_{n} = (_g_{n} + 16384.0) - 16384.0    # g on a grid of 2**-10: hi's sums are exact",
+                    f"{I}_bh_{n} = tl.cumsum(_gh_{n}, axis=0)",
+                    f"{I}_bc_{n} = tl.cumsum(_g_{n} - _gh_{n}, axis=0)",
+                    f"{I}_b_{n} = _bh_{n} + _bc_{n}",
+                    f"{I}_z_{n} = tl.cumsum(tl.where(_r_{n}, 1.0, 0.0), axis=0)",
+                    f"{I}_bl_{n} = tl.sum(tl.where({last}, _bh_{n}, 0.0), axis=0)",
+                    f"{I}_blc_{n} = tl.sum(tl.where({last}, _bc_{n}, 0.0), axis=0)",
+                    f"{I}_zl_{n} = tl.sum(tl.where({last}, _z_{n}, 0.0), axis=0)",
+                    f"{I}_b0_{n} = tl.where(_z_{n} > 0, float('-inf'), _b_{n})",
+                    f"{I}_bl0_{n} = tl.where(_zl_{n} > 0, float('-inf'), _bl_{n} + _blc_{n})",
+                    f"{I}_kw_{n} = tl.where(_z_{n} < {zl}, float('-inf'), (_bl_{n} - _bh_{n}) + (_blc_{n} - _bc_{n}))"]
         return [f"{I}_r_{n} = {g} == float('-inf')",
                 f"{I}_b_{n} = tl.cumsum(tl.where(_r_{n}, 0.0, {g}), axis=0)",
                 f"{I}_z_{n} = tl.cumsum(tl.where(_r_{n}, 1.0, 0.0), axis=0)",
@@ -324,6 +340,20 @@ class ChunkCode:
                 f"{I}_b0_{n} = tl.where(_z_{n} > 0, float('-inf'), _b_{n})",
                 f"{I}_bl0_{n} = tl.where(_zl_{n} > 0, float('-inf'), _bl_{n})",
                 f"{I}_kw_{n} = tl.where(_z_{n} < {zl}, float('-inf'), {bl} - _b_{n})"]
+
+    def compensated(self, st: P.StatePlan) -> bool:
+        """Whether b is kept as hi + lo (_bh_<S> + _bc_<S>) for its pair differences (a scalar
+        decay, not stabilized). In fp32 a cumulative sum b near -1280 (64 tokens at -20) has a
+        grid of 1.2e-4: exp(b_i - b_j) of neighbours, the pairs that make dg at strong decay,
+        would be off by that much. hi sums g rounded to a grid of 2^-10 ((g + 2^14) - 2^14,
+        exact while |g| < 2^13), so every partial sum is exact whatever order tl.cumsum adds
+        in, while |b| < 2^14 (C = 128 at a log decay of -88, past which exp(g) is 0 in fp32);
+        lo sums the remainders g - gh (exact, each below 2^-11), whose rounding is relative to
+        lo's own size. A pair's log weight is then (hi_i - hi_j) + (lo_i - lo_j): exact hi
+        differences, rounded once. This relies on the compiler keeping (g + 2^14) - 2^14 as two
+        rounded adds (Triton sets no reassociation flag on fadd; the PTX keeps both): were it
+        folded to g, lo would be 0 and hi the plain sum, as precise as before, no worse."""
+        return st.transition == P.SCALAR and not self.stabilized(st)
 
     def pair_ok(self, st: P.StatePlan, zq: str) -> str:
         """The [C, C] (or [C, C, dim]) mask of the pairs (query row i, key j) with no reset
@@ -359,6 +389,10 @@ class ChunkCode:
         n = st.name
         if not prev:
             return [], f"_b_{n}"
+        if self.compensated(st):      # hi and lo shifted apart (_bph, _bpc: scalar_logs' pairs)
+            return [self.shifted(st, f"_bh_{n}", "_bph"), self.shifted(st, f"_bc_{n}", "_bpc"),
+                    f"{I2}_bp = _bph + _bpc", self.shifted(st, f"_z_{n}", "_zp"),
+                    f"{I2}_bp0 = tl.where(_zp > 0, float('-inf'), _bp)"], "_bp"
         return [self.shifted(st, f"_b_{n}", "_bp"), self.shifted(st, f"_z_{n}", "_zp"),
                 f"{I2}_bp0 = tl.where(_zp > 0, float('-inf'), _bp)"], "_bp"
 
@@ -403,12 +437,17 @@ class ChunkCode:
             "axis=0))",
         ]
 
-    def scalar_logs(self, st: P.StatePlan, prev: bool) -> tuple[list[str], str, str, str]:
+    def scalar_logs(self, st: P.StatePlan, prev: bool) -> tuple[list[str], str | tuple, str | tuple, str]:
         """(lines, bq, bk, b0) of a scalar-decay readout: the query rows' and the key columns'
         log weights of the intra-chunk term, exp(bq_i - bk_j), and the query rows' log weight
-        of the inter-chunk term S0 (stabilized: m subtracted per row, the gate on the keys)."""
+        of the inter-chunk term S0 (stabilized: m subtracted per row, the gate on the keys).
+        bq and bk are names, or (hi, lo) pairs of names where b is compensated (scalar.j2's
+        pair_logs forms (hi_i - hi_j) + (lo_i - lo_j))."""
         pre, bq = self.query_decay(st, prev)
         b0 = self.query_b0(st, prev)
+        if self.compensated(st):
+            n = st.name
+            return pre, ("_bph", "_bpc") if prev else (f"_bh_{n}", f"_bc_{n}"), (f"_bh_{n}", f"_bc_{n}"), b0
         if not self.stabilized(st):
             return pre, bq, f"_b_{st.name}", b0
         # padded query rows weigh nothing (their m is 0, so exp(b - m) could overflow there)
