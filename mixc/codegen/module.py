@@ -104,6 +104,13 @@ def op_functions(plan: Plan) -> str:
             "    return _OP.step(**kwargs)\n")
 
 
+def _render_kernel(plan: Plan, form: str, hooks: dict) -> str:
+    """One kernel form from its template: its name, its arguments (the one definition,
+    plan.layout.kernel_args: derive/kernel_args.py) and the hooks of its body."""
+    return _env().get_template(f"{form}.py.j2").render(kernel=kernel_name(plan, form),
+                                                       arguments=plan.layout.kernel_args[form], **hooks)
+
+
 def generate(plan: Plan) -> str:
     if plan.sequence is not None:          # conv, mix, attend: a module without kernels
         return generate_sequence(plan)
@@ -113,16 +120,11 @@ def generate(plan: Plan) -> str:
               f"'{plan.name}' ({docstring_safe(plan.ir.source.filename)}), spec hash {plan.ir.spec_hash}, "
               f"flags: {flags}.\n\n"
               f'Do not edit: regenerate with `mixc compile {plan.name}`."""\n')
-    fwd = _env().get_template("recurrent_fwd.py.j2").render(kernel=kernel_name(plan, "recurrent_fwd"),
-                                                            **recurrent_fwd_hooks(plan))
-    bwd = _env().get_template("recurrent_bwd.py.j2").render(kernel=kernel_name(plan, "recurrent_bwd"),
-                                                            **recurrent_bwd_hooks(plan))
-    body = fwd + "\n\n" + bwd
+    body = (_render_kernel(plan, "recurrent_fwd", recurrent_fwd_hooks(plan)) + "\n\n"
+            + _render_kernel(plan, "recurrent_bwd", recurrent_bwd_hooks(plan)))
     if plan.layout.chunked:
-        body += "\n\n" + _env().get_template("chunk_fwd.py.j2").render(kernel=kernel_name(plan, "chunk_fwd"),
-                                                                        **chunk_fwd_hooks(plan))
-        body += "\n\n" + _env().get_template("chunk_bwd.py.j2").render(kernel=kernel_name(plan, "chunk_bwd"),
-                                                                        **chunk_bwd_hooks(plan))
+        body += "\n\n" + _render_kernel(plan, "chunk_fwd", chunk_fwd_hooks(plan))
+        body += "\n\n" + _render_kernel(plan, "chunk_bwd", chunk_bwd_hooks(plan))
 
     if plan.layout.torch_chunked:
         body += "\n\n" + _env().get_template("torch_chunk.py.j2").render(**torch_hooks(plan))

@@ -124,11 +124,8 @@ def common_hooks(plan: Plan) -> dict[str, object]:
     params = []
     for d in m.params:
         params += load(f"p_{d.name}", "i_h", d.shape, order, I1, f"v_{d.name}")
+    # the arguments are not hooks: plan.layout.kernel_args (derive/kernel_args.py)
     return {
-        "inputs": [d.name for d in m.inputs],
-        "params": [d.name for d in m.params],
-        "options": [o.name for o in m.options if o.kind == "float"],
-        "states": [s.name for s in m.states],
         "dims": list(order),
         "tile": plan.layout.tile,
         "split": plan.layout.split,

@@ -6,14 +6,17 @@ it without asking the code generator (the generated module's METADATA carries th
 - torch_chunk_unsupported: why the torch backend has no chunked form (None: it has);
 - tile, split: the dims the recurrent kernels split into blocks, one program each (grid axes
   1 and 2; fla's BV and BK blocks);
-- chunk_size: the default chunk C of the chunked kernels and of the torch backend's form."""
+- chunk_size: the default chunk C of the chunked kernels and of the torch backend's form;
+- kernel_args: each kernel form's argument list (derive/kernel_args.py), from which the
+  template signature, the launch call and the ahead-of-time signature are made."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..dsl import ir
 from .. import classes
 from .decay_sign import negative_decay
+from .kernel_args import KernelArgs, plan_kernel_args
 
 __all__ = ["KernelLayout", "kernel_layout", "chunk_supported", "torch_chunk_supported", "chunk_size",
            "tile_dim", "split_dim"]
@@ -26,6 +29,7 @@ class KernelLayout:
     tile: str | None
     split: str | None
     chunk_size: int
+    kernel_args: dict[str, KernelArgs] = field(default_factory=dict, compare=False)
 
     @property
     def chunked(self) -> bool:
@@ -40,8 +44,10 @@ class KernelLayout:
 
 def kernel_layout(plan) -> KernelLayout:
     """The layout of a recurrence's plan (derive() stores it as plan.layout)."""
-    return KernelLayout(chunk_supported(plan), torch_chunk_supported(plan), tile_dim(plan.kernel_ir),
-                        split_dim(plan), chunk_size(plan))
+    chunked = chunk_supported(plan)
+    forms = ("recurrent_fwd", "recurrent_bwd") + (("chunk_fwd", "chunk_bwd") if chunked is None else ())
+    return KernelLayout(chunked, torch_chunk_supported(plan), tile_dim(plan.kernel_ir),
+                        split_dim(plan), chunk_size(plan), plan_kernel_args(plan, forms))
 
 
 def chunk_supported(plan) -> str | None:

@@ -6,7 +6,8 @@ a call is not recorded.)
 
 What a step's launch needs is fixed by what its arguments look like: the bound sizes, the
 option values, the plan, the launch config, the output and state buffers' shapes and dtypes,
-the grid, the positional argument order with its numbers and constexprs. step_key() reduces
+the grid, the kernel's arguments (their order from derive/kernel_args.py, as the recorded
+launch's) with their numbers and constexprs. step_key() reduces
 the arguments to that look (per tensor its shape, dtype, device, contiguity and requires_grad;
 numbers and flags by type and value; the grad mode, the mode asked and launch.settings()), and the first step with a key
 records its launch (launch.recording) into a StepRecipe. A later step with the same key does a
@@ -24,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..derive.kernel_args import LAUNCH_OPTIONS
 from . import launch
 
 _F32 = torch.float32
@@ -34,17 +36,17 @@ class StepRecipe(NamedTuple):
     module: object            # the generated module: the kernel is looked up per call (tests patch it)
     kernel: str
     grid: tuple
-    inputs: tuple             # argument names, in the kernel's order
-    params: tuple
-    numbers: list             # the float options' values
-    tail: list                # T, H, the dims as floats
-    consts: dict              # constexprs and launch settings
-    x0_slot: str | None       # the launch kwarg that takes the first input (a dummy pointer) or the indices
+    args: list                # the positional arguments: the recorded numbers, None where a tensor goes
+    tensors: tuple            # (position, kwarg name) of each input and param
+    outs: tuple               # positions taking the output buffer (the output; unused pointers' dummies)
+    consts: dict              # constexprs by name, and Triton's launch options
+    x0_slot: int | str | None  # where the first input (a dummy pointer) or the indices go: a position or a name
+    first_input: str          # the first input's kwarg name
     inplace: bool             # the given state buffers are the new states (runtime/decode.py)
     one_token: bool           # step(): the output without its T axis
     store_final: bool         # the new states are written (and returned)
     rows: int | None          # slots of a cache whose CPU indices are checked per call (decode.py)
-    states: tuple             # (name, [n, H, *dims], "given" | "zeros" | "none") per kernel state
+    states: tuple             # (name, [n, H, *dims], "given" | "zeros" | "none", init pos, final pos) per kernel state
     out_shape: tuple
     out_dtype: torch.dtype
     splits: int
@@ -96,20 +98,40 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
     out_shape = r["out_shape"]
     if one_token and r["splits"] == 1:         # [B, H, *dims]: the same memory as [B, 1, H, *dims]
         out_shape, one_token = out_shape[:1] + out_shape[2:], False
-    x0_slot = None
+    # the recorded launch's positional arguments (the definition's order), the tensors' places
+    # left for each call: the inputs and params, the state buffers, the output (and the unused
+    # pointers, which took the output as a dummy: a replayed launch has no checkpoints and no
+    # cu_seqlens); a tensor anywhere else must be the first input (a dummy) or the indices
+    values, args, tensors, outs, places, x0_slot = r["values"], [], [], [], {}, None
+    for i, k in enumerate(r["args"].positional):
+        role = k[0] if isinstance(k, tuple) else k
+        v = values[k]
+        args.append(None if isinstance(v, torch.Tensor) else v)
+        if role in ("input", "param"):
+            tensors.append((i, k[1]))
+        elif role in ("init", "final"):
+            places[k] = i
+        elif role in ("out", "ckpt", "cu_seqlens"):
+            outs.append(i)
+        elif isinstance(v, torch.Tensor):
+            if not (v is r["x0"] or v is state_indices) or x0_slot is not None:
+                return None
+            x0_slot = i
     consts = {}
-    for k, v in r["consts"].items():
+    for name, k in r["args"].named:                     # constexprs; p_state_indices
+        v = values[k]
         if isinstance(v, torch.Tensor):
             if not (v is r["x0"] or v is state_indices) or x0_slot is not None:
                 return None
-            x0_slot = k
+            x0_slot = name
         else:
-            consts[k] = v
-    return StepRecipe(r["module"], r["kernel"], r["grid"], tuple(d.name for d in m.inputs),
-                      tuple(d.name for d in m.params), r["numbers"], r["tail"], consts, x0_slot,
-                      r["inplace"], one_token, r["consts"]["STORE_FINAL_STATE"], rows,
-                      tuple(r["states"]), out_shape, r["out_dtype"], r["splits"], r["final_dtype"],
-                      r["x0"].device, unstabilize)
+            consts[name] = v
+    consts.update({k: values[k] for k in LAUNCH_OPTIONS if k in values})
+    states = tuple((name, shape, kind, places["init", name], places["final", name])
+                   for name, shape, kind in r["states"])
+    return StepRecipe(r["module"], r["kernel"], r["grid"], args, tuple(tensors), tuple(outs), consts, x0_slot,
+                      m.inputs[0].name, r["inplace"], one_token, values["store_final"], rows, states, out_shape,
+                      r["out_dtype"], r["splits"], r["final_dtype"], r["x0"].device, unstabilize)
 
 
 def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None):
@@ -123,11 +145,11 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None):
     device = r.device
     poison = os.environ.get("MIXC_POISON") == "1"       # as launch._empty: unwritten elements show
     out = torch.empty(r.out_shape, dtype=r.out_dtype, device=device)
-    args = [kwargs[n].contiguous() for n in r.inputs]
-    args += [kwargs[n].contiguous() for n in r.params]
-    args += r.numbers
+    args = r.args.copy()
+    for i, n in r.tensors:
+        args[i] = kwargs[n].contiguous()
     finals = {}
-    for name, shape, kind in r.states:
+    for name, shape, kind, i_init, i_final in r.states:
         given = state.get(name) if kind == "given" else None      # a stabilizer's m is not given: 0
         init = (given.to(_F32).contiguous() if given is not None
                 else out if kind == "none" else torch.zeros(shape, dtype=_F32, device=device))
@@ -139,15 +161,18 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None):
             finals[name] = fin = torch.empty(shape, dtype=_F32, device=device)
             if poison:
                 fin.fill_(float("nan"))
-        args += (init, fin, out)
+        args[i_init], args[i_final] = init, fin
     if poison:
         out.fill_(float("nan"))
-    args += (out, out)
-    args += r.tail
+    for i in r.outs:
+        args[i] = out
+    consts = r.consts
     if r.x0_slot is not None:
-        consts = {**r.consts, r.x0_slot: kwargs[r.inputs[0]] if state_indices is None else state_indices}
-    else:
-        consts = r.consts
+        x0 = kwargs[r.first_input] if state_indices is None else state_indices
+        if isinstance(r.x0_slot, str):
+            consts = {**consts, r.x0_slot: x0}
+        else:
+            args[r.x0_slot] = x0
     getattr(r.module, r.kernel)[r.grid](*args, **consts)
     if r.splits > 1:
         out = out.sum(0).to(r.final_dtype)

@@ -30,15 +30,16 @@ CHUNK_TILE = 64
 
 
 def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) -> dict:
-    """Sizes and blocks of the recurrent kernels; a tuned config may set the tile and split blocks."""
+    """Sizes and blocks of the recurrent kernels, keyed as their arguments (derive/kernel_args.py:
+    ("size", dim), ("block", dim)); a tuned config may set the tile and split blocks."""
     kw = {}
     tile, split = plan.layout.tile, plan.layout.split
     tile_block = config.tile if config is not None and config.tile else RECURRENT_TILE
     split_block = config.split if config is not None and config.split else RECURRENT_SPLIT
     for d in plan.ir.dim_names:
-        kw[f"_size_{d}"] = bound.sizes[d]
+        kw["size", d] = bound.sizes[d]
         limit = tile_block if d == tile else split_block if d == split else None
-        kw[f"_BLOCK_{d}"] = block(bound.sizes[d]) if limit is None else min(block(bound.sizes[d]), limit)
+        kw["block", d] = block(bound.sizes[d]) if limit is None else min(block(bound.sizes[d]), limit)
     return kw
 
 
@@ -47,17 +48,17 @@ def n_tiles(plan: Plan, bound: Bound, blocks: dict) -> int:
     tile = plan.layout.tile
     if tile is None:
         return 1
-    return -(-bound.sizes[tile] // blocks[f"_BLOCK_{tile}"])
+    return -(-bound.sizes[tile] // blocks["block", tile])
 
 
 def n_splits(plan: Plan, bound: Bound, blocks: dict) -> int:
     """Programs along the split dim: 1 for the chunked kernels and specs without a split dim."""
     split = plan.layout.split
-    if split is None or "_BLOCK__T" in blocks:
+    if split is None or "chunk" in blocks:
         return 1
     # at least one: a split dim of size 0 (gla K = 0, mamba2 N = 0) still needs block 0, which
     # writes the state-free part of the output (zeros, D * x) and every gradient
-    return max(1, -(-bound.sizes[split] // blocks[f"_BLOCK_{split}"]))
+    return max(1, -(-bound.sizes[split] // blocks["block", split]))
 
 
 class KernelUnavailable(RuntimeError):
@@ -89,8 +90,8 @@ def settings() -> tuple:
 
 
 # A decode step's fast path (runtime/fastpath.py) replays the launch a first step made: while
-# recording, each forward launch leaves its shape-derived part here (kernel, grid, numbers,
-# constexprs, buffer shapes), so the argument order has one definition (_forward's).
+# recording, each forward launch leaves its shape-derived part here (kernel, grid, its argument
+# list and values, buffer shapes); the replay orders them by the same list.
 _RECORDING = threading.local()
 
 
@@ -112,10 +113,10 @@ def checkpoint_slots(bound: Bound, CK: int) -> int:
 
 
 def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, checkpoints: bool,
-             chunk_tokens: int, out_dtype=None, ckpts_in: dict | None = None, write_out: bool = True,
-             grid0: int | None = None, finals_into: dict | None = None, **launch):
-    """Launch a forward kernel (arguments: inputs, params, options, then per state its initial,
-    final and checkpoint buffers, the output, cu_seqlens, T, H, the dims as floats).
+             chunk_tokens: int, launch: dict, out_dtype=None, ckpts_in: dict | None = None, write_out: bool = True,
+             grid0: int | None = None, finals_into: dict | None = None):
+    """Launch a forward kernel: its arguments (plan.layout.kernel_args[form]) keyed by role,
+    `launch` the sizes, blocks and constexprs the caller chose and Triton's options.
     ckpts_in: checkpoints to read (the chunked PHASE 2: its start states); write_out=False: the
     launch writes no output (PHASE 1), None is returned for it; grid0: programs along axis 0
     (default: sequences x heads); finals_into: the final states' buffers (float32, contiguous;
@@ -132,7 +133,11 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
     # split blocks write partial outputs (float32, summed below)
     out = _empty(((splits,) if splits > 1 else ()) + o_shape if write_out else (1,),
                  torch.float32 if splits > 1 else out_dtype or x0.dtype, device)
-    state_args, finals, ckpts = [], {}, dict(ckpts_in or {})
+    v = dict(launch)
+    v.update({("input", d.name): bound.inputs[d.name].contiguous() for d in m.inputs})
+    v.update({("param", d.name): bound.params[d.name].contiguous() for d in m.params})
+    v.update({("option", o.name): opts[o.name] for o in m.options if o.kind == "float"})
+    finals, ckpts = {}, dict(ckpts_in or {})
     for s in plan.kernel_ir.states:          # the spec's, and a stabilizer's m (starts at 0)
         shape = tuple(bound.sizes[d] for d in s.shape)
         init = out
@@ -144,21 +149,20 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
                               else _empty((n, H) + shape, torch.float32, device))
         if checkpoints:
             ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
-        state_args += [init, finals.get(s.name, out), ckpts.get(s.name, out)]
-    numbers = [opts[o.name] for o in m.options if o.kind == "float"]
-    tail = [T, H, *[float(bound.sizes[d]) for d in m.dim_names]]
-    consts = dict(USE_INITIAL_STATE=bound.initial_state is not None and ckpts_in is None,
-                  STORE_FINAL_STATE=output_final_state, IS_VARLEN=bound.cu_seqlens is not None,
-                  STORE_CHECKPOINTS=checkpoints, **launch)
-    kernel[(grid0 or n * H, tiles, splits)](*[bound.inputs[d.name].contiguous() for d in m.inputs],
-                     *[bound.params[d.name].contiguous() for d in m.params],
-                     *numbers, *state_args,
-                     out, bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out, *tail, **consts)
+        v["init", s.name], v["final", s.name], v["ckpt", s.name] = init, finals.get(s.name, out), ckpts.get(s.name, out)
+    v["out"] = out
+    v["cu_seqlens"] = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out
+    v["T"], v["H"] = T, H
+    v.update({("fsize", d): float(bound.sizes[d]) for d in m.dim_names})
+    v.update(use_initial=bound.initial_state is not None and ckpts_in is None, store_final=output_final_state,
+             varlen=bound.cu_seqlens is not None, store_ckpt=checkpoints)
+    args = plan.layout.kernel_args[form]
+    args.launch(kernel, (grid0 or n * H, tiles, splits), v)
     log = getattr(_RECORDING, "log", None)
     if log is not None:
         replayable = not (checkpoints or ckpts_in or not write_out or bound.cu_seqlens is not None)
         log.append(dict(module=load_module(plan), kernel=load_module(plan).METADATA["kernels"][form],
-                        grid=(grid0 or n * H, tiles, splits), numbers=numbers, tail=tail, consts=consts,
+                        grid=(grid0 or n * H, tiles, splits), args=args, values=v,
                         x0=x0, out_shape=tuple(out.shape), out_dtype=out.dtype, splits=splits,
                         final_dtype=x0.dtype if out_dtype is None else out_dtype, inplace=finals_into is not None,
                         states=[(s.name, (n, H) + tuple(bound.sizes[d] for d in s.shape),
@@ -188,12 +192,12 @@ def recurrent_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out
         if inplace and tile is not None and any(tile not in s.shape for s in plan.kernel_ir.states):
             # every tile program reads and writes a state without the tile dim whole: with one
             # buffer, a later program could read what an earlier one wrote. One tile block.
-            kw[f"_BLOCK_{tile}"] = block(bound.sizes[tile])
+            kw["block", tile] = block(bound.sizes[tile])
+        kw.update(ck=CK, state_indices=state_indices if state_indices is not None else x0,
+                  use_indices=state_indices is not None)
         return _forward(plan, bound, "recurrent_fwd", output_final_state=output_final_state,
-                        checkpoints=checkpoints, chunk_tokens=CK, out_dtype=out_dtype, CK=CK,
-                        finals_into=bound.initial_state if inplace else None,
-                        p_state_indices=state_indices if state_indices is not None else x0,
-                        USE_STATE_INDICES=state_indices is not None, **kw)
+                        checkpoints=checkpoints, chunk_tokens=CK, out_dtype=out_dtype, launch=kw,
+                        finals_into=bound.initial_state if inplace else None)
     if inplace:     # no timing runs: each would advance the state again (and no capture-time tuning)
         cuda = x0.device.type == "cuda" and not interpreting()
         return run(autotune.default(plan, "recurrent_fwd", bound.sizes) if cuda else None)
@@ -210,10 +214,11 @@ def recurrent_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, 
 
         def per_state(s, shape, dfin, dinit, device):
             scratch = _empty((programs * CK,) + shape, torch.float32, device)
-            return [ckpts[s.name], scratch, dfin if dfin is not None else scratch, dinit]
+            return dict(ckpt=ckpts[s.name], scratch=scratch, dfinal=dfin if dfin is not None else scratch,
+                        dinit=dinit)
 
-        return _backward(plan, bound, "recurrent_bwd", per_state, do, dfinal, CK=CK, **kw,
-                         **(cfg.launch() if cfg is not None else {}))
+        return _backward(plan, bound, "recurrent_bwd", per_state, do, dfinal,
+                         launch=kw | {"ck": CK} | (cfg.launch() if cfg is not None else {}))
     return run(_tuned(plan, bound, "recurrent_bwd", run))
 
 
@@ -256,12 +261,12 @@ def chunk_size_for(plan: Plan, bound: Bound) -> int:
 
 
 def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, dfinal: dict | None, *,
-              write=("inputs", "params", "dinit"), grid0: int | None = None, param_rows: int | None = None,
-              **launch):
-    """Launch a backward kernel (arguments: inputs, params, options, per_state(...) for each
-    state, the output's gradient, the inputs' and params' gradients, cu_seqlens, T, H, the dims
-    as floats); returns the gradients of the inputs, the params (summed over sequences) and the
-    initial states, None for what this launch does not `write`. grid0: programs along axis 0
+              launch: dict, write=("inputs", "params", "dinit"), grid0: int | None = None,
+              param_rows: int | None = None):
+    """Launch a backward kernel: its arguments (plan.layout.kernel_args[form]) keyed by role,
+    per_state(...) a state's buffers by role, `launch` as _forward's; returns the gradients of
+    the inputs, the params (summed over sequences) and the initial states, None for what this
+    launch does not `write`. grid0: programs along axis 0
     (default: sequences x heads); param_rows: the params' partial rows per tile block (default:
     one per sequence)."""
     m = plan.ir
@@ -279,7 +284,11 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
         return ((tiles if tile is not None and tile not in dims else 1)
                 * (splits if split is not None and split not in dims else 1))
 
-    state_args, dinit = [], {}
+    v = dict(launch)
+    v.update({("input", d.name): x for d, x in zip(m.inputs, inputs)})
+    v.update({("param", d.name): x for d, x in zip(m.params, params)})
+    v.update({("option", o.name): opts[o.name] for o in m.options if o.kind == "float"})
+    dinit = {}
     for s in plan.kernel_ir.states:
         shape = tuple(bound.sizes[d] for d in s.shape)
         dinit[s.name] = _empty((parts(s.shape) * n, H) + shape, torch.float32, device) if "dinit" in write else do
@@ -287,17 +296,20 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
         if dfinal:
             dfin = (dfinal[s.name].to(torch.float32).contiguous() if s.name in dfinal
                     else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
-        state_args += per_state(s, shape, dfin, dinit[s.name], device)
+        v.update({(role, s.name): x for role, x in per_state(s, shape, dfin, dinit[s.name], device).items()})
     dinputs = {d.name: (_empty(x.shape, x.dtype, device) if parts(d.shape) == 1
                         else _empty((parts(d.shape),) + tuple(x.shape), torch.float32, device))
                if "inputs" in write else do for d, x in zip(m.inputs, inputs)}
     dparams = {d.name: _empty((parts(d.shape) * (param_rows or n),) + tuple(x.shape), torch.float32, device)
                if "params" in write else do for d, x in zip(m.params, params)}
-    kernel[(grid0 or n * H, tiles, splits)](*inputs, *params, *[opts[o.name] for o in m.options if o.kind == "float"],
-                     *state_args, do.contiguous(), *dinputs.values(), *dparams.values(),
-                     bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do, T, H,
-                     *[float(bound.sizes[d]) for d in m.dim_names], USE_FINAL_STATE_GRAD=dfinal is not None,
-                     IS_VARLEN=bound.cu_seqlens is not None, **launch)
+    v["do"] = do.contiguous()
+    v.update({("dinput", k): x for k, x in dinputs.items()})
+    v.update({("dparam", k): x for k, x in dparams.items()})
+    v["cu_seqlens"] = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else do
+    v["T"], v["H"] = T, H
+    v.update({("fsize", d): float(bound.sizes[d]) for d in m.dim_names})
+    v.update(use_dfinal=dfinal is not None, varlen=bound.cu_seqlens is not None)
+    plan.layout.kernel_args[form].launch(kernel, (grid0 or n * H, tiles, splits), v)
     dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()} if "params" in write else None
     dinputs = ({k: v if v.shape == bound.inputs[k].shape else v.sum(0).to(bound.inputs[k].dtype)
                 for k, v in dinputs.items()} if "inputs" in write else None)
@@ -316,15 +328,15 @@ def _dot_code(dtype: torch.dtype) -> int:
 
 
 def chunk_blocks(plan: Plan, bound: Bound) -> dict:
-    """Sizes and blocks of the chunked kernels: each dim whole (at least 16: tl.dot's minimum),
-    but the tile dim (V, Mamba-2's P) in blocks of up to CHUNK_TILE, one program each (fla's BV),
-    in the forward and the backward alike."""
+    """Sizes and blocks of the chunked kernels (keyed as dim_kwargs'): each dim whole (at least
+    16: tl.dot's minimum), but the tile dim (V, Mamba-2's P) in blocks of up to CHUNK_TILE, one
+    program each (fla's BV), in the forward and the backward alike."""
     dims = plan.ir.dim_names
-    blocks = {f"_size_{d}": bound.sizes[d] for d in dims}
-    blocks.update({f"_BLOCK_{d}": max(16, block(bound.sizes[d])) for d in dims})
+    blocks = {("size", d): bound.sizes[d] for d in dims}
+    blocks.update({("block", d): max(16, block(bound.sizes[d])) for d in dims})
     tile = plan.layout.tile
     if tile is not None:
-        blocks[f"_BLOCK_{tile}"] = max(16, min(block(bound.sizes[tile]), CHUNK_TILE))
+        blocks["block", tile] = max(16, min(block(bound.sizes[tile]), CHUNK_TILE))
     return blocks
 
 
@@ -367,8 +379,8 @@ def _chunk_launch(plan: Plan, bound: Bound, C: int) -> tuple[int, dict]:
         cu = bound.cu_seqlens.to(device=device, dtype=torch.int64)
         starts = cu[:-1] // C + torch.arange(n, device=device)
         chunk_seq = (torch.searchsorted(starts, torch.arange(programs, device=device), right=True) - 1).to(torch.int32)
-    return programs, dict(**chunk_blocks(plan, bound), _BLOCK__T=C, _BLOCK__1=16, DOT=_dot_code(x0.dtype), _N_SEQS=n,
-                          p_chunk_seq=chunk_seq)
+    return programs, chunk_blocks(plan, bound) | dict(chunk=C, unit=16, dot=_dot_code(x0.dtype), n_seqs=n,
+                                                      chunk_seq=chunk_seq)
 
 
 def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,
@@ -381,15 +393,16 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
     programs, common = _chunk_launch(plan, bound, C)
 
     def run(cfg):
-        kw = dict(output_final_state=output_final_state, chunk_tokens=C, out_dtype=out_dtype, **common,
-                  **(cfg.launch() if cfg is not None else {}))
+        kw = dict(output_final_state=output_final_state, chunk_tokens=C, out_dtype=out_dtype)
+        launch = common | (cfg.launch() if cfg is not None else {})
         if _phases(cfg, x0.device) == 1:
-            return _forward(plan, bound, "chunk_fwd", checkpoints=checkpoints, PHASE=0, **kw)
+            return _forward(plan, bound, "chunk_fwd", checkpoints=checkpoints, launch=launch | {"phase": 0}, **kw)
         # PHASE 1 walks the chunks for the states (checkpoints, final states); PHASE 2 the outputs
-        _, finals, ckpts = _forward(plan, bound, "chunk_fwd", checkpoints=True, write_out=False, PHASE=1, **kw)
+        _, finals, ckpts = _forward(plan, bound, "chunk_fwd", checkpoints=True, write_out=False,
+                                    launch=launch | {"phase": 1}, **kw)
         kw["output_final_state"] = False
         o, _, _ = _forward(plan, bound, "chunk_fwd", checkpoints=False, ckpts_in=ckpts, grid0=programs * bound.H,
-                           PHASE=2, **_one_stage(kw))
+                           launch=_one_stage(launch) | {"phase": 2}, **kw)
         return o, finals, (ckpts if checkpoints else None)
     return run(_tuned(plan, bound, "chunk_fwd", run, C))
 
@@ -405,22 +418,23 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
     tile = plan.layout.tile
 
     def run(cfg):
-        common = dict(**launch_kw, **(cfg.launch() if cfg is not None else {}))
+        common = launch_kw | (cfg.launch() if cfg is not None else {})
         if _phases(cfg, x0.device) == 1:
             def per_state(s, shape, dfin, dinit, device):
-                return [ckpts[s.name], dfin if dfin is not None else dinit, dinit, dinit]
-            return _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, PHASE=0, **common)
+                return dict(ckpt=ckpts[s.name], dfinal=dfin if dfin is not None else dinit, dinit=dinit, dh=dinit)
+            return _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, launch=common | {"phase": 0})
         dh = {}
 
         def per_state(s, shape, dfin, dinit, device):
             parts = tiles if tile is not None and tile not in s.shape else 1
             dh[s.name] = _empty((slots * parts, H) + shape, torch.float32, device)
-            return [ckpts[s.name], dfin if dfin is not None else dinit, dinit, dh[s.name]]
+            return dict(ckpt=ckpts[s.name], dfinal=dfin if dfin is not None else dinit, dinit=dinit, dh=dh[s.name])
         # PHASE 1 writes dh and the initial states' gradients; PHASE 2 (same buffers) the rest
-        _, _, dinit = _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, PHASE=1, write=("dinit",),
-                                **common)
-        dinputs, dparams, _ = _backward(plan, bound, "chunk_bwd", lambda s, *a: [ckpts[s.name], do, do, dh[s.name]],
-                                        do, dfinal, PHASE=2, write=("inputs", "params"), grid0=chunk_programs * H,
-                                        param_rows=chunk_programs, **_one_stage(common))
+        _, _, dinit = _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, write=("dinit",),
+                                launch=common | {"phase": 1})
+        dinputs, dparams, _ = _backward(plan, bound, "chunk_bwd",
+                                        lambda s, *a: dict(ckpt=ckpts[s.name], dfinal=do, dinit=do, dh=dh[s.name]),
+                                        do, dfinal, write=("inputs", "params"), grid0=chunk_programs * H,
+                                        param_rows=chunk_programs, launch=_one_stage(common) | {"phase": 2})
         return dinputs, dparams, dinit
     return run(_tuned(plan, bound, "chunk_bwd", run, C))

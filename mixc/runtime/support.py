@@ -2,14 +2,15 @@
 launches the module's OWN kernels from its METADATA alone.
 
 It imports torch and triton only (no spec parsing, no derivation, no code generation: none of
-mixc.dsl, mixc.derive, mixc.codegen, sympy or lark), so a compiled module runs where only
-torch, triton and this file are installed, and an edit to the module's kernels changes what
-runs. The launches are the untuned ones mixc.load's op takes under Triton's interpreter: the
-recurrent kernels (tile and split blocks of 32 and 64) and the chunked kernels in one walk
-(PHASE 0), each with its backward through an autograd.Function. mixc.load's op adds the torch
-and reference backends, autotuning on CUDA, the two-launch chunked form, torch.compile custom
-ops and context parallelism (runtime/op.py); the numbers are the same kernels' (tested in
-tests/codegen/test_module.py)."""
+mixc.dsl, mixc.codegen, sympy or lark, and of mixc.derive only kernel_args, the kernels'
+argument lists: plain Python that builds them from METADATA's names, the one definition the
+code generator printed the signatures from), so a compiled module runs without the compiler,
+and an edit to the module's kernels changes what runs. The launches are the untuned ones
+mixc.load's op takes under Triton's interpreter: the recurrent kernels (tile and split blocks
+of 32 and 64) and the chunked kernels in one walk (PHASE 0), each with its backward through an
+autograd.Function. mixc.load's op adds the torch and reference backends, autotuning on CUDA,
+the two-launch chunked form, torch.compile custom ops and context parallelism (runtime/op.py);
+the numbers are the same kernels' (tested in tests/codegen/test_module.py)."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +20,7 @@ import os
 import torch
 import triton
 
+from ..derive.kernel_args import metadata_kernel_args
 from .errors import ArgumentError  # noqa: F401  (mixc's own: one class everywhere)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -94,6 +96,7 @@ class CompiledOp:
 
     def __init__(self, meta: dict, namespace: dict):
         self.meta, self.ns = meta, namespace
+        self.args = metadata_kernel_args(meta)     # each kernel's arguments, in its order
 
     # ---- binding ----
     def _bind(self, kw: dict, state, cu, step: bool) -> Bound:
@@ -179,25 +182,36 @@ class CompiledOp:
     # ---- launches ----
     def _blocks(self, b: Bound, chunked: bool, C: int) -> tuple[dict, int, int]:
         meta, tile, split = self.meta, self.meta["tile"], self.meta["split"]
-        kw = {}
+        kw = {}           # keyed as the arguments (derive/kernel_args.py)
         for d in meta["dims"]:
-            kw[f"_size_{d}"] = b.sizes[d]
+            kw["size", d] = b.sizes[d]
             blk = _block(b.sizes[d])
             if chunked:
                 blk = max(16, min(blk, CHUNK_TILE) if d == tile else blk)
             else:
                 blk = min(blk, RECURRENT_TILE) if d == tile else min(blk, RECURRENT_SPLIT) if d == split else blk
-            kw[f"_BLOCK_{d}"] = blk
-        tiles = -(-b.sizes[tile] // kw[f"_BLOCK_{tile}"]) if tile else 1
-        splits = max(1, -(-b.sizes[split] // kw[f"_BLOCK_{split}"])) if split and not chunked else 1
+            kw["block", d] = blk
+        tiles = -(-b.sizes[tile] // kw["block", tile]) if tile else 1
+        splits = max(1, -(-b.sizes[split] // kw["block", split])) if split and not chunked else 1
         if chunked:
             x0 = next(iter(b.inputs.values()))
             dot = 0 if (x0.dtype == torch.bfloat16 and _interpreting()) else {torch.bfloat16: 1, torch.float16: 2}.get(
                 x0.dtype, 0)
-            kw.update(_BLOCK__T=C, _BLOCK__1=16, DOT=dot, _N_SEQS=b.n, p_chunk_seq=x0, PHASE=0)
+            kw.update(chunk=C, unit=16, dot=dot, n_seqs=b.n, chunk_seq=x0, phase=0)
         else:
-            kw.update(CK=C)
+            kw.update(ck=C)
         return kw, tiles, splits
+
+    def _common(self, kw: dict, b: Bound, device) -> dict:
+        """The values every kernel takes: the inputs, params and options, cu_seqlens, T, H and
+        the dims as floats (`kw`: the blocks and switches, updated)."""
+        kw.update({("input", k): x.contiguous() for k, x in b.inputs.items()})
+        kw.update({("param", k): x.contiguous() for k, x in b.params.items()})
+        kw.update({("option", k): x for k, x in b.options.items()})
+        kw["T"], kw["H"] = b.T, b.H
+        kw.update({("fsize", d): float(b.sizes[d]) for d in self.meta["dims"]})
+        kw["varlen"] = b.cu is not None
+        return kw
 
     def _kernel(self, form: str, device):
         if device.type == "cpu" and not _interpreting():
@@ -209,14 +223,15 @@ class CompiledOp:
         meta = self.meta
         x0 = next(iter(b.inputs.values()))
         device = x0.device
-        kernel = self._kernel("chunk_fwd" if chunked else "recurrent_fwd", device)
+        form = "chunk_fwd" if chunked else "recurrent_fwd"
+        kernel = self._kernel(form, device)
         kw, tiles, splits = self._blocks(b, chunked, C)
         if not chunked:
-            kw.update(p_state_indices=x0, USE_STATE_INDICES=False)
+            kw.update(state_indices=x0, use_indices=False)
         o_shape = (b.B, b.T, b.H) + tuple(b.sizes[d] for d in meta["output"]["shape"])
         out = _empty(((splits,) if splits > 1 else ()) + o_shape, torch.float32 if splits > 1 else x0.dtype, device)
         slots = (b.B * b.T) // C + b.n + 1
-        state_args, finals, ckpts = [], {}, {}
+        v, finals, ckpts = self._common(kw, b, device), {}, {}
         for name, shape in meta["kernel_states"].items():
             shape = tuple(b.sizes[d] for d in shape)
             init = out
@@ -227,12 +242,11 @@ class CompiledOp:
                 finals[name] = _empty((b.n, b.H) + shape, torch.float32, device)
             if checkpoints:
                 ckpts[name] = _empty((slots, b.H) + shape, torch.float32, device)
-            state_args += [init, finals.get(name, out), ckpts.get(name, out)]
-        kernel[(b.n * b.H, tiles, splits)](
-            *[x.contiguous() for x in b.inputs.values()], *[x.contiguous() for x in b.params.values()],
-            *b.options.values(), *state_args, out, b.cu.to(device) if b.cu is not None else out, b.T, b.H,
-            *[float(b.sizes[d]) for d in meta["dims"]], USE_INITIAL_STATE=b.init is not None,
-            STORE_FINAL_STATE=output_final_state, IS_VARLEN=b.cu is not None, STORE_CHECKPOINTS=checkpoints, **kw)
+            v["init", name], v["final", name], v["ckpt", name] = init, finals.get(name, out), ckpts.get(name, out)
+        v["out"] = out
+        v["cu_seqlens"] = b.cu.to(device) if b.cu is not None else out
+        v.update(use_initial=b.init is not None, store_final=output_final_state, store_ckpt=checkpoints)
+        self.args[form].launch(kernel, (b.n * b.H, tiles, splits), v)
         if splits > 1:
             out = out.sum(0).to(x0.dtype)
         return out, finals, ckpts
@@ -240,7 +254,8 @@ class CompiledOp:
     def backward(self, b: Bound, chunked: bool, C: int, ckpts: dict, do: torch.Tensor, dfinal: dict | None):
         meta, tile, split = self.meta, self.meta["tile"], self.meta["split"]
         device = do.device
-        kernel = self._kernel("chunk_bwd" if chunked else "recurrent_bwd", device)
+        form = "chunk_bwd" if chunked else "recurrent_bwd"
+        kernel = self._kernel(form, device)
         kw, tiles, splits = self._blocks(b, chunked, C)
         n, H = b.n, b.H
 
@@ -248,7 +263,7 @@ class CompiledOp:
             return ((tiles if tile is not None and tile not in dims else 1)
                     * (splits if split is not None and split not in dims else 1))
 
-        state_args, dinit = [], {}
+        v, dinit = self._common(kw, b, device), {}
         for name, shape in meta["kernel_states"].items():
             dims, shape = shape, tuple(b.sizes[d] for d in shape)
             dinit[name] = _empty((parts(dims) * n, H) + shape, torch.float32, device)
@@ -257,20 +272,23 @@ class CompiledOp:
                 dfin = (dfinal[name].to(torch.float32).contiguous() if name in dfinal
                         else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
             if chunked:
-                state_args += [ckpts[name], dfin if dfin is not None else dinit[name], dinit[name], dinit[name]]
+                v["ckpt", name], v["dfinal", name] = ckpts[name], dfin if dfin is not None else dinit[name]
+                v["dinit", name] = v["dh", name] = dinit[name]
             else:
                 scratch = _empty((n * H * tiles * splits * C,) + shape, torch.float32, device)
-                state_args += [ckpts[name], scratch, dfin if dfin is not None else scratch, dinit[name]]
+                v["ckpt", name], v["scratch", name] = ckpts[name], scratch
+                v["dfinal", name], v["dinit", name] = dfin if dfin is not None else scratch, dinit[name]
         dins = {k: (_empty(x.shape, x.dtype, device) if parts(meta["inputs"][k]) == 1
                     else _empty((parts(meta["inputs"][k]),) + tuple(x.shape), torch.float32, device))
                 for k, x in b.inputs.items()}
         dpars = {k: _empty((parts(meta["params"][k]) * n,) + tuple(x.shape), torch.float32, device)
                  for k, x in b.params.items()}
-        kernel[(n * H, tiles, splits)](
-            *[x.contiguous() for x in b.inputs.values()], *[x.contiguous() for x in b.params.values()],
-            *b.options.values(), *state_args, do.contiguous(), *dins.values(), *dpars.values(),
-            b.cu.to(device) if b.cu is not None else do, b.T, H, *[float(b.sizes[d]) for d in meta["dims"]],
-            USE_FINAL_STATE_GRAD=dfinal is not None, IS_VARLEN=b.cu is not None, **kw)
+        v["do"] = do.contiguous()
+        v.update({("dinput", k): x for k, x in dins.items()})
+        v.update({("dparam", k): x for k, x in dpars.items()})
+        v["cu_seqlens"] = b.cu.to(device) if b.cu is not None else do
+        v["use_dfinal"] = dfinal is not None
+        self.args[form].launch(kernel, (n * H, tiles, splits), v)
         dins = {k: v if v.shape == b.inputs[k].shape else v.sum(0).to(b.inputs[k].dtype) for k, v in dins.items()}
         dpars = {k: v.sum(0).to(b.params[k].dtype) for k, v in dpars.items()}
         dinit = {k: v if v.shape[0] == n else v.reshape((-1, n) + tuple(v.shape[1:])).sum(0) for k, v in dinit.items()}

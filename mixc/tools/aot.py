@@ -22,47 +22,53 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .. import pipeline
+from ..codegen.module import kernel_name
 from ..derive.plan import Plan
 from ..runtime.cache import interpreting
 from ..runtime.launch import block
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# flag values used for the constexpr switches of every template
-_SWITCHES = {"USE_INITIAL_STATE": True, "STORE_FINAL_STATE": True, "IS_VARLEN": False,
-             "STORE_CHECKPOINTS": True, "USE_FINAL_STATE_GRAD": True, "USE_STATE_INDICES": False, "CK": 32, "_BLOCK__1": 16, "PHASE": 0}
+# constexpr values of the switches of every template, by role (derive/kernel_args.py)
+_SWITCHES = {"use_initial": True, "store_final": True, "varlen": False, "store_ckpt": True, "use_dfinal": True,
+             "use_indices": False, "ck": 32, "unit": 16, "phase": 0}
 _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}
 
 
+def _form(kernel, plan: Plan) -> str:
+    """The form of one of the plan's kernels (its name is kernel_name(plan, form))."""
+    name = getattr(kernel, "fn", kernel).__name__
+    for form in plan.layout.kernel_args:
+        if name == kernel_name(plan, form):
+            return form
+    raise ValueError(f"{name} is none of {plan.name}'s kernels ({', '.join(plan.layout.kernel_args)})")
+
+
 def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16") -> tuple[dict, dict]:
-    """(signature, constexprs) of a generated kernel, read off its argument names: pointers to
-    inputs, outputs and their gradients in `dtype`, everything else float32."""
-    fn = kernel.fn if hasattr(kernel, "fn") else kernel
+    """(signature, constexprs) of a generated kernel from its argument list (plan.layout.
+    kernel_args, the definition its signature was printed from): pointers by their role's dtype
+    rule ("io": `dtype`, the inputs, the output and their gradients; "fp32"; "i32"), runtime
+    scalars i32 or fp32, constexprs the dims' sizes and blocks, the plan's chunk size and the
+    switches above."""
     t = _DTYPE[dtype]
-    chunked = "_BLOCK__T" in inspect.signature(fn).parameters      # matmul blocks are at least 16
-    lowp = {f"p_{d.name}" for d in plan.ir.inputs} | {f"p_d{d.name}" for d in plan.ir.inputs} | {"p_out", "p_do"}
+    form = _form(kernel, plan)
+    chunked = form.startswith("chunk")              # matmul blocks are at least 16
     sig, const = {}, {}
-    for name, p in inspect.signature(fn).parameters.items():
-        if "constexpr" in str(p.annotation):
-            if name.startswith("_size_"):
-                const[name] = sizes[name[len("_size_"):]]
-            elif name == "_BLOCK__T":
-                const[name] = plan.layout.chunk_size
-            elif name == "DOT":
-                const[name] = _DOT[dtype]
-            elif name.startswith("_BLOCK_") and name not in _SWITCHES:
-                b = block(sizes[name[len("_BLOCK_"):]])
-                const[name] = max(16, b) if chunked else b
-            else:
-                const[name] = _SWITCHES[name]
-            sig[name] = "constexpr"
-        elif name in ("p_cu_seqlens", "p_chunk_seq", "p_state_indices"):
-            sig[name] = "*i32"
-        elif name.startswith("p_"):
-            sig[name] = f"*{t}" if name in lowp else "*fp32"
-        elif name in ("T", "H", "_N_SEQS"):
-            sig[name] = "i32"
+    for a in plan.layout.kernel_args[form].args:
+        if not a.constexpr:
+            code = t if a.dtype == "io" else a.dtype
+            sig[a.name] = f"*{code}" if a.kind == "pointer" else code
+            continue
+        sig[a.name] = "constexpr"
+        if a.role == "size":
+            const[a.name] = sizes[a.of]
+        elif a.role == "block":
+            const[a.name] = max(16, block(sizes[a.of])) if chunked else block(sizes[a.of])
+        elif a.role == "chunk":
+            const[a.name] = plan.layout.chunk_size
+        elif a.role == "dot":
+            const[a.name] = _DOT[dtype]
         else:
-            sig[name] = "fp32"
+            const[a.name] = _SWITCHES[a.role]
     return sig, const
 
 

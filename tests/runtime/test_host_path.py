@@ -300,7 +300,8 @@ def test_a_launch_setting_changed_after_a_call_is_not_replayed_past(monkeypatch)
     op(**args)
     phases = []
     real = launch._forward
-    monkeypatch.setattr(launch, "_forward", lambda *a, **kw: (phases.append(kw.get("PHASE")), real(*a, **kw))[1])
+    monkeypatch.setattr(launch, "_forward",
+                        lambda *a, **kw: (phases.append(kw["launch"].get("phase")), real(*a, **kw))[1])
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     o2, _ = op(**args)
     assert phases == [1, 2]

@@ -23,7 +23,7 @@ def test_chunk_slot_table_names_every_chunk_once(lens, C):
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     bound = bind(op.ir, dict(kw, cu_seqlens=cu))
     programs, args = launch._chunk_launch(op.plan(), bound, C)
-    table = args["p_chunk_seq"].tolist()
+    table = args["chunk_seq"].tolist()
     assert programs == len(table) == launch.checkpoint_slots(bound, C)
     want = {}
     for i, (bos, n) in enumerate(zip(cu[:-1].tolist(), lens)):
