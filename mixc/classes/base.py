@@ -49,7 +49,7 @@ class TransitionClass:
     """The defaults of a unit; each class overrides what differs."""
 
     name: str = ""
-    hardness: int = 0                      # Plan.transition names the hardest class of its states
+    hardness: float = 0                    # Plan.transition names the hardest class of its states
     parallel_form: str | None = None       # "chunk" (the chunked kernels), "scan", or None
     torch_chunked: bool = False            # the torch backend's chunked form serves it
     conv_form: bool = False                # a time-invariant state of the class: the convolution form
@@ -71,6 +71,10 @@ class TransitionClass:
         return [C, C // 2] if C // 2 >= 16 else [C]
 
     # ---- explain ----
+    def no_parallel_note(self, st) -> str | None:
+        """The derivation's note for a state of a class without a parallel form (None: none)."""
+        return None
+
     def explain_chunk(self, st, s) -> list[str]:
         """The class's chunked (or parallel) equations for `mixc explain`; `s` prints a sympy
         expression as the explain text writes it."""

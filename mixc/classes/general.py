@@ -13,6 +13,10 @@ class GeneralLinear(TransitionClass):
     def claims(self, u: UpdateShape) -> bool:
         return bool(u.projections)          # the projection terms no other class claimed
 
+    def no_parallel_note(self, st) -> str | None:
+        return (f"state {st.name} has a general linear transition ({len(st.rank1)} projection terms): no parallel "
+                "form is known; the recurrent and step forms remain")
+
     def explain_chunk(self, st, s) -> list[str]:
         return ["no parallel form: the transition is a general linear map (more than one projection term)"]
 

@@ -26,6 +26,10 @@ class RankR(TransitionClass):
                 and all(set(t.over) == key and set(t.proj_dims) <= key
                         and (t.scale_dims is None or set(t.scale_dims) <= key) for t in u.projections))
 
+    def no_parallel_note(self, st) -> str | None:
+        return (f"state {st.name} is a rank-r correction (r = {len(st.rank1)}): its chunked form (the generalized "
+                "UT transform) is not generated yet; the recurrent and step forms serve it")
+
     def explain_chunk(self, st, s) -> list[str]:
         S, r = st.name, len(st.rank1)
         per_key = f" (a vector over {', '.join(st.decay_dims)})" if st.decay_dims else ""

@@ -270,11 +270,8 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
         forms.insert(0, "chunk")
     elif parallel <= {"chunk", "scan"}:
         forms.insert(0, "scan")
-    else:
-        hard = [s for s in states if s.transition == GENERAL]
-        for s in hard:
-            notes.append(f"state {s.name} has a general linear transition ({len(s.rank1)} projection "
-                         "terms): no parallel form is known; the recurrent and step forms remain")
+    else:       # the classes without a parallel form say why (their note)
+        notes += [n for s in states if (n := classes.unit(s.transition).no_parallel_note(s)) is not None]
     if all(s.time_invariant for s in states):
         forms.append("conv")
     stab = stabilize.find(spec, states, combine_ir, r_plans, notes)
