@@ -182,7 +182,7 @@ class ChunkCode:
             body += self.stabilizer_rows(em)
             mark = len(em.lines)
         for st in self.states:      # what the class's readouts and update share (rank-1: U)
-            body += classes.unit(st.transition).chunk_setup(self, st, per_state[st.name])
+            body += self.stage(st, "setup", classes.unit(st.transition).chunk_setup(self, st, per_state[st.name]))
 
         # readouts: per term the query matrix, the scale and the unscaled value
         out_env = dict(env)
@@ -463,11 +463,20 @@ class ChunkCode:
 
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (or S_{t-1}) for the C query rows Q: the class's stage."""
-        return classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev)
+        return self.stage(st, "readout", classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev))
 
     def advance(self, st: P.StatePlan, parts) -> list[str]:
         """s_<S> = S_C, the state at the chunk's end: the class's stage."""
-        return classes.unit(st.transition).chunk_advance(self, st, parts)
+        return self.stage(st, "advance", classes.unit(st.transition).chunk_advance(self, st, parts))
+
+    def stage(self, st: P.StatePlan, name: str, lines: list[str]) -> list[str]:
+        """A class stage's lines under a comment naming the state, its class, the stage and the
+        template of its macros (whose header gives the notation)."""
+        if not lines:
+            return lines
+        unit = classes.unit(st.transition)
+        stab = " (stabilized)" if self.stabilized(st) else ""
+        return [f"{I2}# {st.name}: {unit.name}{stab}, {name} (mixc/classes/{unit.template})"] + lines
 
 
 def g_is_vector(st: P.StatePlan) -> bool:

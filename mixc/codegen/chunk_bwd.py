@@ -74,7 +74,7 @@ class ChunkBackward(ChunkCode):
         # back through the class's setup (rank-1: the triangular solve of U)
         for st in self.states:
             lines, more = classes.unit(st.transition).chunk_setup_backward(self, st, per_state[st.name], grads[st.name])
-            body += lines
+            body += self.stage(st, "setup_backward", lines)
             seeds += more
 
         # 4. per-token log-decay gradients; the state gradient moves to the chunk start
@@ -232,11 +232,12 @@ class ChunkBackward(ChunkCode):
     def readout_backward(self, st: P.StatePlan, dR: str, Q: str, K: str, V: str, prev: bool, dQ: str,
                          G: dict) -> list[str]:
         """dQ (assigned), and contributions to dK, dV, db and dS0 of one readout term."""
-        return classes.unit(st.transition).chunk_readout_backward(self, st, dR, Q, K, V, prev, dQ, G)
+        return self.stage(st, "readout_backward",
+                          classes.unit(st.transition).chunk_readout_backward(self, st, dR, Q, K, V, prev, dQ, G))
 
     def advance_backward(self, st: P.StatePlan, parts, G: dict) -> list[str]:
         """Contributions of S_C = f(S0, K, V, b) given d_<state> = dL/dS_C."""
-        return classes.unit(st.transition).chunk_advance_backward(self, st, parts, G)
+        return self.stage(st, "advance_backward", classes.unit(st.transition).chunk_advance_backward(self, st, parts, G))
 
 
 def chunk_bwd_hooks(plan: Plan) -> dict:
