@@ -12,7 +12,13 @@ b_C - b_j are formed, none positive for a decay <= 1, so strong decay cannot ove
 state at each chunk start is kept as the recurrent backward's checkpoint (CK = C).
 
 Key dims of a state flatten into one matrix axis (based's S2[K, J, V] is a [K*J, V] matrix),
-value dims too; a state without key (or value) dims gets a unit axis "_1"."""
+value dims too; a state without key (or value) dims gets a unit axis "_1".
+
+What a class computes in a chunk (its readout, its state advance, the rank-1 class's setup)
+is Triton in its unit's macros, mixc/classes/<class>.j2, rendered by the unit's chunk_* hooks
+(mixc/classes/<class>.py); this module keeps what every class shares: the loads, the sanitizing
+of non-finite keys, the cumulative log decay and its resets, the stabilizer, the combine, the
+stores."""
 from __future__ import annotations
 
 from dataclasses import replace
