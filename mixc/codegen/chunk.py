@@ -229,6 +229,7 @@ class ChunkCode:
         combine = self.plan.output.combine_ir
         if self.stab is not None:       # readouts of S~: the combine rewritten over them and m
             out_env["_m"] = ("_mrow", ("_T",))
+            out_env["_mp"] = ("_mprow", ("_T",))        # prev(S~)'s scale m_{t-1} (stabilizer_rows)
             combine = self.stab.combine_ir
         oem = Emitter(m, out_env, indent=I2, prefix="_co", order=order)
         o_val = oem(combine)
@@ -426,8 +427,11 @@ class ChunkCode:
     # ---- the stabilizer (derive/stabilize.py) in a chunk ----
     def stabilizer_rows(self, em: Emitter) -> list[str]:
         """_gi: the gate's exponent per token; _mrow: m at each token, the largest log weight
-        of its readout; _mnew: m at the chunk's end. _M0: m at the chunk's start."""
+        of its readout; _mnew: m at the chunk's end. _M0: m at the chunk's start. _mprow (where
+        a readout of the group reads prev(S~)): m_{t-1}, _mrow a row down, _M0 in row 0."""
         n = self.stab.states[0]                  # the group shares its decay, so b
+        st = self.state(n)
+        prev = any(r.prev and r.state in self.stab.states for r in self.plan.output.readouts)
         start = len(em.lines)
         gv = em(self.stab.log_gate)
         causal = f"(_offs__T[:, None] >= _offs__T[None, :]) & _mask__T[None, :] & (_z_{n}[:, None] == _z_{n}[None, :])"
@@ -441,7 +445,8 @@ class ChunkCode:
             f"+ _gi[None, :], float('-inf')), axis=1), _b0_{n} + _M0), 0.0)",
             f"{I2}_mnew = tl.maximum(_bl0_{n} + _M0, tl.max(tl.where(_mask__T, _kw_{n} + _gi, float('-inf')), "
             "axis=0))",
-        ]
+        ] + ([self.shifted(st, "_mrow", "_mprow"),
+              f"{I2}_mprow = tl.where(_mask__T, tl.where(_offs__T == 0, _M0, _mprow), 0.0)"] if prev else [])
 
     def scalar_logs(self, st: P.StatePlan, prev: bool) -> tuple[list[str], str | tuple, str | tuple, str]:
         """(lines, bq, bk, b0) of a scalar-decay readout: the query rows' and the key columns'
@@ -456,9 +461,11 @@ class ChunkCode:
             return pre, ("_bph", "_bpc") if prev else (f"_bh_{n}", f"_bc_{n}"), (f"_bh_{n}", f"_bc_{n}"), b0
         if not self.stabilized(st):
             return pre, bq, f"_b_{st.name}", b0
-        # padded query rows weigh nothing (their m is 0, so exp(b - m) could overflow there)
-        return pre + [f"{I2}_bq = tl.where(_mask__T, {bq} - _mrow, float('-inf'))", f"{I2}_bk = _b_{st.name} - _gi",
-                      f"{I2}_b0 = tl.where(_mask__T, {b0} + _M0 - _mrow, float('-inf'))"], "_bq", "_bk", "_b0"
+        # padded query rows weigh nothing (their m is 0, so exp(b - m) could overflow there); a
+        # readout of S~_{t-1} is relative to m_{t-1}, its own scale (derive/stabilize.py)
+        m = "_mprow" if prev else "_mrow"
+        return pre + [f"{I2}_bq = tl.where(_mask__T, {bq} - {m}, float('-inf'))", f"{I2}_bk = _b_{st.name} - _gi",
+                      f"{I2}_b0 = tl.where(_mask__T, {b0} + _M0 - {m}, float('-inf'))"], "_bq", "_bk", "_b0"
 
     def scalar_advance_logs(self, st: P.StatePlan) -> tuple[str, str]:
         """(log weight of S0 in S_C, log weights of the chunk's keys in S_C)."""

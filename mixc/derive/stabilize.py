@@ -38,6 +38,7 @@ from .. import classes
 from ..classes import SCALAR
 
 M = "_m"                  # the stabilizer's name in the kernels (spec names never start with '_')
+M_PREV = "_mp"            # in the chunked forms' combine: m_{t-1} per token, prev(S~)'s scale
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,15 @@ def find(spec: ir.MixerIR, states, combine_ir: ir.Expr, readouts, notes: list[st
     _, gate, log_decay, _, _ = gated[0]
     group = tuple(s for s, _, _, _, _ in gated)
     keys = tuple((s, k, v) for s, _, _, k, v in gated)
-    readers = {r.name for r in readouts if r.state in group}
+    readers = {r.name: r.prev for r in readouts if r.state in group}
 
     def readout_scale(e):
-        return m_ref("stabilizer") if isinstance(e, ir.Ref) and e.kind == "readout" and e.name in readers else None
+        """A readout of S~_t is at scale m_t, one of S~_{t-1} (prev) at its own m_{t-1}: taken
+        at m_t instead, its weights exp(. - m_t) underflow where m jumps (a large gate) while
+        the output's other terms are small (RWKV-4 with u < -87: 0 / 0)."""
+        if isinstance(e, ir.Ref) and e.kind == "readout" and e.name in readers:
+            return ir.Ref((), None, M_PREV, "stabilizer") if readers[e.name] else m_ref("stabilizer")
+        return None
 
     exps = output_exps(spec, combine_ir, readout_scale)
     combine = common_scale(combine_ir, readout_scale, exps)

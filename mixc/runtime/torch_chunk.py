@@ -86,7 +86,7 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
     ci = -1                                   # the running chunk index over all sequences
     readout_vals = {r: [] for r in TORCH_READOUTS}
     finals = {s: [] for s in TORCH_STATES}
-    m_rows = []
+    m_rows, mp_rows = [], []
     for i_seq, (start, end) in enumerate(segments):
         states = {}
         for name, st in TORCH_STATES.items():
@@ -116,7 +116,9 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
                     bad[name] = bad[name] | gate_bad
                 for part in (K_, V_, L_, R_):
                     if name in part:
-                        part[name] = part[name].masked_fill(bad[name].unsqueeze(-1), 0.0)
+                        # [B, c, H, 1(, 1)]: the rank-r pieces have a term axis
+                        mask = bad[name].reshape(bad[name].shape + (1,) * (part[name].dim() - 3))
+                        part[name] = part[name].masked_fill(mask, 0.0)
             if gi is not None:
                 gi = gi.masked_fill(gate_bad, 0.0)
             chunk_b = {}
@@ -130,8 +132,12 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
                 # m is a scale the gradients hold constant
                 mrow = torch.maximum(L.amax(2), b + M.unsqueeze(1)).detach()
                 mnew = torch.maximum(bl + M, (sfx + gi).amax(1)).detach()
+                # a readout of S~_{t-1} is relative to m_{t-1}, its own scale (derive/stabilize.py)
+                mprev = torch.cat([M.unsqueeze(1), mrow[:, :-1]], 1)
                 logs = (mrow, gi, M, mnew)
+                logs_prev = (mprev, gi, M, mnew)
                 m_rows.append(mrow)
+                mp_rows.append(mprev)
             # what each state's readouts and update share (rank-1: the WY/UT solve)
             ctx = {name: units[name].torch_setup(st, K_[name], V_[name], L_.get(name), R_.get(name), states[name],
                                                  chunk_b.get(name)) for name, st in TORCH_STATES.items()}
@@ -139,9 +145,9 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
                 s = rd["state"]
                 total = 0
                 for Q, sc in ch_q[r]:
+                    lg = (logs_prev if rd["prev"] else logs) if s in TORCH_STABILIZED else None
                     val = units[s].torch_readout(TORCH_STATES[s], Q[ci], K_[s], V_[s], L_.get(s), states[s],
-                                                 chunk_b.get(s), rd["prev"], logs if s in TORCH_STABILIZED else None,
-                                                 ctx[s])
+                                                 chunk_b.get(s), rd["prev"], lg, ctx[s])
                     total = total + (val * sc[ci] if sc is not None else val)
                 seen = bad[s].cumsum(1) - (bad[s].to(torch.long) if rd["prev"] else 0)      # bad tokens up to the row
                 outs[r].append(total.masked_fill((seen > 0).unsqueeze(-1), float("nan")))
@@ -168,8 +174,8 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
         val = torch.cat(readout_vals[name], 1)
         vd = TORCH_STATES[rd["state"]]["vd"]
         r[name] = val.reshape(val.shape[:3] + tuple(sizes[d] for d in vd)) if vd else val[..., 0]
-    m = (torch.cat(m_rows, 1) if m_rows else torch.zeros(B, 0, H, dtype=dtype, device=device)) \
-        if TORCH_STABILIZED else None
+    m = tuple(torch.cat(x, 1) if x else torch.zeros(B, 0, H, dtype=dtype, device=device)
+              for x in (m_rows, mp_rows)) if TORCH_STABILIZED else None
     o = mod.torch_combine(x, p, opt, sizes, B, T, H, r, m)
     final = {k: torch.cat(v, 0) for k, v in finals.items()} if output_final_state else None
     return o, final

@@ -88,14 +88,15 @@ def test_the_stabilized_recurrence_is_the_spec(text):
 def test_rwkv4_output_takes_the_scale_max_of_m_and_u_plus_k():
     """An exp(x) the output adds to stabilized readouts joins their scale: M = max(m, x) held
     constant, every term relative to it (RWKV-4's WKV: max(pp, u + k)); written through a let
-    too. The recurrent kernels' output reads prev(a) at m_{t-1}."""
+    too. prev(a) is at m_{t-1}: in the chunked forms' combine _mp, in the recurrent kernels'
+    output prev(_m)."""
     let = RWKV4.replace("  state  a[V], b[]", "  let    e = exp(u + k)\n  state  a[V], b[]").replace(
         "(prev(a) + exp(u + k) * v) / (prev(b) + exp(u + k))", "(prev(a) + e * v) / (prev(b) + e)")
-    M = "detach(max(_m, u + k))"
+    M = "detach(max(_mp, u + k))"
     for text in (RWKV4, let):
         st = from_text(text).plan().stabilizer
-        assert expr_text(st.combine_ir) == (f"(exp(_m - {M}) * _r0 + exp(u + k - {M}) * v) / "
-                                            f"(exp(_m - {M}) * _r1 + exp(u + k - {M}))")
+        assert expr_text(st.combine_ir) == (f"(exp(_mp - {M}) * _r0 + exp(u + k - {M}) * v) / "
+                                            f"(exp(_mp - {M}) * _r1 + exp(u + k - {M}))")
         assert "max(detach(prev(_m)), u + k)" in spec_text(st.kernel_ir)
     assert "exp(" not in expr_text(mixc.load("mlstm").plan().stabilizer.combine_ir).replace("exp(-_m)", "")
 

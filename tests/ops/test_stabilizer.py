@@ -149,10 +149,29 @@ def test_rwkv4_exponential_in_the_output_is_stabilized(mode, kw):
     ~200 in float32 (issue 19 item 4: inf / inf = NaN in every fp32 mode): the output takes the
     scale M = max(m, u + k), so the forward, the final state and every gradient (inputs, params,
     initial state) are finite and equal RWKV-4's own WKV written by hand in float64."""
-    op = from_text(RWKV4, "rwkv4.mix")
     args, init = _rwkv4_args(T=20, seed=5)
+    _check_rwkv4(args, init, mode, kw)
+
+
+@pytest.mark.parametrize("u", [-200.0, -100.0, -90.0])
+@pytest.mark.parametrize("mode,kw", RWKV4_MODES[1:], ids=[f"B1-T20-H2-V4-{m}" for m, _ in RWKV4_MODES[1:]])
+def test_rwkv4_with_a_bonus_far_below_zero(mode, kw, u):
+    """u below -87 (exp(u) is 0 in fp32) with the keys of the test above, whose k jumps past
+    the history by far: the readouts of prev(a~), prev(b~) were taken relative to m_t (whose
+    k_t dominates), where they underflow with exp(u + k - m_t), so 0 / 0 in the chunked forms
+    (torch, chunk, conv); they are at their own scale m_{t-1} now, as in the recurrence."""
+    args, init = _rwkv4_args(T=20, seed=5)
+    args["u"] = u + torch.tensor([0.3, -0.2], dtype=torch.float64)
+    _check_rwkv4(args, init, mode, kw)
+
+
+def _check_rwkv4(args, init, mode, kw):
+    """The op in fp32 against _rwkv4_by_hand in float64: output, final states and every
+    gradient finite and within 2e-4 of each one's scale (at least 1)."""
+    op = from_text(RWKV4, "rwkv4.mix")
+    T = args["k"].shape[1]
     gen = torch.Generator().manual_seed(6)
-    wo = torch.randn(1, 20, 2, 4, generator=gen, dtype=torch.float64)
+    wo = torch.randn(1, T, 2, 4, generator=gen, dtype=torch.float64)
     wa, wb = torch.randn(1, 2, 4, generator=gen, dtype=torch.float64), torch.randn(1, 2, generator=gen,
                                                                                      dtype=torch.float64)
 
