@@ -88,6 +88,8 @@ class TransitionClass:
     # (code.macros(unit)). `parts` is a state's (K, V, g, kd, vd): its key and value matrices
     # [C, KF], [C, VF], its log decay and its flat key and value axes. The defaults are the
     # diagonal decays' (key- and value-diagonal): the others override what differs.
+    compensated_sum: bool = False          # its macros take b as hi + lo (ChunkCode.compensated)
+
     def decay_is_vector(self, st) -> bool:
         """The chunk's log decay is one number per token, a [C] vector (else [C, axes])."""
         return self.decay_axis(st) == "scalar"

@@ -27,6 +27,8 @@ class ScalarDecay(TransitionClass):
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
     # the log weights come from ChunkCode.scalar_logs / scalar_advance_logs, which subtract
     # the stabilizer's m for the states of its group (scalar.j2)
+    compensated_sum = True          # scalar.j2's pair_logs: b_i - b_j as (hi_i - hi_j) + (lo_i - lo_j)
+
     def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
         pre, bq, bk, b0 = code.scalar_logs(st, prev)
         return pre + self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev,

@@ -360,7 +360,7 @@ class ChunkCode:
         differences, rounded once. This relies on the compiler keeping (g + 2^14) - 2^14 as two
         rounded adds (Triton sets no reassociation flag on fadd; the PTX keeps both): were it
         folded to g, lo would be 0 and hi the plain sum, as precise as before, no worse."""
-        return st.transition == P.SCALAR and not self.stabilized(st)
+        return classes.unit(st.transition).compensated_sum and not self.stabilized(st)
 
     def pair_ok(self, st: P.StatePlan, zq: str) -> str:
         """The [C, C] (or [C, C, dim]) mask of the pairs (query row i, key j) with no reset
