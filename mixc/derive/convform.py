@@ -82,7 +82,7 @@ def conv_form_lines(plan: P.Plan, text=str) -> list[str]:
     if cf.fft:
         for r in plan.output.readouts:
             st = plan.state(r.state)
-            a = "1" if st.transition == P.PREFIX_SUM else f"({text(st.decay)})"
+            a = "1" if classes.unit(st.transition).decay_axis(st) is None else f"({text(st.decay)})"
             for scale, proj, over in r.terms:
                 q = text(proj) if proj is not None else "1"
                 lag = "j - 1" if r.prev else "j"
