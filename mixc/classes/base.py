@@ -155,6 +155,9 @@ class TransitionClass:
     # token, b_{i-1}, the suffix sums, g; None without a decay); logs the stabilizer's (m per
     # row, the gate, m at the start, m at the end) for a state of its group, else None.
     torch_batched: bool = True             # the batched form (torch_chunks.py) serves it
+    # The torch form's L, R carry a term axis [.., r, KF] (the plan's StateIR.terms) and K, V an
+    # input-term axis [.., m, *] (StateIR.inputs: B_t = sum_m k_m v_m^T): the rank-r class
+    term_axes: bool = False
 
     def decay_axis(self, st) -> str | None:
         """What the state's log decay g runs over, for the torch form and the context-parallel

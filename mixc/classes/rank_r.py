@@ -7,18 +7,22 @@ number of distinct projections r_i).
 Its parallel form is the generalized UT transform on chunks: the C tokens' r terms give C*r
 unknown rows u_{t,i} = r~_{t,i} . X_{t-1}, and X_{t-1} sums over the earlier tokens' terms, so the
 rows solve one [C*r, C*r] unit lower triangular system, block triangular in tokens with [r, r]
-blocks (a token's r terms all read S_{t-1}: its diagonal block is 0). Those chunked kernels
-are not generated yet: parallel_form is None, so the recurrent and step kernels (and the torch
-backend's token loop) serve the class, and `mixc explain` says so."""
+blocks (a token's r terms all read S_{t-1}: its diagonal block is 0). The torch backend's
+chunked form (below) serves mode='torch'; the Triton chunked kernels are not generated yet:
+parallel_form is None, so the recurrent and step kernels serve the kernel modes, and `mixc
+explain` says so."""
 from __future__ import annotations
 
+from ..dsl.unparse import expr_text
 from .base import TransitionClass, UpdateShape, torch_form
 
 
 class RankR(TransitionClass):
     name = "rank-r correction"
     hardness = 5.5                          # between rank-1 (5) and general linear (6)
-    parallel_form = None                    # the chunked kernels are not generated yet
+    parallel_form = None                    # the chunked Triton kernels are not generated yet
+    torch_chunked = True                    # the torch form below serves mode='torch'
+    term_axes = True                        # L, R [.., r, KF]; K, V [.., m, *]: B_t = sum_m k_m v_m^T
 
     def claims(self, u: UpdateShape) -> bool:
         key = set(u.key_dims)
@@ -27,33 +31,39 @@ class RankR(TransitionClass):
                         and (t.scale_dims is None or set(t.scale_dims) <= key) for t in u.projections))
 
     def no_parallel_note(self, st) -> str | None:
-        return (f"state {st.name} is a rank-r correction (r = {len(st.rank1)}): its chunked form (the generalized "
-                "UT transform) is not generated yet; the recurrent and step forms serve it")
+        return (f"state {st.name} is a rank-r correction (r = {len(st.rank1)}): its chunked kernels (the "
+                "generalized UT transform) are not generated yet; the recurrent and step kernels serve it, "
+                "and the torch backend's chunked form serves mode='torch'")
 
     def explain_chunk(self, st, s) -> list[str]:
         S, r = st.name, len(st.rank1)
         per_key = f" (a vector over {', '.join(st.decay_dims)})" if st.decay_dims else ""
         terms = "; ".join(f"l_{i + 1} = {s(t.left)}, r_{i + 1} = {s(t.right)}" for i, t in enumerate(st.rank1))
+        pieces = st.ir_pieces.inputs if st.ir_pieces is not None else ()
+        inputs = ("; ".join(f"k_{i + 1} = {expr_text(k)}, v_{i + 1} = {expr_text(v)}" for i, (k, v) in enumerate(pieces))
+                  if pieces else "it is not a sum of outer products: the torch chunked form cannot take it")
         return [f"transition: {S}_t = a_t {S}_{{t-1}} + sum_{{i=1..{r}}} l_i,t (r_i,t . {S}_{{t-1}}) + B_t, "
                 f"rank r = {r}: a = {s(st.decay)}{per_key}; {terms}",
                 f"the chunked form is the generalized UT transform: X_t = exp(-b_t) {S}_t, the C*r rows "
                 f"u_(t,i) = r~_t,i . X_{{t-1}} of a chunk solve one [C*{r}, C*{r}] unit lower triangular "
                 f"system (I - A) U = R^ {S}0 + A_rk V, block triangular in tokens with [{r}, {r}] blocks "
                 f"A_(t,i),(s,j) = r~_t,i . l~_s,j for s < t (a token's terms all read {S}_{{t-1}})",
-                "its chunked kernels are not generated yet: the recurrent and step kernels serve this "
-                "class (mode='chunk' is refused; mode='auto' takes the recurrent kernels)"]
+                f"B_t = sum_m k_m v_m^T, m = {len(pieces)} outer products (K, V rows with an m axis): {inputs}",
+                "the torch backend runs this chunked form (mode='torch', and mode='auto' on CPU); the "
+                "class's chunked kernels are not generated yet: the recurrent and step kernels serve the "
+                "kernel modes (mode='chunk' is refused; mode='auto' on a GPU takes the recurrent kernels)"]
 
     # ---- torch form ----
     # The generalized UT transform on one chunk, in the chunk-at-a-time layout of base.py's
     # torch form with a term axis: L, R [B, c, H, r, KF] (the r terms l_(t,i), r_(t,i) of a
     # token), K [B, c, H, m, KF] and V [B, c, H, m, VF] (B_t = sum_m k_(t,m) v_(t,m)^T: DeltaProduct's
     # input term is a sum of n outer products), S [B, H, KF, VF], bb the chunk's logs
-    # (torch_ops.loop_chunk_logs). Checked in float64 against fla's loop with autograd's
-    # gradients (tests/ops/test_rank_r_torch_form.py). Not served yet (torch_chunked is False):
-    # the runtime hands a state one (L, R) pair and one key (x) value; serving it needs the plan
-    # to carry the r (left, right) pieces and the m (key, value) pieces of B_t, and
-    # codegen/torch_module.py to emit them.
-    torch_batched = False
+    # (torch_ops.loop_chunk_logs). The plan carries the r (left, right) terms and the m (key,
+    # value) pieces of B_t (StateIR.terms, .inputs); codegen/torch_module.py stacks them on axis 3
+    # and runtime/torch_chunk.py's loop hands them here. Checked in float64 against fla's loop
+    # with autograd's gradients (tests/ops/test_rank_r_torch_form.py: the form alone; and
+    # test_rank_r_torch_mode.py: the op in mode='torch'). Only the chunk-at-a-time loop:
+    torch_batched = False                   # no batched form (torch_chunks.py) yet
 
     def decay_axis(self, st) -> str | None:
         return "key" if st.decay_dims else "scalar"
@@ -105,6 +115,30 @@ class RankR(TransitionClass):
         bl, w = bb[1], torch.exp(bb[3]).unsqueeze(3)                              # w [B, c, H, 1, K]
         return (bl.exp().unsqueeze(-1) * S + torch.einsum("bshjk,bshjv->bhkv", L * w, U)
                 + torch.einsum("bshmk,bshmv->bhkv", K * w, V))
+
+    # ---- context parallel (runtime/context_parallel.py) ----
+    def cp_transition(self, st, pc, name, n, H):
+        """The [KF, KF] map of a shard, the product of the tokens' (a_t + sum_i l_t,i r_t,i^T): the
+        torch form's chunks run on S0 = I with every v = 0 (rank1.py's, with the term axes)."""
+        torch, ops = torch_form()
+        L, R, K, g = pc["L"][name], pc["R"][name], pc["K"][name], pc["g"][name]
+        T, m, KF = K.shape[1], K.shape[3], K.shape[4]
+        if g is None:                                 # no decay
+            g = torch.zeros(n, T, H, dtype=K.dtype, device=K.device)
+        S = torch.eye(KF, dtype=K.dtype, device=K.device).expand(n, H, KF, KF)
+        C = 32
+        for c0 in range(0, T, C):
+            c1 = min(c0 + C, T)
+            bb = ops.loop_chunk_logs(g[:, c0:c1])
+            zero_v = torch.zeros(n, c1 - c0, H, m, KF, dtype=K.dtype, device=K.device)
+            L_, R_, K_ = L[:, c0:c1], R[:, c0:c1], K[:, c0:c1]
+            ctx = self.torch_setup(st, K_, zero_v, L_, R_, S, bb)
+            S = self.torch_advance(st, K_, zero_v, L_, S, bb, None, ctx)
+        return S                                      # S_end = Phi @ S_start over the key axis
+
+    def cp_apply(self, st, phi, S):
+        torch, _ = torch_form()
+        return torch.einsum("nhij,nhjv->nhiv", phi, S)
 
 
 UNIT = RankR()

@@ -73,9 +73,15 @@ def torch_hooks(plan: Plan) -> dict:
     for st in chunk.states:
         kd, vd = canon(order, st.key_dims), canon(order, st.value_dims)
         p = st.ir_pieces
-        out.append(f"{I1}_K[{st.name!r}] = {full(p.key, kd)}")
-        out.append(f"{I1}_V[{st.name!r}] = {full(p.value, vd)}")
         unit = classes.unit(st.transition)
+        if unit.term_axes:      # r terms l_i (r_i @ S) and B_t = sum_m k_m v_m^T: axis 3 (mixc/classes/rank_r.py)
+            for part, pairs, i, dims in (("K", p.inputs, 0, kd), ("V", p.inputs, 1, vd),
+                                         ("L", p.terms, 0, kd), ("R", p.terms, 1, kd)):
+                rows = ",\n".join(f"{I1}    {full(pair[i], dims)}" for pair in pairs)
+                out.append(f"{I1}_{part}[{st.name!r}] = torch.stack([\n{rows}], 3)")
+        else:
+            out.append(f"{I1}_K[{st.name!r}] = {full(p.key, kd)}")
+            out.append(f"{I1}_V[{st.name!r}] = {full(p.value, vd)}")
         axis = unit.decay_axis(st)                # what the log decay g runs over
         if p.left is not None:                    # left * (right @ S): the WY/UT chunk (mixc/classes/rank1.py)
             out.append(f"{I1}_L[{st.name!r}] = {full(p.left, kd)}")

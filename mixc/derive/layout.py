@@ -68,14 +68,19 @@ def chunk_supported(plan) -> str | None:
 
 
 def torch_chunk_supported(plan) -> str | None:
-    """Why the torch backend has no chunked form for this plan, or None: the kernels' classes
-    and the elementwise one (Mamba: exp(b_i - b_j) per element of the state)."""
+    """Why the torch backend has no chunked form for this plan, or None: the kernels' classes,
+    the elementwise one (Mamba: exp(b_i - b_j) per element of the state) and the rank-r one
+    (DeltaProduct: its B_t a sum of outer products)."""
     if all(classes.unit(st.transition).parallel_form == "chunk" for st in plan.states):
         return chunk_supported(plan)
-    for st in plan.states:      # the elementwise class: exp(b_i - b_j) per state element
-        if not classes.unit(st.transition).torch_chunked:
+    for st in plan.states:      # the elementwise and rank-r classes (no kernels: torch only)
+        unit = classes.unit(st.transition)
+        if not unit.torch_chunked:
             return f"state {st.name} is a {st.transition}"
-        if st.ir_pieces is None or st.ir_pieces.key is None:
+        if unit.term_axes:              # B_t as m outer products (the plan's StateIR.inputs)
+            if st.ir_pieces is None or not st.ir_pieces.inputs:
+                return f"the input term of state {st.name} is not a sum of outer products key (x) value"
+        elif st.ir_pieces is None or st.ir_pieces.key is None:
             return f"the input term of state {st.name} is not an outer product key (x) value"
     for r in plan.output.readouts:
         for t in r.terms_ir:

@@ -88,6 +88,10 @@ class StateIR:
     value: ir.Expr | None
     left: ir.Expr | None = None        # a rank-1 term left * (right @ S): left, right over the key dims
     right: ir.Expr | None = None
+    # the rank-r class (its unit's term_axes): its r terms (left, right), and B_t as m outer
+    # products (key, value), its top-level sum split (() where a summand does not factor)
+    terms: tuple[tuple[ir.Expr, ir.Expr], ...] = ()
+    inputs: tuple[tuple[ir.Expr, ir.Expr], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,24 @@ def _key_value(const: ir.Expr, key_dims, value_dims):
     def prod(fs):
         return functools.reduce(affine.mul, fs) if fs else affine.num(1)
     return prod(key), prod(value)
+
+
+def _outer_terms(const: ir.Expr, key_dims, value_dims) -> tuple[tuple[ir.Expr, ir.Expr], ...]:
+    """B_t as a sum of m outer products key (x) value: its top-level + and - split, each summand
+    factored by _key_value (DeltaProduct's B_t has one per step); () where one does not factor."""
+    def summands(e: ir.Expr, negate: bool) -> list[ir.Expr]:
+        if isinstance(e, ir.BinOp) and e.op in ("+", "-"):
+            return summands(e.left, negate) + summands(e.right, negate != (e.op == "-"))
+        if isinstance(e, ir.Neg):
+            return summands(e.x, not negate)
+        return [affine.neg(e) if negate else e]
+    out = []
+    for e in summands(const, False):
+        key, value = _key_value(e, key_dims, value_dims)
+        if key is None:
+            return ()
+        out.append((key, value))
+    return tuple(out)
 
 
 def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
@@ -316,7 +338,8 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     shape = classes.UpdateShape(
         decl.shape, kdims, vdims, decay == 1, decay_dims,
         tuple(classes.Projection(t.scale.shape if t.scale is not None else None, t.proj.shape, t.over) for t in proj))
-    transition = classes.classify(shape).name
+    unit = classes.classify(shape)
+    transition = unit.name
     gated = transition == RANK1 and decay != 1
 
     log_decay = log_of(decay) if decay != 0 else sp.S.NegativeInfinity
@@ -340,7 +363,11 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     left = right = None
     if transition == RANK1:
         left, right = proj[0].scale or affine.num(1), proj[0].proj
-    pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value, left, right)
+    terms = inputs = ()
+    if unit.term_axes:                  # the rank-r class: its r terms and B_t's m outer products
+        terms = tuple((t.scale or affine.num(1), t.proj) for t in proj)
+        inputs = _outer_terms(const, kdims, vdims)
+    pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value, left, right, terms, inputs)
     return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,
                      rank1, input_term, conv(key) if key is not None else None,
                      conv(value) if value is not None else None, kdims, vdims, ti, forms, pieces)

@@ -10,6 +10,8 @@ transition (docs/distributed.md):
       elementwise decay                per key, per value or per state element
     rank-1 (delta rules, RWKV-7) Phi = the product of the tokens' (D_t + l_t r_t^T), a [K, K]
                                        matrix per head, from the WY form run on S0 = I, v = 0
+    rank-r (DeltaProduct)        Phi = the product of the tokens' (D_t + sum_i l_t,i r_t,i^T),
+                                       from the generalized UT form run on S0 = I, v = 0
 
 each computed and applied by the class's unit (mixc/classes/<class>.py: cp_transition, cp_apply):
 
@@ -51,9 +53,10 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
     lengths = torch.tensor([t for t, _ in agree(group, rank, world, fields, refused, bound.T if bound else 0)],
                            dtype=torch.int64)
     plan = op.plan(**bound.flags)
-    if "chunk" not in plan.forms and "scan" not in plan.forms:
+    if not plan.layout.torch_chunked:     # Phi comes from the torch form's pieces (its unit's cp_transition)
         raise ArgumentError(f"cp_group: mixer '{op.name}' has no chunked form (its transition is "
-                            f"{plan.transition}): context parallelism needs the shard's transition")
+                            f"{plan.transition}: {plan.layout.torch_chunk_unsupported}): context parallelism "
+                            "needs the shard's transition")
     x0 = next(iter(bound.inputs.values()))
     T = bound.T
 

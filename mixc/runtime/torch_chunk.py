@@ -116,7 +116,9 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
                     bad[name] = bad[name] | gate_bad
                 for part in (K_, V_, L_, R_):
                     if name in part:
-                        part[name] = part[name].masked_fill(bad[name].unsqueeze(-1), 0.0)
+                        # [B, c, H, 1(, 1)]: the rank-r pieces have a term axis
+                        mask = bad[name].reshape(bad[name].shape + (1,) * (part[name].dim() - 3))
+                        part[name] = part[name].masked_fill(mask, 0.0)
             if gi is not None:
                 gi = gi.masked_fill(gate_bad, 0.0)
             chunk_b = {}

@@ -14,11 +14,12 @@ SIZES = {"K": 4, "V": 3, "N": 3, "P": 5, "D": 4}
 
 
 def chunked_library_specs() -> list[str]:
-    """Every library spec with a chunked form: all the transition classes (prefix sum, scalar,
-    key, value, elementwise, rank-1 with and without a per-key decay, the stabilized mLSTM)."""
+    """Every library spec with a chunked form (the shard's Phi is its torch form's): all the
+    transition classes (prefix sum, scalar, key, value, elementwise, rank-1 with and without a
+    per-key decay, the stabilized mLSTM, the rank-r DeltaProduct: torch only)."""
     import mixc
     from mixc.dsl import library_names
-    return [n for n in library_names("recurrent") if {"chunk", "scan"} & set(mixc.load(n).plan().forms)]
+    return [n for n in library_names("recurrent") if mixc.load(n).plan().layout.torch_chunked]
 
 
 TORCH_CASES = [dict(name=n, mode="torch", dtype=torch.float64, T=23, sizes=SIZES) for n in chunked_library_specs()]
@@ -29,8 +30,8 @@ def spawn(world: int, cases: list, tmp_path) -> None:
 
 
 def test_every_chunked_library_spec_is_covered():
-    assert len(TORCH_CASES) >= 17 and {"gla", "delta_rule", "rwkv7", "mamba", "hgrn", "mlstm"} <= \
-        {c["name"] for c in TORCH_CASES}
+    assert len(TORCH_CASES) >= 18 and {"gla", "delta_rule", "rwkv7", "mamba", "hgrn", "mlstm",
+                                       "gated_delta_product"} <= {c["name"] for c in TORCH_CASES}
 
 
 # 4 ranks behind -m slow (15 s); 3 uneven ranks run by default below
@@ -43,7 +44,7 @@ def test_context_parallel_uneven_shards_and_packed_sequences(tmp_path):
     # 3 ranks of 9, 2 and 13 tokens; sequences of 4, 12 (crossing all three ranks), 0 and 8
     cu = [0, 4, 16, 16, 24]
     cases = [dict(name=n, mode="torch", dtype=torch.float64, T=24, sizes=SIZES, cu_seqlens=cu, lengths=[9, 2, 13])
-             for n in ("gla", "gated_delta_rule", "mamba")]
+             for n in ("gla", "gated_delta_rule", "mamba", "gated_delta_product")]
     spawn(3, cases, tmp_path)
 
 
