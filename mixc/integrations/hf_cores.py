@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.signature import ArgumentError
+from . import hf_packing
 
 _OPS: dict = {}
 _NO_LIMIT = 1e30        # the specs' dt_max default: options are finite numbers
@@ -41,9 +42,15 @@ def spec_op(spec: str):
     return _OPS[spec]
 
 
-def make(family: str, *, mode: str, op_kwargs: dict) -> dict:
-    """{global name in the modeling module: replacement} for one layer."""
-    return _FACTORIES[family](mode, dict(op_kwargs))
+def make(family: str, *, mode: str, op_kwargs: dict, module_globals: dict | None = None) -> dict:
+    """{global name in the modeling module: replacement} for one layer. module_globals: the
+    layer forward's globals; its causal_conv1d_fn, if any, is wrapped to keep packed sequences
+    apart (hf_packing.packed_conv)."""
+    out = _FACTORIES[family](mode, dict(op_kwargs))
+    conv = (module_globals or {}).get("causal_conv1d_fn")
+    if conv is not None:
+        out["causal_conv1d_fn"] = hf_packing.packed_conv(conv)
+    return out
 
 
 def _cast_state(st: dict | None, name: str = "S"):
@@ -60,10 +67,17 @@ def _repeat_heads(x: torch.Tensor, heads: int, dim: int, what: str) -> torch.Ten
     return x.repeat_interleave(heads // groups, dim=dim)
 
 
-def _packed(kwargs: dict, cu_seqlens):
-    if kwargs.get("seq_idx") is not None:
-        raise ArgumentError("seq_idx: mixc's ops take packed sequences as cu_seqlens (the start offsets), not seq_idx")
-    return cu_seqlens if cu_seqlens is not None else kwargs.get("cu_seq_lens_q")
+def _call(op, seqs: dict, *, init, final: bool, cu_seqlens, seq_idx, **kwargs):
+    """op(**seqs, **kwargs) over [batch, T] inputs. Packed sequences: cu_seqlens as the op takes
+    them (fla's: one row; each sequence's state in and out), or seq_idx (mamba_ssm's), mapped
+    to cu_seqlens over the rows laid end to end with a state in and out per row."""
+    if cu_seqlens is None and seq_idx is not None:
+        first = next(iter(seqs.values()))
+        segs = hf_packing.Segments(seq_idx.to(first.device), first.shape[0], first.shape[1])
+        o, st = op(**{n: segs.flatten(x) for n, x in seqs.items()}, initial_state=segs.initial(init),
+                   output_final_state=final, cu_seqlens=segs.cu_seqlens, **kwargs)
+        return segs.unflatten(o), segs.final(st)
+    return op(**seqs, initial_state=init, output_final_state=final, cu_seqlens=cu_seqlens, **kwargs)
 
 
 # ---- Gated DeltaNet (Qwen3-Next, OlmoHybrid) and Kimi Delta Attention (Kimi-Linear) ----
@@ -83,18 +97,19 @@ def _delta_rule_family(spec: str, chunk_name: str, recurrent_name: str):
             heads = value.shape[2]
             q = _repeat_heads(query, heads, 2, "query")
             k = _repeat_heads(key, heads, 2, "key")
-            o, st = op(q=q, k=k, v=value, g=g, beta=beta, **options(scale, use_qk_l2norm_in_kernel),
-                       initial_state=None if initial_state is None else {"S": initial_state},
-                       output_final_state=bool(output_final_state), cu_seqlens=_packed(kwargs, cu_seqlens),
-                       mode=mode, **op_kwargs)
+            o, st = _call(op, dict(q=q, k=k, v=value, g=g, beta=beta),
+                          init=None if initial_state is None else {"S": initial_state},
+                          final=bool(output_final_state), cu_seqlens=cu_seqlens if cu_seqlens is not None
+                          else kwargs.get("cu_seq_lens_q"), seq_idx=kwargs.get("seq_idx"),
+                          **options(scale, use_qk_l2norm_in_kernel), mode=mode, **op_kwargs)
             return o.to(query.dtype), _cast_state(st)
 
         def recurrent(query, key, value, g, beta, initial_state=None, output_final_state=False,
                       use_qk_l2norm_in_kernel=False, cu_seqlens=None, scale=None, **kwargs):
-            cu = _packed(kwargs, cu_seqlens)
-            if query.shape[1] != 1 or initial_state is None or cu is not None:
+            cu = cu_seqlens if cu_seqlens is not None else kwargs.get("cu_seq_lens_q")
+            if query.shape[1] != 1 or initial_state is None or cu is not None or kwargs.get("seq_idx") is not None:
                 return chunk(query, key, value, g, beta, initial_state=initial_state,
-                             output_final_state=output_final_state, cu_seqlens=cu,
+                             output_final_state=output_final_state, cu_seqlens=cu, seq_idx=kwargs.get("seq_idx"),
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale)
             heads = value.shape[2]
             q = _repeat_heads(query[:, 0], heads, 1, "query")
@@ -156,9 +171,9 @@ def _mamba2(mode: str, op_kwargs: dict) -> dict:
         D_op, D_out = _d_parts(D, heads, A)
         bias = dt_bias if dt_bias is not None else A.new_zeros(heads)
         init = None if initial_states is None else {"S": initial_states.transpose(-1, -2)}
-        y, st = op(x=x, dt=dt, B=Bh, C=Ch, A=A, D=D_op, dt_bias=bias, **_dt_options(dt_softplus, dt_limit),
-                   initial_state=init, output_final_state=bool(return_final_states),
-                   cu_seqlens=_packed(dict(kwargs, seq_idx=seq_idx), cu_seqlens), mode=mode, **op_kwargs)
+        y, st = _call(op, dict(x=x, dt=dt, B=Bh, C=Ch), init=init, final=bool(return_final_states),
+                      cu_seqlens=cu_seqlens, seq_idx=seq_idx, A=A, D=D_op, dt_bias=bias,
+                      **_dt_options(dt_softplus, dt_limit), mode=mode, **op_kwargs)
         if D_out is not None:
             y = y + x * D_out
         if z is not None:

@@ -81,7 +81,8 @@ def patch(model: torch.nn.Module, mode: str = "auto", **op_kwargs) -> torch.nn.M
                     "differs over both state dims); use mode='auto' or 'recurrent'")
     modules = dict(model.named_modules())
     for name, family in found.items():
-        cores = hf_cores.make(family, mode=mode, op_kwargs=op_kwargs)
+        forward_globals = inspect.unwrap(type(modules[name]).forward).__globals__
+        cores = hf_cores.make(family, mode=mode, op_kwargs=op_kwargs, module_globals=forward_globals)
         _rebind(modules[name], cores, mark=(family, mode))
     return model
 

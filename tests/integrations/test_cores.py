@@ -39,3 +39,33 @@ def test_rwkv_cache_state_through_prefill_and_decode(key_offset):
             real = lambda st: st[i].double() * st[2].double().exp()             # noqa: E731
             torch.testing.assert_close(real(got_state), real(want_state), rtol=1e-5, atol=1e-5 * real(want_state)
                                        .abs().max().item(), msg=f"{what} * exp(max) after tokens {a}:{b}")
+
+
+def test_mamba2_seq_idx_keeps_segments_apart_with_states():
+    """mamba_ssm's seq_idx [batch, T] over two rows of two and three segments, with an initial
+    state per row and the final states asked for: each segment equals transformers' own
+    mamba2_chunk_scan run on it alone, the row's first segment from the row's initial state and
+    the others from zero, and the final state of a row is its last segment's."""
+    import inspect
+    from transformers.models.mamba2 import modeling_mamba2
+    torch_scan = inspect.unwrap(modeling_mamba2.mamba2_chunk_scan)
+    scan = hf_cores.make("mamba2", mode="torch", op_kwargs={})["mamba2_chunk_scan"]
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, P, G, N = 2, 9, 4, 3, 2, 5
+    rows = [[4, 5], [2, 3, 4]]
+    x, dt = torch.randn(B, T, H, P, generator=gen), torch.randn(B, T, H, generator=gen)
+    Bm, Cm = torch.randn(B, T, G, N, generator=gen), torch.randn(B, T, G, N, generator=gen)
+    A, D, dt_bias = -torch.rand(H, generator=gen) - 0.5, torch.randn(H, generator=gen), torch.randn(H, generator=gen)
+    init = torch.randn(B, H, P, N, generator=gen)
+    seq_idx = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in rows]).to(torch.int32)
+    kw = dict(chunk_size=4, D=D, dt_bias=dt_bias, dt_softplus=True)
+    y, final = scan(x, dt, A, Bm, Cm, initial_states=init, seq_idx=seq_idx, return_final_states=True, **kw)
+    for b, lens in enumerate(rows):
+        start = 0
+        for i, n in enumerate(lens):
+            s = slice(start, start + n)
+            y_l, fin_l = torch_scan(x[b:b + 1, s], dt[b:b + 1, s], A, Bm[b:b + 1, s], Cm[b:b + 1, s],
+                                    initial_states=init[b:b + 1] if i == 0 else None, return_final_states=True, **kw)
+            torch.testing.assert_close(y[b:b + 1, s], y_l, rtol=1e-5, atol=1e-5, msg=f"row {b} segment {i}")
+            start += n
+        torch.testing.assert_close(final[b:b + 1], fin_l, rtol=1e-5, atol=1e-5, msg=f"row {b} final state")
