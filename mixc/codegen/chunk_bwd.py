@@ -157,7 +157,7 @@ class ChunkBackward(ChunkCode):
             init.append(f"{I2}d_{n} = tl.load({ptr}, mask={msk}, other=0.0)")
             slot = "(bos // _BLOCK__T + i_n + _chunk)"
             ptr, msk = self.state_ptr(st, f"p_ckpt_{n}", f"({slot} * H + i_h)")
-            load_ckpt.append(f"{I2}s_{n} = tl.load({ptr}, mask={msk}, other=0.0)")
+            load_ckpt.append(f"{I2}s_{n} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)")
             # dL/dS at the chunk's end: PHASE 1 keeps it for PHASE 2 ([slots, tiles, H, *dims]
             # where the state lacks the tile dim: each block's own partial, as for dinit)
             if whole:

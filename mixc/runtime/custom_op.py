@@ -15,7 +15,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..derive.plan import Plan
-from .launch import checkpoint_slots, chunk_backward, chunk_forward, recurrent_backward, recurrent_forward
+from .launch import (checkpoint_dtype, checkpoint_slots, chunk_backward, chunk_forward, recurrent_backward,
+                     recurrent_forward)
 from .signature import Bound
 
 _OPS: dict[tuple, object] = {}
@@ -95,7 +96,8 @@ def kernel_ops(plan: Plan) -> KernelOps:
                               dtype=torch.float32) for s in m.states]
         slots = checkpoint_slots(bound, CK)
         ckpts = [x.new_empty(((slots, bound.H) + state_shape(bound, s)) if save_for_backward else (0,),
-                             dtype=torch.float32) for s in m.states]
+                             dtype=checkpoint_dtype(chunked, x.dtype, s.name) if save_for_backward else torch.float32)
+                 for s in m.states]
         return [o] + finals + ckpts
 
     def bwd_impl(inputs, params, checkpoints, dfinal, do, options, cu_seqlens, chunked, CK):

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from ..derive.plan import Plan
+from ..derive.stabilize import M as STABILIZER_M
 from . import autotune
 from .autotune import RECURRENT_SPLIT, RECURRENT_TILE, block  # noqa: F401  (launch.block: aot, tests)
 from .cache import interpreting, load_module
@@ -27,6 +28,20 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 # Block of the tile dim (V, Mamba-2's P) in the chunked kernels: the state per program is
 # [K, CHUNK_TILE] instead of [K, V] (sm_90 at K = V = 128 spilled 0.9-5 KB whole; bench/README.md).
 CHUNK_TILE = 64
+
+# The chunked forward's checkpoints (the states at chunk starts, which PHASE 2 and the backward
+# read) are stored in the inputs' dtype where that is bf16 or fp16, as fla stores its h: half
+# the bytes of fp32 (bench/traffic_report), the kernels accumulating in fp32 as before. The
+# stabilizer's m (one number per chunk) and the recurrent kernels' checkpoints stay fp32.
+# MIXC_FP32_CHECKPOINTS=1 (or launch.FP32_CHECKPOINTS = True) keeps every checkpoint fp32.
+FP32_CHECKPOINTS = os.environ.get("MIXC_FP32_CHECKPOINTS") == "1"
+
+
+def checkpoint_dtype(chunked: bool, dtype: torch.dtype, state: str = "") -> torch.dtype:
+    """The dtype of a state's checkpoints for inputs of `dtype` (chunked: the chunked forward's)."""
+    if chunked and not FP32_CHECKPOINTS and dtype in (torch.bfloat16, torch.float16) and state != STABILIZER_M:
+        return dtype
+    return torch.float32
 
 
 def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) -> dict:
@@ -86,7 +101,7 @@ def settings() -> tuple:
     CPU tensors, KernelUnavailable without it). Part of a replayed launch's key
     (runtime/fastpath.py), so changing one takes the bound path again."""
     return (CHUNK_PHASES, CHUNK_TILE, RECURRENT_TILE, RECURRENT_SPLIT, _tuned, interpreting(),
-            os.environ.get("MIXC_AUTOTUNE"))
+            os.environ.get("MIXC_AUTOTUNE"), FP32_CHECKPOINTS)
 
 
 # A decode step's fast path (runtime/fastpath.py) replays the launch a first step made: while
@@ -148,7 +163,7 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
             finals[s.name] = (finals_into[s.name] if finals_into is not None
                               else _empty((n, H) + shape, torch.float32, device))
         if checkpoints:
-            ckpts[s.name] = _empty((slots, H) + shape, torch.float32, device)
+            ckpts[s.name] = _empty((slots, H) + shape, checkpoint_dtype(form == "chunk_fwd", x0.dtype, s.name), device)
         v["init", s.name], v["final", s.name], v["ckpt", s.name] = init, finals.get(s.name, out), ckpts.get(s.name, out)
     v["out"] = out
     v["cu_seqlens"] = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out

@@ -240,8 +240,10 @@ class CompiledOp:
                         else torch.zeros((b.n, b.H) + shape, dtype=torch.float32, device=device))
             if output_final_state:
                 finals[name] = _empty((b.n, b.H) + shape, torch.float32, device)
-            if checkpoints:
-                ckpts[name] = _empty((slots, b.H) + shape, torch.float32, device)
+            if checkpoints:     # launch.checkpoint_dtype's rule: the chunked form's in bf16/fp16 inputs' dtype
+                half = (chunked and x0.dtype in (torch.bfloat16, torch.float16) and name != "_m"
+                        and os.environ.get("MIXC_FP32_CHECKPOINTS") != "1")
+                ckpts[name] = _empty((slots, b.H) + shape, x0.dtype if half else torch.float32, device)
             v["init", name], v["final", name], v["ckpt", name] = init, finals.get(name, out), ckpts.get(name, out)
         v["out"] = out
         v["cu_seqlens"] = b.cu.to(device) if b.cu is not None else out

@@ -1,0 +1,78 @@
+"""The chunked forward's checkpoints (the states at chunk starts that PHASE 2 and the backward
+read) are stored in the inputs' dtype where that is bf16 or fp16, as fla stores its h (issue 16
+item 3: half the checkpoint bytes); fp32 inputs keep fp32, MIXC_FP32_CHECKPOINTS=1 (or
+launch.FP32_CHECKPOINTS) keeps fp32 for everyone, the registered op's fake says the same dtype
+as its real call, and the gradients through bf16 checkpoints stay within bf16's tolerance."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mixc
+from mixc.runtime import launch
+from mixc.runtime.inputs import random_args
+
+
+def _call(op, args, f, C=16):
+    m = op.ir
+    return f([args[d.name] for d in m.inputs], [args[d.name] for d in m.params], [], [], None, True, True, True, C)
+
+
+def _ckpt_dtypes(op, args, fake: bool):
+    fwd, _, call = op.prepare()
+    n = len(op._plan_for({}).kernel_ir.states)
+    if not fake:
+        return [c.dtype for c in _call(op, args, call)[1 + n:]]
+    with FakeTensorMode() as mode:
+        fargs = {k: mode.from_tensor(v) for k, v in args.items()}
+        return [c.dtype for c in _call(op, fargs, fwd)[1 + n:]]
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_checkpoints_take_the_inputs_half_dtype(name, dtype):
+    op = mixc.load(name)
+    args, _ = random_args(op.ir, B=1, T=40, H=2, sizes={"K": 16, "V": 16}, dtype=dtype, seed=5)
+    want = [dtype] * len(op._plan_for({}).kernel_ir.states)
+    assert _ckpt_dtypes(op, args, fake=False) == want
+    assert _ckpt_dtypes(op, args, fake=True) == want          # torch.compile traces the same dtype
+
+
+def test_fp32_checkpoints_on_request(monkeypatch):
+    op = mixc.load("simple_gla")
+    args, _ = random_args(op.ir, B=1, T=40, H=2, sizes={"K": 16, "V": 16}, dtype=torch.bfloat16, seed=6)
+    monkeypatch.setattr(launch, "FP32_CHECKPOINTS", True)
+    assert _ckpt_dtypes(op, args, fake=False) == [torch.float32]
+    assert _ckpt_dtypes(op, args, fake=True) == [torch.float32]
+
+
+def test_stabilizer_m_checkpoint_stays_fp32():
+    op = mixc.load("rwkv4")
+    args, _ = random_args(op.ir, B=1, T=40, H=2, sizes={"V": 16}, dtype=torch.bfloat16, seed=7)
+    plan = op._plan_for({})
+    dtypes = dict(zip([s.name for s in plan.kernel_ir.states], _ckpt_dtypes(op, args, fake=False)))
+    assert dtypes.pop("_m") == torch.float32
+    assert set(dtypes.values()) == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
+def test_gradients_through_bf16_checkpoints(name, monkeypatch):
+    """bf16 checkpoints against fp32 ones, both against the float64 reference: the extra error
+    is the rounding of a state to bf16 (2^-8), well inside what bf16 inputs already cost."""
+    op = mixc.load(name)
+    args, _ = random_args(op.ir, B=1, T=48, H=2, sizes={"K": 16, "V": 16}, dtype=torch.bfloat16,
+                          requires_grad=True, seed=8)
+    ref_args = {k: v.detach().double().requires_grad_(v.requires_grad) for k, v in args.items()}
+    ref, _ = op(**ref_args, mode="reference")
+    do = torch.randn_like(ref)
+    grads_ref = torch.autograd.grad(ref, [v for v in ref_args.values() if v.requires_grad], do)
+
+    def grads(fp32):
+        monkeypatch.setattr(launch, "FP32_CHECKPOINTS", fp32)
+        out, _ = op(**args, mode="chunk", chunk=16)
+        return [out] + list(torch.autograd.grad(out, [v for v in args.values() if v.requires_grad], do.bfloat16()))
+
+    for fp32 in (True, False):
+        got = grads(fp32)
+        for g, r in zip(got, [ref] + list(grads_ref)):
+            err = (g.double() - r).abs().max() / r.abs().max()
+            assert err < 3e-2, (fp32, err)
