@@ -1,23 +1,29 @@
 """The kernel calls' fast path (issue 17): op.step() (in place too, runtime/decode.py) and op()
-of one launch, on arguments that look like an earlier call's, replay that call's launch
-without binding them again. (The chunked forward's two launches, CUDA's default, are not:
-the call's last launch reads the first's checkpoints, which a recipe does not carry, so such
-a call is not recorded.)
+without gradients, on arguments that look like an earlier call's, replay that call's launches
+without binding them again: one launch (the recurrent forward, a step, the chunked forward in
+one walk) or the chunked forward's two (CUDA's default: PHASE 1 walks the chunks and writes
+the checkpoints and final states, PHASE 2 every chunk's output from its checkpoint), fixed
+length or packed (cu_seqlens).
 
-What a step's launch needs is fixed by what its arguments look like: the bound sizes, the
-option values, the plan, the launch config, the output and state buffers' shapes and dtypes,
-the grid, the kernel's arguments (their order from derive/kernel_args.py, as the recorded
-launch's) with their numbers and constexprs. step_key() reduces
-the arguments to that look (per tensor its shape, dtype, device, contiguity and requires_grad;
-numbers and flags by type and value; the grad mode, the mode asked and launch.settings()), and the first step with a key
-records its launch (launch.recording) into a StepRecipe. A later step with the same key does a
-dict lookup, the .contiguous() and state .to(float32) of the slow path, allocates the output
-and the new states, and launches: no bind, no plan or module lookup, no option evaluation.
+What a call's launches need is fixed by what its arguments look like: the bound sizes, the
+option values, the plan, the launch config, the buffers' shapes and dtypes, the grids, each
+kernel's arguments (their order from derive/kernel_args.py, as the recorded launch's) with
+their numbers and constexprs. step_key() reduces the arguments to that look (per tensor its
+shape, dtype, device, contiguity and requires_grad; numbers and flags by type and value; the
+grad mode, the mode asked and launch.settings()), and the first call with a key records its
+launches (launch.recording) into a StepRecipe: per launch its kernel, grid, numbers and where
+each tensor comes from (a "source": an input or param, a given state, the packed offsets and
+PHASE 2's chunk table made from them, or a buffer the call allocates, by recorded shape and
+dtype). A buffer one launch writes and a later one reads (PHASE 1's checkpoints, read by
+PHASE 2) is one source, allocated once per call. A later call with the same key does a dict
+lookup, the .contiguous() and state .to(float32) of the slow path, allocates the buffers, and
+launches: no bind, no plan or module lookup, no option evaluation.
 
-Every check bind makes depends only on the key: a new shape, dtype, device, flag or number
-is a new key, which takes the slow path and its ArgumentError. A recipe is kept only for a
-step whose tensors are all inputs and params (a number option passed as a tensor is read, so
-not in the key) and that needs no gradient (those go through autograd on the slow path)."""
+Every check bind makes depends only on the key, but for the packed offsets' values (checked
+again per call, as bind does): a new shape, dtype, device, flag or number is a new key, which
+takes the slow path and its ArgumentError. A recipe is kept only for a call whose tensors are
+all inputs and params (a number option passed as a tensor is read, so not in the key) and
+that needs no gradient (those go through autograd on the slow path)."""
 from __future__ import annotations
 
 import os
@@ -27,28 +33,34 @@ import torch
 
 from ..derive.kernel_args import LAUNCH_OPTIONS
 from . import launch
+from .signature import _check_cu_seqlens
 
 _F32 = torch.float32
 MAX_RECIPES = 64          # per op: a serving loop sees a few batch sizes; a key per shape beyond is a leak
 
 
-class StepRecipe(NamedTuple):
-    module: object            # the generated module: the kernel is looked up per call (tests patch it)
-    kernel: str
+class Launch(NamedTuple):
+    """One recorded kernel launch of a call."""
+    kernel: str               # its name in the module
     grid: tuple
     args: list                # the positional arguments: the recorded numbers, None where a tensor goes
-    tensors: tuple            # (position, kwarg name) of each input and param
-    outs: tuple               # positions taking the output buffer (the output; unused pointers' dummies)
+    fills: tuple              # (position, source index) of each positional tensor
     consts: dict              # constexprs by name, and Triton's launch options
-    x0_slot: int | str | None  # where the first input (a dummy pointer) or the indices go: a position or a name
-    first_input: str          # the first input's kwarg name
+    named_fills: tuple        # (name, source index) of each tensor passed by name (p_state_indices)
+
+
+class StepRecipe(NamedTuple):
+    module: object            # the generated module: the kernel is looked up per call (tests patch it)
+    launches: tuple           # Launch, in the call's order
+    sources: tuple            # per source, how a call makes its tensor (run_step)
+    out: int                  # the output's source (the last launch's)
+    finals: tuple             # (state name, source) of the final states written (none: not asked)
+    first_input: str          # the first input's kwarg name (the dummy pointer)
+    first_state: str          # the state a bare tensor given as the state is
     inplace: bool             # the given state buffers are the new states (runtime/decode.py)
     one_token: bool           # step(): the output without its T axis
-    store_final: bool         # the new states are written (and returned)
     rows: int | None          # slots of a cache whose CPU indices are checked per call (decode.py)
-    states: tuple             # (name, [n, H, *dims], "given" | "zeros" | "none", init pos, final pos) per kernel state
-    out_shape: tuple
-    out_dtype: torch.dtype
+    packed: tuple | None      # (B, T) of a packed call: its cu_seqlens values are checked per call
     splits: int
     final_dtype: torch.dtype
     device: torch.device
@@ -84,98 +96,157 @@ def step_key(mode, kwargs: dict, state) -> tuple | None:
     return tuple(key)
 
 
+def _call_launches(log: list) -> list | None:
+    """The launches of the call a log ends with (tuning runs come first): its last, and PHASE 1
+    before a PHASE 2."""
+    if not log or log[-1] is None:
+        return None
+    if log[-1]["values"].get("phase") != 2:
+        return log[-1:]
+    if len(log) < 2 or log[-2] is None or log[-2]["values"].get("phase") != 1:
+        return None
+    return log[-2:]
+
+
 def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, rows=None,
                 one_token: bool = True) -> StepRecipe | None:
-    """The recipe of the launch a slow step just made (the log's last entry), or None where it
-    cannot be replayed from the arguments alone. state_indices: the checked indices the launch
-    took (their slot is filled per call); rows: the cache's slots, to check CPU indices against."""
-    if not log or log[-1] is None:
+    """The recipe of the launches a slow call just made (the log's last call), or None where
+    they cannot be replayed from the arguments alone. state_indices: the checked indices the
+    launch took (their slot is filled per call); rows: the cache's slots, to check CPU indices
+    against."""
+    launches = _call_launches(log)
+    if launches is None:
         return None
     tensor_args = {d.name for d in (*m.inputs, *m.params)}
     if any(isinstance(v, torch.Tensor) and k not in tensor_args for k, v in kwargs.items()):
         return None             # a number option given as a tensor: its value is not in the key
-    r = log[-1]
-    out_shape = r["out_shape"]
-    if one_token and r["splits"] == 1:         # [B, H, *dims]: the same memory as [B, 1, H, *dims]
-        out_shape, one_token = out_shape[:1] + out_shape[2:], False
-    # the recorded launch's positional arguments (the definition's order), the tensors' places
-    # left for each call: the inputs and params, the state buffers, the output (and the unused
-    # pointers, which took the output as a dummy: a replayed launch has no checkpoints and no
-    # cu_seqlens); a tensor anywhere else must be the first input (a dummy) or the indices
-    values, args, tensors, outs, places, x0_slot = r["values"], [], [], [], {}, None
-    for i, k in enumerate(r["args"].positional):
-        role = k[0] if isinstance(k, tuple) else k
-        v = values[k]
-        args.append(None if isinstance(v, torch.Tensor) else v)
-        if role in ("input", "param"):
-            tensors.append((i, k[1]))
-        elif role in ("init", "final"):
-            places[k] = i
-        elif role in ("out", "ckpt", "cu_seqlens"):
-            outs.append(i)
-        elif isinstance(v, torch.Tensor):
-            if not (v is r["x0"] or v is state_indices) or x0_slot is not None:
-                return None
-            x0_slot = i
-    consts = {}
-    for name, k in r["args"].named:                     # constexprs; p_state_indices
-        v = values[k]
-        if isinstance(v, torch.Tensor):
-            if not (v is r["x0"] or v is state_indices) or x0_slot is not None:
-                return None
-            x0_slot = name
-        else:
-            consts[name] = v
-    consts.update({k: values[k] for k in LAUNCH_OPTIONS if k in values})
-    states = tuple((name, shape, kind, places["init", name], places["final", name])
-                   for name, shape, kind in r["states"])
-    return StepRecipe(r["module"], r["kernel"], r["grid"], args, tuple(tensors), tuple(outs), consts, x0_slot,
-                      m.inputs[0].name, r["inplace"], one_token, values["store_final"], rows, states, out_shape,
-                      r["out_dtype"], r["splits"], r["final_dtype"], r["x0"].device, unstabilize)
+    first, last = launches[0], launches[-1]
+    x0 = first["x0"]
+    # each tensor a launch took, by identity: the first time it is seen decides its source, so
+    # a buffer passed again (PHASE 1's checkpoints in PHASE 2, the output as an unused pointer's
+    # dummy) is the same source; a tensor of no known role is not replayed
+    sources, seen = [], {}
+
+    def source(t, what, unique=False) -> int:
+        if id(t) not in seen:
+            if not unique and what in sources:
+                seen[id(t)] = sources.index(what)
+            else:
+                seen[id(t)] = len(sources)
+                sources.append(what)
+        return seen[id(t)]
+
+    source(x0, ("x0",))
+    if state_indices is not None:
+        source(state_indices, ("indices",))
+    recorded, finals, out = [], [], None
+    for r in launches:
+        values, kinds = r["values"], {name: kind for name, shape, kind in r["states"]}
+        packed, reads_ckpts = values.get("varlen", False), values.get("phase") == 2
+
+        def classify(k, t):
+            role, of = (k[0], k[1]) if isinstance(k, tuple) else (k, None)
+            if id(t) in seen:
+                return seen[id(t)]
+            if role in ("input", "param"):
+                return source(t, ("kw", of))
+            if role == "init" and values["use_initial"] and kinds.get(of) == "given":
+                return source(t, ("state", of, tuple(t.shape)))
+            if role == "cu_seqlens" and packed:
+                return source(t, ("cu",))
+            if role == "chunk_seq" and packed:
+                return source(t, ("chunk_seq", values["chunk"], values["n_seqs"], t.shape[0]))
+            if role == "ckpt" and reads_ckpts:
+                return None                         # PHASE 2 reads checkpoints this call did not write
+            if role in ("out", "final", "ckpt", "init", "cu_seqlens"):
+                zeros = role == "init" and values["use_initial"]       # a state not given: 0
+                return source(t, ("buf", tuple(t.shape), t.dtype, zeros), unique=True)
+            return None
+        args, fills = [], []
+        for i, k in enumerate(r["args"].positional):
+            t = values[k]
+            if isinstance(t, torch.Tensor):
+                j = classify(k, t)
+                if j is None:
+                    return None
+                fills.append((i, j))
+                if k == "out":
+                    out = j
+                elif k[0] == "final" and values["store_final"]:
+                    finals.append((k[1], j))
+                t = None
+            args.append(t)
+        consts, named_fills = {}, []
+        for name, k in r["args"].named:                     # constexprs; p_state_indices
+            t = values[k]
+            if isinstance(t, torch.Tensor):
+                j = classify(k, t)
+                if j is None:
+                    return None
+                named_fills.append((name, j))
+            else:
+                consts[name] = t
+        consts.update({k: values[k] for k in LAUNCH_OPTIONS if k in values})
+        recorded.append(Launch(r["kernel"], r["grid"], args, tuple(fills), consts, tuple(named_fills)))
+    if one_token and last["splits"] == 1:       # [B, H, *dims]: the same memory as [B, 1, H, *dims]
+        kind, shape, dtype, zeros = sources[out]
+        sources[out], one_token = (kind, shape[:1] + shape[2:], dtype, zeros), False
+    packed = (x0.shape[0], x0.shape[1]) if last["values"].get("varlen") else None
+    return StepRecipe(last["module"], tuple(recorded), tuple(sources), out, tuple(finals), m.inputs[0].name,
+                      m.states[0].name, last["inplace"], one_token, rows, packed, last["splits"],
+                      last["final_dtype"], x0.device, unstabilize)
 
 
-def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None):
-    """The recorded launch on this step's tensors: (o [B, H, *dims], the new states; in place:
-    the state as given, updated). state_indices: checked by the caller."""
+def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=None):
+    """The recorded launches on this call's tensors: (o [B, T, H, *dims] or a step's [B, H, *dims],
+    the new states or None; in place: the state as given, updated). state_indices: checked by
+    the caller; cu_seqlens: its values are checked here (bind's check: the key has its look)."""
     given_state = state
     if state is None:
         state = {}
     elif isinstance(state, torch.Tensor):
-        state = {r.states[0][0]: state}
+        state = {r.first_state: state}
+    if r.packed is not None:
+        _check_cu_seqlens(cu_seqlens, *r.packed, (r.device, r.first_input))
     device = r.device
     poison = os.environ.get("MIXC_POISON") == "1"       # as launch._empty: unwritten elements show
-    out = torch.empty(r.out_shape, dtype=r.out_dtype, device=device)
-    args = r.args.copy()
-    for i, n in r.tensors:
-        args[i] = kwargs[n].contiguous()
-    finals = {}
-    for name, shape, kind, i_init, i_final in r.states:
-        given = state.get(name) if kind == "given" else None      # a stabilizer's m is not given: 0
-        init = (given.to(_F32).contiguous() if given is not None
-                else out if kind == "none" else torch.zeros(shape, dtype=_F32, device=device))
-        if r.inplace:
-            finals[name] = fin = init            # float32 and contiguous: checked by the key's slow path
-        elif not r.store_final:
-            fin = out
-        else:
-            finals[name] = fin = torch.empty(shape, dtype=_F32, device=device)
-            if poison:
-                fin.fill_(float("nan"))
-        args[i_init], args[i_final] = init, fin
-    if poison:
-        out.fill_(float("nan"))
-    for i in r.outs:
-        args[i] = out
-    consts = r.consts
-    if r.x0_slot is not None:
-        x0 = kwargs[r.first_input] if state_indices is None else state_indices
-        if isinstance(r.x0_slot, str):
-            consts = {**consts, r.x0_slot: x0}
-        else:
-            args[r.x0_slot] = x0
-    getattr(r.module, r.kernel)[r.grid](*args, **consts)
+    made = []
+    for s in r.sources:
+        kind = s[0]
+        if kind == "kw":
+            t = kwargs[s[1]].contiguous()
+        elif kind == "buf":
+            if s[3]:
+                t = torch.zeros(s[1], dtype=s[2], device=device)
+            else:
+                t = torch.empty(s[1], dtype=s[2], device=device)
+                if poison:
+                    t.fill_(float("nan"))
+        elif kind == "state":               # float32 and contiguous in place: checked by the key's slow path
+            given = state.get(s[1])         # a stabilizer's m is not given: 0
+            t = given.to(_F32).contiguous() if given is not None else torch.zeros(s[2], dtype=_F32, device=device)
+        elif kind == "x0":
+            t = kwargs[r.first_input]
+        elif kind == "indices":
+            t = state_indices
+        elif kind == "cu":
+            t = cu_seqlens.to(device)
+        else:                               # "chunk_seq": PHASE 2's table of each slot's sequence
+            t = launch.chunk_seqs(cu_seqlens, *s[1:], device)
+        made.append(t)
+    for ln in r.launches:
+        args = ln.args.copy()
+        for i, j in ln.fills:
+            args[i] = made[j]
+        consts = ln.consts
+        if ln.named_fills:
+            consts = {**consts, **{name: made[j] for name, j in ln.named_fills}}
+        getattr(r.module, ln.kernel)[ln.grid](*args, **consts)
+    out = made[r.out]
     if r.splits > 1:
         out = out.sum(0).to(r.final_dtype)
     if r.one_token:
         out = out[:, 0]
-    return out, (given_state if r.inplace else r.unstabilize(finals) if r.store_final else None)
+    if r.inplace:
+        return out, given_state
+    return out, (r.unstabilize({name: made[j] for name, j in r.finals}) if r.finals else None)

@@ -112,8 +112,9 @@ _RECORDING = threading.local()
 
 @contextmanager
 def recording():
-    """Collect the forward launches made inside (a list of dicts, the last the real one: tuning
-    runs come first), or None for one this cannot replay (checkpoints, packed sequences)."""
+    """Collect the forward launches made inside (a list of dicts, the call's last: tuning runs
+    come first; the chunked forward's PHASE 1 before its PHASE 2): fastpath.recipe_from reads
+    which tensors each took."""
     prev = getattr(_RECORDING, "log", None)
     _RECORDING.log = log = []
     try:
@@ -175,15 +176,13 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
     args.launch(kernel, (grid0 or n * H, tiles, splits), v)
     log = getattr(_RECORDING, "log", None)
     if log is not None:
-        replayable = not (checkpoints or ckpts_in or not write_out or bound.cu_seqlens is not None)
         log.append(dict(module=load_module(plan), kernel=load_module(plan).METADATA["kernels"][form],
-                        grid=(grid0 or n * H, tiles, splits), args=args, values=v,
-                        x0=x0, out_shape=tuple(out.shape), out_dtype=out.dtype, splits=splits,
+                        grid=(grid0 or n * H, tiles, splits), args=args, values=v, x0=x0, splits=splits,
                         final_dtype=x0.dtype if out_dtype is None else out_dtype, inplace=finals_into is not None,
                         states=[(s.name, (n, H) + tuple(bound.sizes[d] for d in s.shape),
                                  "none" if bound.initial_state is None else
                                  "given" if s.name in bound.initial_state else "zeros")
-                                for s in plan.kernel_ir.states]) if replayable else None)
+                                for s in plan.kernel_ir.states]))
     if splits > 1:
         out = out.sum(0).to(out_dtype or x0.dtype)
     return (out if write_out else None), (finals if output_final_state else None), (ckpts if checkpoints else None)
@@ -391,11 +390,18 @@ def _chunk_launch(plan: Plan, bound: Bound, C: int) -> tuple[int, dict]:
         programs, chunk_seq = n * (-(-bound.T // C)), x0
     else:
         programs = checkpoint_slots(bound, C)
-        cu = bound.cu_seqlens.to(device=device, dtype=torch.int64)
-        starts = cu[:-1] // C + torch.arange(n, device=device)
-        chunk_seq = (torch.searchsorted(starts, torch.arange(programs, device=device), right=True) - 1).to(torch.int32)
+        chunk_seq = chunk_seqs(bound.cu_seqlens, C, n, programs, device)
     return programs, chunk_blocks(plan, bound) | dict(chunk=C, unit=16, dot=_dot_code(x0.dtype), n_seqs=n,
                                                       chunk_seq=chunk_seq)
+
+
+def chunk_seqs(cu_seqlens: torch.Tensor, C: int, n: int, programs: int, device) -> torch.Tensor:
+    """Each checkpoint slot's sequence (PHASE 2 of packed sequences, int32 [programs]): the last
+    whose first slot (cu_seqlens[i] // C + i) is at most the slot; made on the device (no sync).
+    runtime/fastpath.py makes it per replayed call."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    starts = cu[:-1] // C + torch.arange(n, device=device)
+    return (torch.searchsorted(starts, torch.arange(programs, device=device), right=True) - 1).to(torch.int32)
 
 
 def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dtype=None,

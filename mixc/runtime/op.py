@@ -75,13 +75,15 @@ class MixerOp(HeldBySpec):
             want = "a positive int" if mode == "torch" else "a power of two >= 16 (a matmul block)"
             raise ArgumentError(f"chunk: expected {want}, got {chunk!r}")
         key = None
-        if (cu_seqlens is None and type(mode) is str and type(CK) is int and (chunk is None or type(chunk) is int)
-                and not torch.compiler.is_compiling()):
-            # a call like an earlier kernel call replays its launch (runtime/fastpath.py)
-            key = fastpath.step_key(("call", mode, output_final_state, CK, chunk), kwargs, initial_state)
+        if ((cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)) and type(mode) is str and type(CK) is int
+                and (chunk is None or type(chunk) is int) and not torch.compiler.is_compiling()):
+            # a call like an earlier kernel call replays its launches (runtime/fastpath.py); packed
+            # offsets are keyed by their look, their values checked per call
+            packed = None if cu_seqlens is None else fastpath._meta(cu_seqlens)
+            key = fastpath.step_key(("call", mode, output_final_state, CK, chunk, packed), kwargs, initial_state)
             recipe = self._fast.get(key) if key is not None else None
             if recipe is not None:
-                return fastpath.run_step(recipe, kwargs, initial_state)
+                return fastpath.run_step(recipe, kwargs, initial_state, cu_seqlens=cu_seqlens)
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         device = next(iter(bound.inputs.values())).device
         asked, mode = mode, self._resolve(mode, device)
@@ -116,9 +118,8 @@ class MixerOp(HeldBySpec):
 
     def _kernels_recorded(self, key, kwargs, bound, output_final_state: bool, CK: int, chunked: bool,
                           one_token: bool = False):
-        """_kernels, its launch kept for replay under key where one launch without gradients
-        did the call (runtime/fastpath.py; the chunked forward's two launches on CUDA are not
-        replayed: the last launch of a call is replayable only where it is the call's one)."""
+        """_kernels, its launches kept for replay under key where the call wants no gradients
+        (runtime/fastpath.py: one launch, or the chunked forward's PHASE 1 and PHASE 2)."""
         with launch.recording() as log:
             o, st = self._kernels(bound, output_final_state, CK, chunked)
         if key is not None and not (torch.is_grad_enabled() and _needs_grad(bound)):

@@ -41,8 +41,10 @@ FS_CALLS = [(builtins, "open"), (io, "open"), (os, "open"), (os, "stat"), (os, "
                 "write_text", "unlink", "iterdir", "rglob")]
 
 
-@pytest.mark.parametrize("name", ["gla", "mamba2"])
-def test_no_file_system_work_hashing_or_ir_walk_after_the_first_call(name, monkeypatch):
+@pytest.mark.parametrize("name,phases", [("gla", None), ("mamba2", None), ("gla", 2)])
+def test_no_file_system_work_hashing_or_ir_walk_after_the_first_call(name, phases, monkeypatch):
+    """phases 2: the chunked forward in two launches (CUDA's), replayed too."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", phases)
     op = mixc.load(name)
     sizes = {d: 4 for d in op.ir.dim_names}
     args, _ = random_args(op.ir, B=1, T=5, H=2, sizes=sizes, dtype=torch.float32)
@@ -54,6 +56,7 @@ def test_no_file_system_work_hashing_or_ir_walk_after_the_first_call(name, monke
 
     def calls():
         _, st = op(**args, output_final_state=True)            # the chunked kernels (interpreter: mode auto)
+        op(**args, cu_seqlens=torch.tensor([0, 2, 5]))          # packed
         op(**args, mode="recurrent")
         op(**args, mode="torch")
         op.step(**one, state=st)
@@ -275,7 +278,9 @@ def test_a_replayed_call_equals_the_bound_call(name, mode, with_state):
     torch.testing.assert_close(o_fast.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_a_call_with_a_new_look_or_packed_sequences_is_bound():
+def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_replay():
+    """A new shape takes the bound path's check; packed offsets are keyed by their look, so a
+    replayed packed call still checks their values (bind's check) and refuses bad ones."""
     op = mixc.load("gla")
     sizes = {d: 4 for d in op.ir.dim_names}
     args, _ = random_args(op.ir, B=1, T=6, H=2, sizes=sizes, dtype=torch.float32, seed=10)
@@ -286,8 +291,57 @@ def test_a_call_with_a_new_look_or_packed_sequences_is_bound():
     with pytest.raises(ArgumentError, match="cu_seqlens: must start at 0"):
         op(**args, cu_seqlens=torch.tensor([1, 6]))
     n = len(op._fast)
-    op(**args, cu_seqlens=torch.tensor([0, 2, 6]))
-    assert len(op._fast) == n
+    op(**args, cu_seqlens=torch.tensor([0, 2, 6]))                # recorded
+    assert len(op._fast) == n + 1
+    with pytest.raises(ArgumentError, match="cu_seqlens: must start at 0"):
+        op(**args, cu_seqlens=torch.tensor([1, 2, 6]))
+    with pytest.raises(ArgumentError, match="non-decreasing"):
+        op(**args, cu_seqlens=torch.tensor([0, 7, 6]))
+    assert len(op._fast) == n + 1
+
+
+@pytest.mark.parametrize("name,packed,with_state", [
+    ("gla", False, False), ("gla", False, True), ("gla", True, False), ("gla", True, True),
+    ("mlstm", False, False), ("mlstm", True, True)])
+def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, with_state, monkeypatch):
+    """The chunked forward in two launches (CUDA's: PHASE 1 checkpoints and final states,
+    PHASE 2 the outputs; forced here under the interpreter) replays both: outputs and final
+    states bit for bit as bound calls, with and without an initial state and final state, fixed
+    length and packed, no launch bound (launch._forward unused); mlstm's stabilizer state starts
+    at 0 per call. The replayed output against float64."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    op = mixc.load(name)
+    sizes = {d: 4 for d in op.ir.dim_names}
+    B, T = (1, 20) if packed else (2, 20)
+    args, _ = random_args(op.ir, B=B, T=T, H=2, sizes=sizes, dtype=torch.float32, seed=12)
+    cu = torch.tensor([0, 5, 20]) if packed else None      # the second sequence across a chunk boundary (C = 16)
+    st = op(**args, output_final_state=True, cu_seqlens=cu, mode="recurrent")[1] if with_state else None
+    op._fast.clear()
+    bound_launches = []
+    real = launch._forward
+    monkeypatch.setattr(launch, "_forward", lambda *a, **kw: (bound_launches.append(1), real(*a, **kw))[1])
+    for i in range(2):
+        call_in = {k: v + 0.05 * i for k, v in args.items()}
+        bound_launches.clear()
+        o_fast, st_fast = op(**call_in, initial_state=st, output_final_state=True, cu_seqlens=cu, chunk=16)
+        o_only, none = op(**call_in, initial_state=st, cu_seqlens=cu, chunk=16)
+        assert none is None and bound_launches == ([] if i else [1] * 4)     # two calls of two launches, then none
+        assert len(op._fast) == 2 and all(len(r.launches) == 2 for r in op._fast.values())
+        recipes = dict(op._fast)
+        op._fast.clear()
+        o_slow, st_slow = op(**call_in, initial_state=st, output_final_state=True, cu_seqlens=cu, chunk=16)
+        op._fast = recipes
+        torch.testing.assert_close(o_fast, o_slow, rtol=0, atol=0)
+        torch.testing.assert_close(o_only, o_slow, rtol=0, atol=0)
+        assert st_fast.keys() == st_slow.keys() == {s.name for s in op.ir.states}
+        for k in st_slow:
+            torch.testing.assert_close(st_fast[k], st_slow[k], rtol=0, atol=0)
+    ref, ref_st = op.reference(**{k: v.double() for k, v in call_in.items()}, cu_seqlens=cu,
+                               initial_state={k: v.double() for k, v in st.items()} if st else None,
+                               output_final_state=True)
+    torch.testing.assert_close(o_fast.double(), ref, rtol=1e-4, atol=1e-4)
+    for k in ref_st:
+        torch.testing.assert_close(st_fast[k].double(), ref_st[k], rtol=1e-4, atol=1e-4)
 
 
 def test_a_launch_setting_changed_after_a_call_is_not_replayed_past(monkeypatch):
