@@ -10,6 +10,7 @@ import jinja2
 import triton
 
 from .. import __version__
+from .. import classes
 from ..derive.plan import Plan
 from ..dsl import ir
 from ..dsl.functions import FUNCTIONS
@@ -104,11 +105,40 @@ def op_functions(plan: Plan) -> str:
             "    return _OP.step(**kwargs)\n")
 
 
+# what each kernel form is, for the comment above it
+STAGES = {
+    "recurrent_fwd": "the recurrent forward: tokens in order, every state in registers",
+    "recurrent_bwd": "the recurrent backward: chunks of CK tokens from last to first, recomputed from checkpoints",
+    "chunk_fwd": "the chunked forward: per chunk of C tokens the readouts by matmuls and the state advance "
+                 "(PHASE 0 one walk; 1 the states; 2 the outputs)",
+    "chunk_bwd": "the chunked backward: chunks from last to first, dL/dS carried back (PHASE 0 one walk; 1 dL/dS; "
+                 "2 the gradients)",
+}
+NOTATION = {
+    "recurrent": "v_<x> an input's values at this token, s_<S> a state, d_<S> dL/dS, _c*/_b* temporaries",
+    "chunk": "rows are the chunk's tokens (_offs__T, _mask__T), s_<S> a state as a [key, value] matrix, "
+             "_b_<S> its cumulative log decay, K/V/Q the chunk's key, value and query matrices, d_<S> dL/dS",
+}
+
+
+def _kernel_comment(plan: Plan, form: str) -> str:
+    """The comment above a kernel: which kernel, which class per state and where its stages come
+    from (chunked kernels: the class's macros), and the notation."""
+    lines = [f"# ---- {kernel_name(plan, form)}: {STAGES[form]} ----"]
+    for st in plan.states:
+        unit = classes.unit(st.transition)
+        where = f" (its stages: mixc/classes/{unit.template})" if form.startswith("chunk") and unit.template else ""
+        lines.append(f"# state {st.name}[{', '.join(st.shape)}]: {st.transition}{where}")
+    lines.append(f"# notation: {NOTATION[form.split('_')[0]]}")
+    return "\n".join(lines) + "\n"
+
+
 def _render_kernel(plan: Plan, form: str, hooks: dict) -> str:
     """One kernel form from its template: its name, its arguments (the one definition,
-    plan.layout.kernel_args: derive/kernel_args.py) and the hooks of its body."""
-    return _env().get_template(f"{form}.py.j2").render(kernel=kernel_name(plan, form),
-                                                       arguments=plan.layout.kernel_args[form], **hooks)
+    plan.layout.kernel_args: derive/kernel_args.py) and the hooks of its body, under a comment
+    that says which kernel and class it is."""
+    return _kernel_comment(plan, form) + _env().get_template(f"{form}.py.j2").render(
+        kernel=kernel_name(plan, form), arguments=plan.layout.kernel_args[form], **hooks)
 
 
 def generate(plan: Plan) -> str:
