@@ -127,3 +127,30 @@ def test_a_non_finite_token_poisons_only_its_rows_on():
     assert torch.isnan(o[0, t_bad:, 1]).all() and torch.isnan(fin["S"][0, 1]).all()
     assert_close(o[1], o_l[1], "the other sequence")
     assert_close(fin["S"][1], fin_l["S"][1], "the other sequence's state", tol=ST_TOL)
+
+
+def test_a_per_key_decay_in_torch_mode(tmp_path):
+    """DeltaProduct behind a decay per key (KDA's gate): the plan's g over K reaches the per-key
+    path of the form; outputs, final state and gradients against the loop."""
+    from .test_rank_r_torch_form import PER_KEY, per_key_loop
+    f = tmp_path / "dp_key.mix"
+    f.write_text(PER_KEY)
+    op = mixc.load(str(f))
+    assert op.plan().layout.torch_chunked
+    B, T, H, Kd, Vd = 2, 11, 2, 4, 5
+    gen = torch.Generator().manual_seed(53)
+    shapes = {"q": (Kd,), "k1": (Kd,), "k2": (Kd,), "v1": (Vd,), "v2": (Vd,), "g": (Kd,), "beta1": (), "beta2": ()}
+    args = {n: torch.randn((B, T, H) + sh, generator=gen, dtype=torch.float64) for n, sh in shapes.items()}
+    for n in ("k1", "k2"):
+        args[n] = torch.nn.functional.normalize(args[n], dim=-1)
+    args["g"] = torch.nn.functional.logsigmoid(args["g"] + 2)
+    args["beta1"], args["beta2"] = args["beta1"].sigmoid(), args["beta2"].sigmoid()
+    args = {n: x.requires_grad_() for n, x in args.items()}
+    s0 = {"S": torch.randn(B, H, Kd, Vd, generator=gen, dtype=torch.float64).requires_grad_()}
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="torch", chunk=4)
+    o_l, fin_l = per_key_loop(args, s0)
+    assert_close(o, o_l, "per-key decay: output")
+    assert_close(fin["S"], fin_l["S"], "per-key decay: final state", tol=ST_TOL)
+    leaves = list(args.values()) + list(s0.values())
+    for name, a, b in zip(list(args) + ["initial_state[S]"], *_grads(o, fin, o_l, fin_l, leaves)):
+        assert_close(a, b, f"per-key decay: d/d {name}", tol=ST_TOL)
