@@ -154,3 +154,41 @@ def test_a_per_key_decay_in_torch_mode(tmp_path):
     leaves = list(args.values()) + list(s0.values())
     for name, a, b in zip(list(args) + ["initial_state[S]"], *_grads(o, fin, o_l, fin_l, leaves)):
         assert_close(a, b, f"per-key decay: d/d {name}", tol=ST_TOL)
+
+
+# a rank-2 update whose input term is no sum of outer products (exp(k v^T) is full rank)
+FULL_RANK_INPUT = """mixer dp_full
+  dims   K, V
+  input  q[K], k1[K], k2[K], v[V], b1[], b2[]
+  state  S[K, V]
+  update S = S - b1 * k1 * (k1 @ S) - b2 * k2 * (k2 @ S) + 0.1 * exp(k1 * v)
+  output o = q @ S
+"""
+
+
+def test_an_input_term_that_is_no_sum_of_outer_products(tmp_path):
+    """The rank-r class without m outer products: no torch chunked form, said so (layout and
+    explain); mode='torch' is then the loop over tokens, still the reference's numbers; and
+    context parallelism refuses it, naming why, before it needs a shard's transition."""
+    import torch.distributed as dist
+    from mixc.runtime.inputs import random_args
+    from mixc.runtime.signature import ArgumentError
+    f = tmp_path / "dp_full.mix"
+    f.write_text(FULL_RANK_INPUT)
+    op = mixc.load(str(f))
+    plan = op.plan()
+    assert plan.states[0].transition == "rank-r correction" and plan.states[0].ir_pieces.inputs == ()
+    why = "the input term of state S is not a sum of outer products key (x) value"
+    assert plan.layout.torch_chunk_unsupported == why
+    assert "it is not a sum of outer products: the torch chunked form cannot take it" in explain(plan)
+    args, _ = random_args(op.ir, B=1, T=6, H=2, sizes={"K": 3, "V": 4}, seed=5)
+    o, _ = op(**args, mode="torch")
+    o_ref, _ = op(**args, mode="reference")
+    assert_close(o, o_ref, "the token loop", tol=1e-6)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ArgumentError, match=r"cp_group: mixer 'dp_full' has no chunked form \(its transition "
+                           r"is rank-r correction: the input term of state S is not a sum of outer products"):
+            op(**args, cp_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
