@@ -20,8 +20,9 @@ lookup, the .contiguous() and state .to(float32) of the slow path, allocates the
 launches: no bind, no plan or module lookup, no option evaluation.
 
 Every check bind makes depends only on the key, but for the packed offsets' values (checked
-again per call, as bind does): a new shape, dtype, device, flag or number is a new key, which
-takes the slow path and its ArgumentError. A recipe is kept only for a call whose tensors are
+again on replay, as bind does, for each new offsets tensor or in-place change: _FROM_OFFSETS):
+a new shape, dtype, device, flag or number is a new key, which takes the slow path and its
+ArgumentError. A recipe is kept only for a call whose tensors are
 all inputs and params (a number option passed as a tensor is read, so not in the key) and
 that needs no gradient (those go through autograd on the slow path)."""
 from __future__ import annotations
@@ -37,6 +38,11 @@ from .signature import _check_cu_seqlens
 
 _F32 = torch.float32
 MAX_RECIPES = 64          # per op: a serving loop sees a few batch sizes; a key per shape beyond is a leak
+# What replayed packed calls made from their offsets (the values check, the offsets on the
+# device, PHASE 2's chunk table), by what was made: (the offsets tensor, its _version, the
+# result). A model's layers pass one cu_seqlens tensor, so each layer after the first reuses
+# the first's (as fla's tensor_cache); an in-place change bumps _version and makes it anew.
+_FROM_OFFSETS: dict = {}
 
 
 class Launch(NamedTuple):
@@ -206,9 +212,10 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
         state = {}
     elif isinstance(state, torch.Tensor):
         state = {r.first_state: state}
-    if r.packed is not None:
-        _check_cu_seqlens(cu_seqlens, *r.packed, (r.device, r.first_input))
     device = r.device
+    if r.packed is not None:
+        _from_offsets(("check", r.packed, device), cu_seqlens,
+                      lambda: _check_cu_seqlens(cu_seqlens, *r.packed, (device, r.first_input)))
     poison = os.environ.get("MIXC_POISON") == "1"       # as launch._empty: unwritten elements show
     made = []
     for s in r.sources:
@@ -230,9 +237,9 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
         elif kind == "indices":
             t = state_indices
         elif kind == "cu":
-            t = cu_seqlens.to(device)
+            t = _from_offsets((s, device), cu_seqlens, lambda: cu_seqlens.to(device))
         else:                               # "chunk_seq": PHASE 2's table of each slot's sequence
-            t = launch.chunk_seqs(cu_seqlens, *s[1:], device)
+            t = _from_offsets((s, device), cu_seqlens, lambda: launch.chunk_seqs(cu_seqlens, *s[1:], device))
         made.append(t)
     for ln in r.launches:
         args = ln.args.copy()
@@ -250,3 +257,14 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
     if r.inplace:
         return out, given_state
     return out, (r.unstabilize({name: made[j] for name, j in r.finals}) if r.finals else None)
+
+
+def _from_offsets(what: tuple, cu: torch.Tensor, make):
+    """make()'s result for these offsets: made again only for another tensor or after an
+    in-place change (_FROM_OFFSETS)."""
+    hit = _FROM_OFFSETS.get(what)
+    if hit is not None and hit[0] is cu and hit[1] == cu._version:
+        return hit[2]
+    t = make()
+    _FROM_OFFSETS[what] = (cu, cu._version, t)
+    return t

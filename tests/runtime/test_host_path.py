@@ -278,7 +278,7 @@ def test_a_replayed_call_equals_the_bound_call(name, mode, with_state):
     torch.testing.assert_close(o_fast.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_replay():
+def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_replay(monkeypatch):
     """A new shape takes the bound path's check; packed offsets are keyed by their look, so a
     replayed packed call still checks their values (bind's check) and refuses bad ones."""
     op = mixc.load("gla")
@@ -297,7 +297,20 @@ def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_repla
         op(**args, cu_seqlens=torch.tensor([1, 2, 6]))
     with pytest.raises(ArgumentError, match="non-decreasing"):
         op(**args, cu_seqlens=torch.tensor([0, 7, 6]))
-    assert len(op._fast) == n + 1
+    # one offsets tensor changed in place between replays (what they made from it, PHASE 2's
+    # chunk table too, is kept per tensor and version): the new values are checked and used
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    cu = torch.tensor([0, 2, 6])
+    o_first, _ = op(**args, cu_seqlens=cu)
+    cu[1] = 4
+    o_fast, _ = op(**args, cu_seqlens=cu)
+    o_bound, _ = op(**args, cu_seqlens=torch.tensor([0, 4, 6]), CK=16)       # another key: bound
+    torch.testing.assert_close(o_fast, o_bound, rtol=0, atol=0)
+    assert not torch.equal(o_first, o_fast)
+    cu[1] = 7
+    with pytest.raises(ArgumentError, match="non-decreasing"):
+        op(**args, cu_seqlens=cu)
+    assert len(op._fast) == n + 3
 
 
 @pytest.mark.parametrize("name,packed,with_state", [
