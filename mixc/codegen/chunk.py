@@ -27,7 +27,7 @@ from .. import classes
 from ..derive import plan as P
 from ..derive.plan import Plan
 from ..dsl import ir
-from .recurrent import I1, I2, base_env, common_hooks, numel
+from .recurrent import I1, I2, base_env, common_hooks, input_row, numel
 from .templating import macros
 from .triton_expr import Emitter, canon, expand
 
@@ -147,7 +147,7 @@ class ChunkCode:
             mask = " & ".join([expand("_mask__T", ("_T",), ("_T",) + cd)]
                               + [expand(f"_mask_{x}", (x,), ("_T",) + cd) for x in cd])
             rows = expand("_rows", ("_T",), ("_T",) + cd)
-            loads.append(f"{I2}v_{d.name} = tl.load(p_{d.name} + ({rows} * H + i_h) * {numel(d.shape)}"
+            loads.append(f"{I2}v_{d.name} = tl.load(p_{d.name} + {input_row(d.name, rows)} * {numel(d.shape)}"
                          f"{' + ' + offs if offs else ''}, mask={mask}, other=0.0).to(tl.float32)")
             env[d.name] = (f"v_{d.name}", ("_T",) + cd)
         em = Emitter(m, env, indent=I2, prefix="_c", order=order)

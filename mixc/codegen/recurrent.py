@@ -68,8 +68,8 @@ class Token:
     def build(self, with_output: bool = True) -> "Token":
         m, order, ind = self.plan.kernel_ir, self.plan.kernel_ir.dim_names, self.indent
         self.env = base_env(self.plan)
-        for d in m.inputs:
-            self.lines += load(f"p_{d.name}", "_row", d.shape, order, ind, f"v_{d.name}")
+        for d in m.inputs:      # its row: token _t, its head (grouped heads: common_hooks)
+            self.lines += load(f"p_{d.name}", input_row(d.name, "_t"), d.shape, order, ind, f"v_{d.name}")
             self.env[d.name] = (f"v_{d.name}", canon(order, d.shape))
         self.lets = Emitter(m, self.env, indent=ind, prefix="_l")
         for let in m.lets:
@@ -112,6 +112,12 @@ class Token:
         return self
 
 
+def input_row(name: str, token: str) -> str:
+    """The row of an input at a token (or a block of tokens): [B, T, H_x, *dims] read at head
+    _head_x of its _heads_x (common_hooks; H and i_h where it has every head)."""
+    return f"({token} * _heads_{name} + _head_{name})"
+
+
 def base_env(plan: Plan) -> dict[str, Var]:
     m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     env = {d.name: (f"v_{d.name}", canon(order, d.shape)) for d in m.params}
@@ -124,6 +130,13 @@ def common_hooks(plan: Plan) -> dict[str, object]:
     params = []
     for d in m.params:
         params += load(f"p_{d.name}", "i_h", d.shape, order, I1, f"v_{d.name}")
+    # grouped heads: input x has H / _group_x heads and head i_h reads its head i_h // _group_x
+    # (no copy per head; _group_x = 1, Triton's specialization, folds this away)
+    if m.inputs:
+        params.append(f"{I1}# grouped heads: each input's heads, and the one this head reads")
+    for d in m.inputs:
+        params.append(f"{I1}_heads_{d.name} = H // _group_{d.name}")
+        params.append(f"{I1}_head_{d.name} = i_h // _group_{d.name}")
     # the arguments are not hooks: plan.layout.kernel_args (derive/kernel_args.py)
     return {
         "dims": list(order),

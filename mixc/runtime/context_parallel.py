@@ -46,7 +46,7 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
     # small all_gather, before any other collective: a rank that raised alone would leave the
     # others waiting in a collective, and shapes that differ abort gloo's all_gather.
     try:
-        bound = bind(op.ir, dict(kwargs, initial_state=None, cu_seqlens=None))
+        bound = bind(op.ir, dict(kwargs, initial_state=None, cu_seqlens=None)).expanded()   # grouped heads per head
         fields, refused = describe(op, bound, cu_seqlens), None
     except ArgumentError as err:
         bound, fields, refused = None, (), str(err)

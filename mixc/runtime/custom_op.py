@@ -17,7 +17,7 @@ import torch
 from ..derive.plan import Plan
 from .launch import (checkpoint_dtype, checkpoint_slots, chunk_backward, chunk_forward, recurrent_backward,
                      recurrent_forward)
-from .signature import Bound
+from .signature import Bound, head_groups
 
 _OPS: dict[tuple, object] = {}
 _KERNEL_OPS: dict[tuple, "KernelOps"] = {}
@@ -45,12 +45,14 @@ def _bound(plan: Plan, inputs, params, initial_state, options, cu_seqlens) -> Bo
         sizes.update({n: int(s) for n, s in zip(d.shape, x.shape[1:])})
     for d in m.dims:
         sizes.setdefault(d.name, sizes.get(m.root_dim(d.name)))
-    B, T, H = (int(s) for s in inputs[0].shape[:3])
+    B, T = (int(s) for s in inputs[0].shape[:2])
+    H = max(int(x.shape[2]) for x in inputs)       # grouped inputs have fewer heads (signature.bind)
+    named = {d.name: x for d, x in zip(m.inputs, inputs)}
     opt_names = [o.name for o in m.options if o.kind == "float"]
-    return Bound(B, T, H, sizes, {d.name: x for d, x in zip(m.inputs, inputs)},
+    return Bound(B, T, H, sizes, named,
                  {d.name: x for d, x in zip(m.params, params)}, dict(zip(opt_names, options)), dict(plan.flags),
                  {s.name: x for s, x in zip(plan.kernel_ir.states, initial_state)} if initial_state else None,
-                 cu_seqlens)
+                 cu_seqlens, head_groups(H, named))
 
 
 def ops_for(plan: Plan):

@@ -151,6 +151,7 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
                  torch.float32 if splits > 1 else out_dtype or x0.dtype, device)
     v = dict(launch)
     v.update({("input", d.name): bound.inputs[d.name].contiguous() for d in m.inputs})
+    v.update(group_values(m, bound.inputs, H))
     v.update({("param", d.name): bound.params[d.name].contiguous() for d in m.params})
     v.update({("option", o.name): opts[o.name] for o in m.options if o.kind == "float"})
     finals, ckpts = {}, dict(ckpts_in or {})
@@ -300,6 +301,7 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
 
     v = dict(launch)
     v.update({("input", d.name): x for d, x in zip(m.inputs, inputs)})
+    v.update(group_values(m, bound.inputs, H))
     v.update({("param", d.name): x for d, x in zip(m.params, params)})
     v.update({("option", o.name): opts[o.name] for o in m.options if o.kind == "float"})
     dinit = {}
@@ -311,8 +313,9 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
             dfin = (dfinal[s.name].to(torch.float32).contiguous() if s.name in dfinal
                     else torch.zeros((n, H) + shape, dtype=torch.float32, device=device))
         v.update({(role, s.name): x for role, x in per_state(s, shape, dfin, dinit[s.name], device).items()})
-    dinputs = {d.name: (_empty(x.shape, x.dtype, device) if parts(d.shape) == 1
-                        else _empty((parts(d.shape),) + tuple(x.shape), torch.float32, device))
+    # a grouped input's gradient per head (float32), its groups summed below
+    dinputs = {d.name: (_empty(x.shape, x.dtype, device) if parts(d.shape) == 1 and x.shape[2] == H
+                        else _empty((parts(d.shape),) + per_head(x, H), torch.float32, device))
                if "inputs" in write else do for d, x in zip(m.inputs, inputs)}
     dparams = {d.name: _empty((parts(d.shape) * (param_rows or n),) + tuple(x.shape), torch.float32, device)
                if "params" in write else do for d, x in zip(m.params, params)}
@@ -325,11 +328,36 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     v.update(use_dfinal=dfinal is not None, varlen=bound.cu_seqlens is not None)
     plan.layout.kernel_args[form].launch(kernel, (grid0 or n * H, tiles, splits), v)
     dparams = {k: v.sum(0).to(bound.params[k].dtype) for k, v in dparams.items()} if "params" in write else None
-    dinputs = ({k: v if v.shape == bound.inputs[k].shape else v.sum(0).to(bound.inputs[k].dtype)
+    dinputs = ({k: v if v.shape == bound.inputs[k].shape else sum_groups(v.sum(0), bound.inputs[k])
                 for k, v in dinputs.items()} if "inputs" in write else None)
     dinit = ({k: v if v.shape[0] == n else v.reshape((-1, n) + tuple(v.shape[1:])).sum(0) for k, v in dinit.items()}
              if "dinit" in write else None)
     return dinputs, dparams, dinit
+
+
+def group_values(m, inputs: dict, H: int) -> dict:
+    """The kernels' _group_x (derive/kernel_args.py's role "group"): heads per head of each
+    input [B, T, H_x, *dims], H / H_x (1 where it has every head)."""
+    return {("group", d.name): H // inputs[d.name].shape[2] if inputs[d.name].shape[2] else 1 for d in m.inputs}
+
+
+def per_head(x: torch.Tensor, H: int) -> tuple:
+    """An input's shape with H heads: its gradient as the kernels write it, one per head."""
+    return tuple(x.shape[:2]) + (H,) + tuple(x.shape[3:])
+
+
+def sum_groups(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A gradient per head [B, T, H, *dims] (float32) summed over each group of heads that
+    shares one head of the input x [B, T, H_x, *dims], in x's dtype. The kernels write every
+    head's part and the host sums them: a float32 [B, T, H, *dims] buffer written and read
+    once. That is what a caller who repeated x per head paid anyway (the repeated gradient,
+    then autograd's sum), so grouping saves the forward's bytes and costs nothing extra here;
+    atomics into [B, T, H_x] would make the sum's order (and its bits) vary between runs, and
+    one program per shared head walking its group would serialize the group's states."""
+    Hx = x.shape[2]
+    if g.shape[2] != Hx:
+        g = g.unflatten(2, (Hx, g.shape[2] // Hx)).sum(3)
+    return g.to(x.dtype)
 
 
 def _dot_code(dtype: torch.dtype) -> int:

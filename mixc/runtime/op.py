@@ -90,12 +90,14 @@ class MixerOp(HeldBySpec):
         plan = self._plan_for(bound.flags)
         if mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
             from .conv_form import conv_forward
-            o, st = conv_forward(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound))
+            # grouped inputs repeated per head here (the kernels alone read a shared head in place)
+            o, st = conv_forward(plan, bound.expanded(), output_final_state=output_final_state,
+                                 dtype=_compute_dtype(bound))
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode == "torch" and plan.layout.torch_chunked:
             from .torch_chunk import torch_chunked
-            o, st = torch_chunked(plan, bound, output_final_state=output_final_state, dtype=_compute_dtype(bound),
-                                  C=chunk)          # None: the torch backend's own C
+            o, st = torch_chunked(plan, bound.expanded(), output_final_state=output_final_state,
+                                  dtype=_compute_dtype(bound), C=chunk)          # None: the torch backend's own C
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
@@ -268,7 +270,7 @@ def _needs_grad(bound: Bound) -> bool:
 def _as_sequence(bound: Bound) -> Bound:
     """A step's bound arguments as a sequence of one token (inputs [B, 1, H, *dims])."""
     return Bound(bound.B, 1, bound.H, bound.sizes, {k: v.unsqueeze(1) for k, v in bound.inputs.items()},
-                 bound.params, bound.options, bound.flags, bound.initial_state, None)
+                 bound.params, bound.options, bound.flags, bound.initial_state, None, bound.groups)
 
 
 def _state_dtype(st, bound):

@@ -119,7 +119,7 @@ def reference(mixer: ir.MixerIR, *, output_final_state: bool = False, dtype=torc
     """Run the spec as a loop over t in `dtype` (float64 by default): returns (o, state).
 
     o is [B, T, H, *output dims]; state is None or a dict {name: [B, H, *state dims]}."""
-    bound = bind(mixer, kwargs)
+    bound = bind(mixer, kwargs).expanded()         # grouped inputs repeated per head
     B, T, H = bound.B, bound.T, bound.H
     opts = _options(mixer, bound)
     env: dict[str, Value] = {}
@@ -188,7 +188,7 @@ def _token(mixer: ir.MixerIR, bound: Bound, env: dict[str, Value], states: dict[
 
 def reference_step(mixer: ir.MixerIR, *, state, dtype=torch.float64, **kwargs):
     """One token per sequence: inputs [B, H, *dims]; returns (o [B, H, *dims], new state)."""
-    bound = bind(mixer, dict(kwargs, initial_state=state), step=True)
+    bound = bind(mixer, dict(kwargs, initial_state=state), step=True).expanded(axis=1)
     if bound.initial_state is None:
         raise ValueError("state: step() needs the state (a dict keyed by state name)")
     opts = _options(mixer, bound)

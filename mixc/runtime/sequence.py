@@ -68,7 +68,8 @@ class SequenceOp(HeldBySpec):
         if not isinstance(output_final_state, bool):       # "no" would be taken as true
             raise ArgumentError(f"output_final_state: expected True or False, got {output_final_state!r} "
                                 f"({type(output_final_state).__name__})")
-        bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
+        # grouped inputs (GQA's k, v) repeated per head: the sequence runtime reads every head's
+        bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens)).expanded()
         plan = self._plan_for(bound.flags)
         seq = plan.sequence
         if seq.no_step is not None and (initial_state is not None or output_final_state):

@@ -14,7 +14,7 @@ copies."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,10 +43,38 @@ class Bound:
     flags: dict[str, bool]
     initial_state: dict[str, torch.Tensor] | None
     cu_seqlens: torch.Tensor | None
+    # grouped heads: input -> heads sharing each of its heads (H / its heads), for the inputs
+    # given with fewer than H heads; head h reads its head h // groups[x]
+    groups: dict[str, int] = field(default_factory=dict)
 
     @property
     def n_seqs(self) -> int:
         return self.B if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+    def expanded(self, axis: int = 2) -> "Bound":
+        """The same call with every grouped input repeated to H heads (an index: autograd sums
+        each group's gradient into its shared head). The torch backend, the reference, the
+        convolution form take this; the kernels read the shared head in place. axis: the heads'
+        axis (1 for a step's inputs [B, H, *dims])."""
+        if not self.groups:
+            return self
+        inputs = {k: expand_heads(x, self.groups[k], axis) if k in self.groups else x
+                  for k, x in self.inputs.items()}
+        return replace(self, inputs=inputs, groups={})
+
+
+def expand_heads(x: torch.Tensor, group: int, axis: int = 2) -> torch.Tensor:
+    """x with each head repeated `group` times along `axis` (head h of the result is head
+    h // group of x: fla's GVA order, transformers' repeat_interleave, Mamba-2's ngroups)."""
+    if group == 1:
+        return x
+    index = torch.arange(x.shape[axis] * group, device=x.device) // group
+    return x.index_select(axis, index)
+
+
+def head_groups(H: int, inputs: dict, axis: int = 2) -> dict[str, int]:
+    """input -> H / its heads, for the inputs with fewer than H heads (shapes already checked)."""
+    return {k: H // x.shape[axis] for k, x in inputs.items() if x.shape[axis] != H}
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -57,9 +85,11 @@ def _shape(names, sizes) -> str:
     return "[" + ", ".join(f"{n}={sizes[n][0]}" if n in sizes else n for n in names) + "]"
 
 
-def _check_tensor(name: str, x, expected_names, sizes, what: str, devices: dict, hint: str = "") -> None:
+def _check_tensor(name: str, x, expected_names, sizes, what: str, devices: dict, hint: str = "",
+                  free: tuple[str, ...] = ()) -> None:
     """dtype, rank, dim sizes against those bound so far (sizes: dim -> (size, source)), and
-    the device against the first tensor's (devices: {"device": (device, source)})."""
+    the device against the first tensor's (devices: {"device": (device, source)}). free: dims
+    not checked here (an input's heads: _bind_heads)."""
     if not isinstance(x, torch.Tensor):
         raise ArgumentError(f"{name}: expected a tensor of shape {_fmt(expected_names)}, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -69,7 +99,7 @@ def _check_tensor(name: str, x, expected_names, sizes, what: str, devices: dict,
         raise ArgumentError(f"{name}: {what} of shape {_fmt(expected_names)} (rank {len(expected_names)}), "
                             f"got shape {list(x.shape)} (rank {x.dim()}){hint}")
     for axis, (dim, size) in enumerate(zip(expected_names, x.shape)):
-        if dim in sizes and sizes[dim][0] != size:
+        if dim in sizes and sizes[dim][0] != size and dim not in free:
             have, src = sizes[dim]
             raise ArgumentError(f"{name}: dim {dim} (axis {axis}) is {size}, but {src} gives {dim} = {have}; "
                                 f"expected shape {_shape(expected_names, sizes)}, got {list(x.shape)}")
@@ -97,13 +127,18 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
     lead = ("B", "H") if step else ("B", "T", "H")
     # an input of the sequence's rank given to step(): say what step() wants
     hint = "; step() takes one token per sequence, without the T axis" if step else ""
+    # each input's heads bind its own name (grouped heads): H is the most of any input, and
+    # every input's heads must divide it
+    head = len(lead) - 1
     for decl in mixer.inputs:
         if decl.name not in kwargs:
             raise ArgumentError(f"missing input '{decl.name}' of shape {_fmt(lead + decl.shape)}")
         x = kwargs.pop(decl.name)
         _check_tensor(decl.name, x, lead + decl.shape, sizes, "expected an input", devices,
-                      hint if isinstance(x, torch.Tensor) and x.dim() == len(lead) + len(decl.shape) + 1 else "")
+                      hint if isinstance(x, torch.Tensor) and x.dim() == len(lead) + len(decl.shape) + 1 else "",
+                      free=("H",))
         inputs[decl.name] = x
+    _bind_heads(inputs, head, sizes)
     for decl in mixer.params:
         if decl.name not in kwargs:
             raise ArgumentError(f"missing param '{decl.name}' of shape {_fmt(('H',) + decl.shape)}")
@@ -174,7 +209,23 @@ def bind(mixer: ir.MixerIR, kwargs: dict, *, step: bool = False) -> Bound:
                              packed=cu_seqlens is not None, devices=devices,
                              arg="state" if step else "initial_state")
     return Bound(B, T, H, {k: v[0] for k, v in sizes.items() if k not in ("B", "T", "H") and ":" not in k},
-                 inputs, params, options, flags, state, cu_seqlens)
+                 inputs, params, options, flags, state, cu_seqlens, head_groups(H, inputs, head))
+
+
+def _bind_heads(inputs: dict, axis: int, sizes: dict) -> None:
+    """H = the most heads of any input (the first with that many names it); an input with fewer
+    is grouped: its heads must divide H, and head h reads its head h // (H / its heads)."""
+    if not inputs:
+        return
+    src, H = max(((k, x.shape[axis]) for k, x in inputs.items()), key=lambda kv: kv[1])
+    for k, x in inputs.items():
+        n = x.shape[axis]
+        if (n == 0 and H > 0) or (n > 0 and H % n):
+            raise ArgumentError(
+                f"{k}: has {n} heads (axis {axis}), which do not divide H = {H} ({src}'s heads); an input "
+                f"shared by groups of heads has H / group heads, head h reading its head h // group "
+                f"(fla's GVA, Mamba-2's ngroups), got shape {list(x.shape)}")
+    sizes["H"] = (H, src)
 
 
 def _check_cu_seqlens(cu, B: int, T: int, device: tuple[torch.device, str]) -> torch.Tensor:

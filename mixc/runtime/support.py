@@ -79,6 +79,14 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return t
 
 
+def _sum_groups(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A gradient per head [B, T, H, *dims] summed over the heads sharing each of x's (as
+    runtime/launch.py's sum_groups), in x's dtype."""
+    if g.shape[2] != x.shape[2]:
+        g = g.unflatten(2, (x.shape[2], g.shape[2] // x.shape[2])).sum(3)
+    return g.to(x.dtype)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -120,12 +128,21 @@ class CompiledOp:
                 raise ArgumentError(f"{name}: on device {x.device}, but the inputs are on {device[0]}")
             device.append(x.device)
 
-        inputs, params, options = {}, {}, {}
+        inputs, params, options, heads = {}, {}, {}, {}
         for name, shape in meta["inputs"].items():
             if name not in kw:
                 raise ArgumentError(f"missing input '{name}' of shape [{', '.join(lead + tuple(shape))}]")
-            check(name, kw[name], lead + tuple(shape), "expected an input")
+            # each input's heads its own (grouped heads): H is the most, which every input's divide
+            check(name, kw[name], lead[:-1] + (f"{name}:H",) + tuple(shape), "expected an input")
             inputs[name] = kw.pop(name)
+            heads[name] = sizes.pop(f"{name}:H")
+        if heads:
+            src = max(heads, key=heads.get)
+            sizes["H"] = heads[src]
+            for name, n in heads.items():
+                if (n == 0 and sizes["H"]) or (n and sizes["H"] % n):
+                    raise ArgumentError(f"{name}: has {n} heads, which do not divide H = {sizes['H']} ({src}'s "
+                                        f"heads); head h of a grouped input reads its head h // (H / its heads)")
         for name, shape in meta["params"].items():
             if name not in kw:
                 raise ArgumentError(f"missing param '{name}' of shape [{', '.join(('H',) + tuple(shape))}]")
@@ -206,6 +223,8 @@ class CompiledOp:
         """The values every kernel takes: the inputs, params and options, cu_seqlens, T, H and
         the dims as floats (`kw`: the blocks and switches, updated)."""
         kw.update({("input", k): x.contiguous() for k, x in b.inputs.items()})
+        # grouped heads: H / the input's heads (launch.group_values)
+        kw.update({("group", k): b.H // x.shape[2] if x.shape[2] else 1 for k, x in b.inputs.items()})
         kw.update({("param", k): x.contiguous() for k, x in b.params.items()})
         kw.update({("option", k): x for k, x in b.options.items()})
         kw["T"], kw["H"] = b.T, b.H
@@ -280,8 +299,10 @@ class CompiledOp:
                 scratch = _empty((n * H * tiles * splits * C,) + shape, torch.float32, device)
                 v["ckpt", name], v["scratch", name] = ckpts[name], scratch
                 v["dfinal", name], v["dinit", name] = dfin if dfin is not None else scratch, dinit[name]
-        dins = {k: (_empty(x.shape, x.dtype, device) if parts(meta["inputs"][k]) == 1
-                    else _empty((parts(meta["inputs"][k]),) + tuple(x.shape), torch.float32, device))
+        # a grouped input's gradient per head (float32), its groups summed below (launch.sum_groups)
+        dins = {k: (_empty(x.shape, x.dtype, device) if parts(meta["inputs"][k]) == 1 and x.shape[2] == H
+                    else _empty((parts(meta["inputs"][k]),) + tuple(x.shape[:2]) + (H,) + tuple(x.shape[3:]),
+                                torch.float32, device))
                 for k, x in b.inputs.items()}
         dpars = {k: _empty((parts(meta["params"][k]) * n,) + tuple(x.shape), torch.float32, device)
                  for k, x in b.params.items()}
@@ -291,7 +312,7 @@ class CompiledOp:
         v["cu_seqlens"] = b.cu.to(device) if b.cu is not None else do
         v["use_dfinal"] = dfinal is not None
         self.args[form].launch(kernel, (n * H, tiles, splits), v)
-        dins = {k: v if v.shape == b.inputs[k].shape else v.sum(0).to(b.inputs[k].dtype) for k, v in dins.items()}
+        dins = {k: v if v.shape == b.inputs[k].shape else _sum_groups(v.sum(0), b.inputs[k]) for k, v in dins.items()}
         dpars = {k: v.sum(0).to(b.params[k].dtype) for k, v in dpars.items()}
         dinit = {k: v if v.shape[0] == n else v.reshape((-1, n) + tuple(v.shape[1:])).sum(0) for k, v in dinit.items()}
         return dins, dpars, dinit

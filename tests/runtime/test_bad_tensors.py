@@ -80,9 +80,10 @@ def _raises(op, args, match, **kw):
     pytest.param("gla", lambda a: a.update(k=a["k"][:, :3]),
                  r"k: dim T \(axis 1\) is 3, but q gives T = 5; expected shape \[B=1, T=5, H=2, K=4\], "
                  r"got \[1, 3, 2, 4\]", id="gla-k-T-vs-q"),
-    pytest.param("gla", lambda a: a.update(v=a["v"][:, :, :1]),
-                 r"v: dim H \(axis 2\) is 1, but q gives H = 2; expected shape \[B=1, T=5, H=2, V\], "
-                 r"got \[1, 5, 1, 4\]", id="gla-v-H-vs-q"),
+    # an input's heads must divide H, the most of any input's (one with fewer is grouped)
+    pytest.param("gla", lambda a: a.update(v=torch.cat([a["v"], a["v"][:, :, :1]], 2)),
+                 r"q: has 2 heads \(axis 2\), which do not divide H = 3 \(v's heads\); an input shared by "
+                 r"groups of heads", id="gla-q-H-vs-v"),
     pytest.param("gla", lambda a: a.update(g=torch.cat([a["g"], a["g"]])),
                  r"g: dim B \(axis 0\) is 2, but q gives B = 1; expected shape \[B=1, T=5, H=2, K=4\], "
                  r"got \[2, 5, 2, 4\]", id="gla-g-B-vs-q"),
