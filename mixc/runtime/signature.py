@@ -2,7 +2,9 @@
 
 Shared by every backend: the reference now, the kernels later. Layout (fla's):
 inputs [B, T, H, *dims] (a scalar per head is [B, T, H]), params [H, *dims], states
-[B, H, *state dims] (N sequences instead of B with cu_seqlens).
+[B, H, *state dims] (N sequences instead of B with cu_seqlens). Grouped heads: an input may
+have H_x heads, H_x dividing H (the most of any input's), head h reading its head
+h // (H / H_x) (fla's GVA, Mamba-2's ngroups); Bound.groups says which.
 
 Dtypes: every tensor is floating point (float16, bfloat16, float32 or float64); inputs and
 params may mix them. Each is read in its own dtype, the output takes the first input's dtype
