@@ -26,6 +26,7 @@ from dataclasses import replace
 from .. import classes
 from ..derive import plan as P
 from ..derive.plan import Plan
+from ..derive.stabilize import M_EMPTY
 from ..dsl import ir
 from .recurrent import I1, I2, base_env, common_hooks, input_row, numel
 from .templating import macros
@@ -279,7 +280,8 @@ class ChunkCode:
             ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
             final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
         if self.stab is not None:       # the stabilizer m: a scalar per (sequence, head)
-            init += [f"{I1}s__m = _head_f * 0.0", f"{I1}if USE_INITIAL_STATE:",
+            init += [f"{I1}s__m = _head_f * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)",
+                     f"{I1}if USE_INITIAL_STATE:",
                      f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
             ckpt.append(f"{I3}tl.store(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
             load_ckpt.append(f"{I3}s__m = tl.load(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
@@ -446,8 +448,9 @@ class ChunkCode:
             f"+ _gi[None, :], float('-inf')), axis=1), _b0_{n} + _M0), 0.0)",
             f"{I2}_mnew = tl.maximum(_bl0_{n} + _M0, tl.max(tl.where(_mask__T, _kw_{n} + _gi, float('-inf')), "
             "axis=0))",
-        ] + ([self.shifted(st, "_mrow", "_mprow"),
-              f"{I2}_mprow = tl.where(_mask__T, tl.where(_offs__T == 0, _M0, _mprow), 0.0)"] if prev else [])
+        ] + ([self.shifted(st, "_mrow", "_mprow"),       # padded rows: an empty state's m (their
+              # prev readouts are 0, so the output's other terms set the scale: no 0 / 0)
+              f"{I2}_mprow = tl.where(_mask__T, tl.where(_offs__T == 0, _M0, _mprow), {M_EMPTY})"] if prev else [])
 
     def scalar_logs(self, st: P.StatePlan, prev: bool) -> tuple[list[str], str | tuple, str | tuple, str]:
         """(lines, bq, bk, b0) of a scalar-decay readout: the query rows' and the key columns'
@@ -473,7 +476,9 @@ class ChunkCode:
         bl0, kw = f"_bl0_{st.name}", f"_kw_{st.name}"
         if not self.stabilized(st):
             return bl0, kw
-        return f"({bl0} + _M0 - _mnew)", f"({kw} + _gi - _mnew)"
+        # padded rows weigh nothing: their kw + gi is 0, and 0 - m overflows exp once m < -88
+        # (their K rows are 0, and 0 * inf is NaN)
+        return f"({bl0} + _M0 - _mnew)", f"tl.where(_mask__T, {kw} + _gi - _mnew, float('-inf'))"
 
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (or S_{t-1}) for the C query rows Q: the class's stage."""

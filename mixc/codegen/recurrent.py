@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..derive.plan import Plan
+from ..derive.stabilize import M, M_EMPTY
 from ..dsl import ir
 from .adjoint import Adjoint, combine
 from .triton_expr import Emitter, canon, expand
@@ -186,7 +187,10 @@ def recurrent_fwd_hooks(plan: Plan) -> dict[str, object]:
     m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     init = []
     for s in m.states:
-        init.append(f"{I1}s_{s.name} = {zeros(canon(order, s.shape))}")
+        if s.name == M:         # a stabilizer's m: an empty state's (derive/stabilize.py)
+            init.append(f"{I1}s_{s.name} = _head_f * 0.0 + {M_EMPTY}")
+        else:
+            init.append(f"{I1}s_{s.name} = {zeros(canon(order, s.shape))}")
         init.append(f"{I1}if USE_INITIAL_STATE:")
         init += load(f"p_init_{s.name}", state_base("slot"), s.shape, order, I2, f"s_{s.name}")
     ckpt = [f"{I2}if STORE_CHECKPOINTS:", f"{I3}if (_t - bos) % CK == 0:", f"{I3}    _chunk = (_t - bos) // CK"]

@@ -12,14 +12,16 @@ so that every weight they form, exp(log a_t + m_{t-1} - m_t) and exp(i_t - m_t),
 The output reads S_t = exp(m_t) S~_t. It is rewritten by positive homogeneity so that the
 scale exp(m_t) cancels where it can: |E x| = E |x|, max(E x, y) = E max(x, y / E), and
 (E x) / (E y) = x / y. mLSTM's  (q . C) / max(|q . n|, 1)  becomes
-(q . C~) / max(|q . n~|, exp(-m)), the form of the xLSTM paper, with no exp(m) left.
+(q . C~) / max(|q . n~|, exp(-m)), the form of the xLSTM paper, with no exp(m) left (taken
+over the scale M = max(m, 0) below, as its 1 has the scale 0).
 
 An exponential the output adds to a stabilized readout (RWKV-4's WKV:
 (prev(a) + exp(u + k) v) / (prev(b) + exp(u + k))) overflows on its own for u + k above ~88,
 and inf / inf is NaN. The output takes one scale M, the largest log scale of its terms (m of
-the readouts of S~, m_{t-1} of those of prev(S~), x of each such exp(x)), and every term is
-rewritten relative to it: S~ exp(m - M), exp(x - M), each <= 1, so exp(M) cancels as above.
-This is M = max(pp, u + k) of RWKV-4's own kernel.
+the readouts of S~, m_{t-1} of those of prev(S~), x of each such exp(x), 0 of a term with none
+of these: mLSTM's 1), and every term is rewritten relative to it: S~ exp(m - M), exp(x - M),
+exp(-M), each <= 1, so exp(M) cancels as above. This is M = max(pp, u + k) of RWKV-4's own
+kernel.
 
 m and M are scales, not values: the output is the same function of the inputs for any m, so
 the backward holds them constant (`detach`) and the gradients stay exact.
@@ -39,6 +41,11 @@ from ..classes import SCALAR
 
 M = "_m"                  # the stabilizer's name in the kernels (spec names never start with '_')
 M_PREV = "_mp"            # in the chunked forms' combine: m_{t-1} per token, prev(S~)'s scale
+# m of an empty state (no initial state given): below any log weight, so the first token sets m
+# (m_0 = max(log a + M_EMPTY, i_0) = i_0) and a prev() readout at t = 0 weighs exp(M_EMPTY - M) = 0
+# beside the output's other terms. m = 0 there made M = max(0, u + k) for RWKV-4's first token,
+# whose only term exp(u + k - M) is 0 for u + k < -103: 0 / 0. Finite, not -inf: m - m is 0.
+M_EMPTY = -1e30
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,10 @@ def common_scale(e: ir.Expr, scale_of, exps: dict[ir.Expr, ir.Expr]) -> ir.Expr:
     logs = list(dict.fromkeys([s for n in ir.walk(e) if (s := scale_of(n)) is not None] + list(exps.values())))
     if not logs:
         return e
+    if _unscaled_term(e, lambda n: n in exps or scale_of(n) is not None):
+        # a term with no scale (mLSTM's 1 in max(|q . n|, 1)) is at 0: in M too, so that its
+        # exp(-M) stays <= 1 where m falls far below 0 (an empty state's m starts at M_EMPTY)
+        logs.append(affine.num(0))
     big = functools.reduce(lambda a, b: call("max", a, b), logs)
     top = logs[0] if len(logs) == 1 else call("detach", big)
 
@@ -217,6 +228,17 @@ def common_scale(e: ir.Expr, scale_of, exps: dict[ir.Expr, ir.Expr]) -> ir.Expr:
         return w if n in exps else affine.mul(w, n)
 
     return rewrite(e, lambda n: n in exps or scale_of(n) is not None, top, relative=relative)
+
+
+def _unscaled_term(e: ir.Expr, is_scaled) -> bool:
+    """Whether a sum, max or min in e adds a term with no scaled leaf (a constant, an input) to
+    one with."""
+    for node in ir.walk(e):
+        if _additive(node):
+            scaled = [any(is_scaled(x) for x in ir.walk(k)) for k in ir.children(node)]
+            if any(scaled) and not all(scaled):
+                return True
+    return False
 
 
 def rewrite(e: ir.Expr, is_scaled, m: ir.Expr, relative=None) -> ir.Expr:

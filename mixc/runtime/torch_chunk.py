@@ -12,6 +12,7 @@ import torch
 from .. import classes
 from ..classes.torch_ops import loop_chunk_logs, loop_pair_logs
 from ..derive.plan import Plan
+from ..derive.stabilize import M_EMPTY
 from .cache import load_module
 from .signature import Bound, option_values
 from .torch_chunks import batched_supported, torch_forward_batched
@@ -99,7 +100,8 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
             else:
                 s0 = torch.zeros(Bs, H, kf, vf, dtype=dtype, device=device)
             states[name] = s0
-        M = torch.zeros(Bs, H, dtype=dtype, device=device)        # the stabilizer's m_0 = 0
+        # the stabilizer's m: 0 with a given state (S~ = S), an empty state's without one
+        M = torch.full((Bs, H), 0.0 if initial_state is not None else M_EMPTY, dtype=dtype, device=device)
         outs = {r: [] for r in TORCH_READOUTS}
         for c0 in range(start, end, C):
             c1 = min(c0 + C, end)

@@ -26,14 +26,20 @@ mixer twogates
 
 
 def test_mlstm_output_becomes_the_xlstm_form():
+    """The xLSTM form (q . C~) / max(|q . n~|, exp(-M)) over the scale M = max(m, 0): the 1 of
+    max(|q . n|, 1) has the scale 0, so exp(-M) <= 1 however far m falls (an empty state's m
+    starts below any log weight: derive/stabilize.py M_EMPTY)."""
     st = mixc.load("mlstm").plan().stabilizer
     assert st.states == ("C", "n")
     assert expr_text(st.log_gate) == "i" and expr_text(st.log_decay) == "logsigmoid(f)"
-    assert expr_text(st.combine_ir) == "_r0 / max(abs(_r1), exp(-_m))"
+    M = "detach(max(_m, 0))"
+    assert expr_text(st.combine_ir) == f"exp(_m - {M}) * _r0 / max(abs(exp(_m - {M}) * _r1), exp(-{M}))"
     text = spec_text(st.kernel_ir)
     assert "state  C[K, V], n[K], _m[]" in text
     assert "update _m = detach(max(logsigmoid(f) + detach(_m), i))" in text
-    assert "output h = q @ C / max(abs(q @ n), exp(-detach(_m)))" in text
+    M = "detach(max(detach(_m), 0))"
+    assert f"output h = q @ (exp(detach(_m) - {M}) * C) / max(abs(q @ (exp(detach(_m) - {M}) * n)), exp(-{M}))" \
+        in text
 
 
 @pytest.mark.parametrize("name", ["gla", "retention", "linear_attn", "aft_simple", "mamba2"])
@@ -98,7 +104,7 @@ def test_rwkv4_output_takes_the_scale_max_of_m_and_u_plus_k():
         assert expr_text(st.combine_ir) == (f"(exp(_mp - {M}) * _r0 + exp(u + k - {M}) * v) / "
                                             f"(exp(_mp - {M}) * _r1 + exp(u + k - {M}))")
         assert "max(detach(prev(_m)), u + k)" in spec_text(st.kernel_ir)
-    assert "exp(" not in expr_text(mixc.load("mlstm").plan().stabilizer.combine_ir).replace("exp(-_m)", "")
+    assert mixc.load("mlstm").plan().stabilizer.output_exps == ()     # its scale: m and its 1's 0
 
 
 def test_the_stabilized_rwkv4_recurrence_is_the_spec():

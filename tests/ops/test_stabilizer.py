@@ -165,6 +165,52 @@ def test_rwkv4_with_a_bonus_far_below_zero(mode, kw, u):
     _check_rwkv4(args, init, mode, kw)
 
 
+@pytest.mark.parametrize("keys", ["normal", "far below 0"])
+@pytest.mark.parametrize("u", [-200.0, -100.0, 0.0, 50.0])
+def test_rwkv4_without_an_initial_state(u, keys):
+    """No initial state: at t = 0 the output is v_0 (prev(a) = prev(b) = 0), in float64
+    exp(u + k) v / exp(u + k). m started at 0, so M = max(0, u + k) and that only term was
+    exp(u + k - M) = 0 for u + k < -103: 0 / 0 in every fp32 mode (recurrent too); keys far
+    below 0 (k ~ -100) were lost from the state (exp(k - m) = 0 with m near 0): the output
+    wrong or 0 / 0. m now starts below any log weight (derive/stabilize.py M_EMPTY); the
+    chunk kernels' padded rows weigh nothing in the update (their exp(0 - m) overflowed once m
+    fell below -88: NaN final states). B1-T20-H2-V4 against mode='reference' in float64:
+    output, final states, every gradient."""
+    op = from_text(RWKV4, "rwkv4.mix")
+    T = 20
+    args, _ = random_args(op.ir, B=1, T=T, H=2, sizes={"V": 4}, dtype=torch.float64, seed=12)
+    if keys == "far below 0":
+        args["k"] = args["k"] - 100.0
+    args["u"] = u + args["u"]
+    gen = torch.Generator().manual_seed(13)
+    wo = torch.randn(1, T, 2, 4, generator=gen, dtype=torch.float64)
+    wa, wb = torch.randn(1, 2, 4, generator=gen, dtype=torch.float64), torch.randn(1, 2, generator=gen,
+                                                                                     dtype=torch.float64)
+
+    def run(mode, dtype, **kw):
+        x = {n: t.to(dtype).requires_grad_() for n, t in args.items()}
+        o, st = op(**x, output_final_state=True, mode=mode, **kw)
+        # the final states weigh as o does; they are ~exp(k), 1e-44 for the keys far below 0:
+        # below fp32's normal range, where they have few bits, so they weigh nothing there
+        loss = (o.double() * wo).sum() + finals * ((st["a"].double() * wa).sum() / ref_a +
+                                                   (st["b"].double() * wb).sum() / ref_b)
+        return [o, st["a"], st["b"]] + list(torch.autograd.grad(loss, list(x.values())))
+
+    ref_st = op(**args, output_final_state=True, mode="reference")[1]
+    ref_a, ref_b = ref_st["a"].abs().max().item(), ref_st["b"].abs().max().item()
+    finals = float(ref_b > 1e-37)    # 1: the final states are within fp32's normal range: weighed, checked
+    ref = run("reference", torch.float64)
+    names = ["o", "final a", "final b"] + [f"d{n}" for n in args]
+    for mode, kw in RWKV4_MODES[1:]:
+        for n, g, r in zip(names, run(mode, torch.float32, **kw), ref):
+            g = g.double()
+            assert torch.isfinite(g).all(), f"{mode}: {n} is not finite"
+            if n.startswith("final") and not finals:
+                continue
+            scale = r.abs().max().item() if n.startswith("final") else max(r.abs().max().item(), 1.0)
+            assert (g - r).abs().max().item() <= 1e-4 * scale, f"{mode}: {n}"
+
+
 def _check_rwkv4(args, init, mode, kw):
     """The op in fp32 against _rwkv4_by_hand in float64: output, final states and every
     gradient finite and within 2e-4 of each one's scale (at least 1)."""
