@@ -6,7 +6,7 @@ def __getattr__(name):
     # SpecError and parse load the spec language (lark) on first use: a compiled module imports
     # mixc.runtime.support without it
     if name in ("SpecError", "parse"):
-        from . import dsl
+        from . import dsl       # lazy: lark only when the spec language is used
         return getattr(dsl, name)
     raise AttributeError(f"module 'mixc' has no attribute {name!r}")
 

@@ -222,7 +222,7 @@ def torch_form():
     """(torch, mixc.classes.torch_ops) for the units' torch and context-parallel methods,
     imported on their first call, never at module level: derive imports the units, and `mixc
     check` / `explain` must not pay torch's import (~4 s)."""
-    import torch
+    import torch                # lazy: torch only when a unit's torch form runs (see above)
 
-    from . import torch_ops
+    from . import torch_ops     # lazy: imports torch
     return torch, torch_ops

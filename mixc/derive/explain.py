@@ -9,6 +9,8 @@ import sympy as sp
 from .. import classes
 from ..dsl.unparse import expr_text
 from . import plan as P
+from .convform import conv_form_lines
+from .sequence import explain_sequence
 
 
 _FOLD: list[tuple[sp.Expr, sp.Symbol]] = []
@@ -86,7 +88,6 @@ def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
 
 def explain(plan: P.Plan) -> str:
     if plan.sequence is not None:
-        from .sequence import explain_sequence
         return explain_sequence(plan)
     _set_fold(plan)
     try:
@@ -154,7 +155,6 @@ def _explain(plan: P.Plan) -> str:
     if plan.stabilizer is not None:
         out.append("")
         out += _stabilizer_lines(plan.stabilizer)
-    from .convform import conv_form_lines
     conv_lines = conv_form_lines(plan, s)
     if conv_lines:
         out += [""] + conv_lines

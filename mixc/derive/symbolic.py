@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import sympy as sp
 
@@ -74,7 +75,6 @@ class SymbolTable:
 
     def freeze(self) -> "SymbolTable":
         """Read-only from here on (the Plan that holds it is frozen)."""
-        from types import MappingProxyType
         self.shapes = MappingProxyType(dict(self.shapes))
         self.kinds = MappingProxyType(dict(self.kinds))
         self.nodes = MappingProxyType(dict(self.nodes))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .check import check
-from .errors import SpecError, Source, Span
+from .errors import SpecError, Source, Span, did_you_mean
 from .ir import MixerIR
 from .parser import parse_tree
 
@@ -42,7 +42,6 @@ def read_spec(name_or_path: str | Path) -> Source:
             raise SpecError(f"spec file '{text_name}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
     lib = SPEC_DIR / f"{text_name}.mix"
     if not lib.is_file():
-        from .errors import did_you_mean
         raise SpecError(f"no library spec named '{text_name}'{did_you_mean(text_name, library_names())}; "
                         f"library specs: {', '.join(library_names())}")
     return Source(lib.read_text(encoding="utf-8"), f"<library>/{lib.name}")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..pipeline import load_op as load
+from ..runtime.context_parallel import _AllGather, _Tie
 from ..runtime.signature import ArgumentError
 from .roles import DIM_DEFAULTS, OPTION_DEFAULTS, input_role, param_role
 
@@ -168,9 +169,7 @@ class MixerLayer(nn.Module):
         own cache; every rank's tail [W, B, C, kernel - 1], gathered differentiably so that the
         gradient reaches the rank that computed it). Every shard must hold kernel - 1 tokens:
         checked on every rank from the gathered lengths, so all raise alike."""
-        import torch.distributed as dist
-
-        from ..runtime.context_parallel import _AllGather
+        import torch.distributed as dist      # lazy: torch.distributed only with a cp_group
         k = self.conv_size
         rank = dist.get_rank(group)
         # each rank's (T, B, dtype): the tails gathered below must agree in shape and dtype
@@ -232,7 +231,6 @@ class MixerLayer(nn.Module):
                         output_final_state=use_cache, mode=self.mode, **self.op_kwargs, **extra)
         y = self._finish(o, gate)
         if tails is not None:       # the last rank uses no tail, rank 0 none: all join the backward's all-reduce
-            from ..runtime.context_parallel import _Tie
             y = _Tie.apply(y, tails)
         if not use_cache:
             return y, None

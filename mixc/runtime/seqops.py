@@ -115,13 +115,13 @@ def _allowed(qp, kp, causal: bool, window: int | None):
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention    # lazy: 7 ms, only on CUDA
     return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex(q, k, v, q0, k0, causal, window):
     """flex_attention with a block mask (CUDA): blocks with no allowed entry are skipped."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask     # lazy: 7 ms, only on CUDA
 
     def mask_mod(b, h, i, j):
         return _allowed(i + q0, j + k0, causal, window)
