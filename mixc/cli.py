@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 from .argtypes import nonnegative_int, positive_float, positive_int, positive_ints
 from .dsl import SpecError, library_names
@@ -43,7 +45,7 @@ def _sizes(pairs: list[str]) -> dict[str, int]:
 def _pipeline():
     """mixc/pipeline.py, the compiler's stages. Imported when a command runs: it loads sympy,
     torch and Triton, which `mixc --help` and argparse's errors do without."""
-    from . import pipeline
+    from . import pipeline       # lazy: sympy, jinja2, torch only when a command runs
     return pipeline
 
 
@@ -91,7 +93,7 @@ def cmd_check(args) -> int:
 def cmd_explain(args) -> int:
     if _dump(args):
         return 0
-    from .derive.explain import explain
+    from .derive.explain import explain      # lazy: sympy, not for `mixc --help`
     print(explain(_pipeline().compile(args.spec, _flags(args.set))))
     return 0
 
@@ -124,7 +126,6 @@ def _memory_needed(op, B: int, T: int, H: int, sizes: dict[str, int]) -> int:
 
 
 def _physical_memory() -> int:
-    import os
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -141,7 +142,7 @@ def _bytes(n: float) -> str:
 
 def _rel(a, b) -> float:
     """max |a - b| / max |b| (nan when a is not finite)."""
-    import torch
+    import torch        # lazy: torch only when running
     a, b = a.double(), b.double()
     if not bool(torch.isfinite(a).all()):
         return float("nan")
@@ -152,10 +153,10 @@ def cmd_run(args) -> int:
     """Run the op on random inputs, forward and backward, and diff it against the float64
     reference; exit 1 when an error exceeds --tol or a value is not finite. mode auto: the
     Triton kernels on CUDA, or on CPU under TRITON_INTERPRET=1; the torch backend otherwise."""
-    import torch
+    import torch                                # lazy: torch and Triton only when running
 
-    from .runtime.inputs import random_args
-    from .runtime.op import make_op
+    from .runtime.inputs import random_args     # lazy: imports torch
+    from .runtime.op import make_op             # lazy: imports torch
     op = make_op(_pipeline().spec(args.spec))
     sizes = _run_sizes(op, _sizes(args.dim))
     flags = _flags(args.set)
@@ -183,7 +184,7 @@ def cmd_run(args) -> int:
     ro, rstate = op(**kw, **flags, output_final_state=want_state, mode="reference")
     rstate = {} if op.is_sequence else rstate
     (ro.square().sum() + sum(v.sum() for v in rstate.values())).backward()
-    from .runtime.cache import interpreting
+    from .runtime.cache import interpreting     # lazy: imports Triton
     used = args.mode if args.mode != "auto" else ("kernels (Triton interpreter)" if interpreting() else "torch backend")
     print(f"{op.name}: mode {args.mode} -> {used}; B={args.B} T={args.T} H={args.H} "
           + " ".join(f"{k}={v}" for k, v in sizes.items()))
@@ -217,10 +218,8 @@ def cmd_run(args) -> int:
 
 def cmd_compile(args) -> int:
     """Write the generated module (kernels, metadata, the op) to DIR/NAME.py, or print it."""
-    from pathlib import Path
-
-    from .codegen.module import metadata
-    from .runtime.cache import write_output
+    from .codegen.module import metadata        # lazy: jinja2 and sympy only when compiling
+    from .runtime.cache import write_output     # lazy: imports Triton
     if _dump(args):
         return 0
     pipeline = _pipeline()
@@ -246,8 +245,7 @@ def _report(spec: str, archs=(90, 80)) -> int:
     """Compile every kernel for each arch (no GPU needed) and print registers, spills,
     shared memory and tensor-core use. Runs in a fresh process: compiled (not interpreted)
     kernels need TRITON_INTERPRET unset before Triton is imported."""
-    import os
-    import subprocess
+    import subprocess       # lazy: 3 ms that `mixc --help` does without; only for --report
     env = dict(os.environ, TRITON_INTERPRET="0")
     p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.tools.aot", spec, "--table",
                         *[x for a in archs for x in ("--arch", str(a))]], env=env)
@@ -339,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {_os_error(err)}", file=sys.stderr)
         return 1
     except RuntimeError as err:
-        from .runtime.launch import KernelUnavailable
+        from .runtime.launch import KernelUnavailable     # lazy: torch, Triton; only on an error
         if isinstance(err, KernelUnavailable):       # e.g. --mode chunk on the CPU without the interpreter
             print(f"error: {err}", file=sys.stderr)
             return 1
@@ -358,7 +356,6 @@ def _os_error(err: OSError) -> str:
 def _quiet_stdout() -> None:
     """Point stdout at /dev/null so that the interpreter's last flush of what could not be
     written (a closed pipe, a full disk) raises nothing more."""
-    import os
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
