@@ -10,23 +10,30 @@ generated source, and source to the first torch-backend call. Writes JSON (and a
 when matplotlib is importable) and prints a table."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import torch
+
+from . import pipeline
+from .bench_fla import fla_table, side_by_side
+from .runtime.inputs import random_args
+
+# torch at module level: `mixc bench` imports this module only when it runs (cli.py); mixc.recall
+# imports writable_folder from it when training
 
 IMPLS = ("torch_chunked", "reference", "quadratic")
 
 
 def _inputs(T: int, H: int, D: int, seed: int = 0):
-    import torch
-
-    import mixc
-    from mixc.runtime.inputs import random_args
-    op = mixc.load("gla")
+    op = pipeline.load_op("gla")
     args, _ = random_args(op.ir, B=1, T=T, H=H, sizes={"K": D, "V": D}, dtype=torch.float32, seed=seed)
     args["g"] = -torch.rand(args["g"].shape, generator=torch.Generator().manual_seed(seed)) * 0.1
     return op, args
@@ -34,7 +41,6 @@ def _inputs(T: int, H: int, D: int, seed: int = 0):
 
 def _quadratic(q, k, v, g, scale):
     """GLA as masked attention: o_i = sum_{j<=i} (q_i * exp(b_i - b_j)) . k_j v_j, over [T, T, K]."""
-    import torch
     b = g.cumsum(1)                                                        # [B, T, H, K]
     T = q.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -45,7 +51,6 @@ def _quadratic(q, k, v, g, scale):
 
 def _run_one(impl: str, T: int, H: int, D: int, backward: bool) -> dict:
     """Time one implementation (median of repeats) in this process; peak RSS above baseline."""
-    import torch
     op, args = _inputs(T, H, D)
     if backward:
         for x in args.values():
@@ -69,21 +74,16 @@ def _run_one(impl: str, T: int, H: int, D: int, backward: bool) -> dict:
         call()
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base     # KiB on Linux
-    del torch
     return {"impl": impl, "T": T, "H": H, "D": D, "backward": backward, "ms": sorted(times)[len(times) // 2] * 1e3,
             "peak_mib": peak / 1024}
 
 
 def compile_latency(name: str = "gla") -> dict:
     """Spec text -> generated source (derive + codegen), and source -> the first torch-backend call."""
-    import torch
-
-    from mixc import pipeline
     t0 = time.perf_counter()
     op = pipeline.load_op(name)
     pipeline.render(op.plan())
     t1 = time.perf_counter()
-    from mixc.runtime.inputs import random_args
     args, _ = random_args(op.ir, B=1, T=64, H=2, sizes={d.name: 16 for d in op.ir.dims if not d.alias_of},
                           dtype=torch.float32, seed=0)
     op(**args, mode="torch")
@@ -107,7 +107,6 @@ def run(Ts, H: int = 2, D: int = 32, max_reference_T: int = 4096, max_quadratic_
                 if p.returncode != 0:
                     raise RuntimeError(f"bench {impl} T={T}: {p.stderr[-2000:]}")
                 rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    import torch
     return {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()},
             "spec": "gla", "rows": rows, "compile": compile_latency()}
 
@@ -132,9 +131,9 @@ def table(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> bool:
     try:
-        import matplotlib
+        import matplotlib       # optional: no plot without it
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt      # optional
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -154,8 +153,6 @@ def plot(result: dict, path: Path) -> bool:
 def writable_folder(path: str) -> Path:
     """The output folder, created and tried with a test file now, so that a path onto a file
     or an unwritable folder is refused before minutes of work (an OSError naming it)."""
-    import errno
-    import tempfile
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "the output must be a folder, not a file", str(out))
@@ -184,7 +181,6 @@ def main(args) -> int:
         return 0
     # the fla column: the torch backend against fla's naive chunked references, where fla is
     # importable (mixc/bench_fla.py; one process, calls interleaved)
-    from .bench_fla import fla_table, side_by_side
     fla = side_by_side([T for T in Ts if T % 64 == 0], H=4, D=64, backward=not args.forward_only, threads=None)
     if args.out and fla["rows"]:
         (Path(args.out) / "cpu_bench_fla.json").write_text(json.dumps(fla, indent=1) + "\n")

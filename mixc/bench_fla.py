@@ -20,6 +20,11 @@ import importlib
 import statistics
 import time
 
+import torch
+
+from . import pipeline
+from .runtime.inputs import random_args
+
 FLA_NAIVE = {
     "simple_gla": ("fla.ops.simple_gla.naive", "naive_chunk_simple_gla"),
     "gated_delta_rule": ("fla.ops.gated_delta_rule.naive", "naive_chunk_gated_delta_rule"),
@@ -36,7 +41,7 @@ def load_fla() -> tuple[dict | None, str]:
         fns = {s: getattr(importlib.import_module(m), n) for s, (m, n) in FLA_NAIVE.items()}
     except Exception as err:                    # noqa: BLE001 - any failure means: no fla column
         return None, f"fla not importable: {type(err).__name__}: {err}"[:300]
-    import fla
+    import fla          # optional: imported above when it is installed; here for its version
     return fns, f"fla {getattr(fla, '__version__', '?')}"
 
 
@@ -44,11 +49,7 @@ def inputs(spec: str, B: int, T: int, H: int, D: int, seed: int = 0) -> tuple:
     """(op, kwargs for mixc, options): inputs drawn by role (log gates below 0, beta in (0, 1));
     the delta rules' keys l2-normalized (as fla's callers do), rwkv6's scale 1 (fla's naive
     form has none)."""
-    import torch
-
-    import mixc
-    from mixc.runtime.inputs import random_args
-    op = mixc.load(spec)
+    op = pipeline.load_op(spec)
     kw, _ = random_args(op.ir, B=B, T=T, H=H, sizes={"K": D, "V": D}, dtype=torch.float32, seed=seed,
                         bounded=True)
     if spec in ("delta_rule", "gated_delta_rule"):
@@ -89,7 +90,6 @@ def compare(spec: str, T: int, fns: dict, *, B: int = 1, H: int = 4, D: int = 64
             backward: bool = False) -> dict:
     """mixc's and fla's median ms, calls alternating (a warm-up each first), and their outputs'
     largest relative difference."""
-    import torch
     op, kw, opts = inputs(spec, B, T, H, D)
     if backward:
         for x in kw.values():
@@ -121,7 +121,6 @@ def compare(spec: str, T: int, fns: dict, *, B: int = 1, H: int = 4, D: int = 64
 def side_by_side(Ts, *, specs=SPECS, B: int = 1, H: int = 4, D: int = 64, reps: int = 5, backward: bool = True,
                  threads: int | None = 2, log=None) -> dict:
     """Every (spec, T, pass) where fla has a naive chunked form; {"fla": why not} without fla."""
-    import torch
     fns, why = load_fla()
     if fns is None:
         return {"fla": why, "rows": []}

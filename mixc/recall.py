@@ -28,6 +28,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .argtypes import nonnegative_int, positive_float, positive_int, positive_ints
+from .dsl import library_names
+
 # torch is imported inside the functions: `mixc --help` and the other commands build this
 # command's parser without paying for it.
 
@@ -46,7 +49,7 @@ def mqar(batch: int, seq_len: int, num_kv_pairs: int, vocab_size: int,
     context. dense=True fills every pair slot after the context with a query of a random key
     (keys repeat), so a sequence gives (seq_len - 2 n) / 2 answers instead of n: the same
     recall, more signal per sequence (what makes CPU training in minutes possible)."""
-    import torch
+    import torch        # lazy: torch only when training (see above)
     half = vocab_size // 2
     n = num_kv_pairs
     if n < 1 or n > half - 1:
@@ -107,7 +110,7 @@ def stack(pattern: str, n_layers: int) -> list[str]:
 
 
 def build_model(pattern: str, width: int, cfg: RecallConfig):
-    from .nn import MixerLM
+    from .nn import MixerLM         # lazy: imports torch
     heads = max(1, width // cfg.head_dim)
     return MixerLM(cfg.vocab_size, width, cfg.n_layers, stack(pattern, cfg.n_layers), n_heads=heads,
                    mode=cfg.mode, layer_kwargs=cfg.layer_kwargs)
@@ -124,7 +127,7 @@ def _lr(step: int, steps: int, lr: float) -> float:
 
 def evaluate(model, seq_len: int, cfg: RecallConfig, batch: int = 128) -> float:
     """Accuracy on held-out sequences (the same ones for every model: a fixed seed)."""
-    import torch
+    import torch        # lazy: torch only when training (see above)
     g = torch.Generator().manual_seed(10_000 + cfg.seed)
     right = total = 0
     model.eval()
@@ -142,8 +145,8 @@ def evaluate(model, seq_len: int, cfg: RecallConfig, batch: int = 128) -> float:
 
 def train_one(pattern: str, seq_len: int, width: int, cfg: RecallConfig, progress=None) -> dict:
     """Train one model on fresh MQAR batches; return its row of the table."""
-    import torch
-    import torch.nn.functional as F
+    import torch                        # lazy: torch only when training (see above)
+    import torch.nn.functional as F     # lazy: torch
     torch.manual_seed(cfg.seed)
     model = build_model(pattern, width, cfg)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2 and "param_" not in n]
@@ -235,7 +238,7 @@ def _cost(run) -> float:
 
 
 def _train_in_worker(args) -> dict:
-    import torch
+    import torch        # lazy: torch only when training (see above)
     pattern, T, d, cfg, threads = args
     torch.set_num_threads(threads)
     return train_one(pattern, T, d, cfg)
@@ -249,8 +252,8 @@ def run(cfg: RecallConfig, out: Path | None = None, stream=None) -> list[dict]:
     if cfg.jobs > 1:
         # one model per worker process, each on its share of the cores (small models use one
         # core poorly with threads; processes side by side use them fully)
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        import multiprocessing as mp       # lazy: 6 ms each that `mixc --help` does without; only for --jobs > 1
+        from concurrent.futures import ProcessPoolExecutor, as_completed     # lazy: as multiprocessing
         threads = max(1, (os.cpu_count() or 1) // cfg.jobs)
         done = {}
         with ProcessPoolExecutor(cfg.jobs, mp_context=mp.get_context("spawn")) as pool:
@@ -297,7 +300,7 @@ def _size(n: int) -> str:
 
 
 def write(rows: list[dict], cfg: RecallConfig, out: Path, total_s: float) -> None:
-    import torch
+    import torch        # lazy: torch only when training (see above)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -323,9 +326,9 @@ def plot(rows: list[dict], path: Path) -> bool:
     """Accuracy against state size, one panel per sequence length, a line per spec over the
     widths. False when matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib       # optional: no plot without it (pip install mixc[bench])
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt      # optional
     except ImportError:
         return False
     lengths = sorted({r["seq_len"] for r in rows})
@@ -355,7 +358,6 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p) -> None:
-    from .argtypes import nonnegative_int, positive_float, positive_int, positive_ints
     d = RecallConfig()
     p.add_argument("--specs", default=",".join(d.specs),
                    help="comma-separated spec names; 'a+b' is a hybrid whose layers cycle a, b")
@@ -408,11 +410,10 @@ def check_config(cfg: RecallConfig) -> str | None:
 
 
 def main(a) -> int:
-    import torch
+    import torch        # lazy: torch only when training (see above)
     if a.threads:
         torch.set_num_threads(a.threads)
     cfg = config_from_args(a)
-    from .dsl import library_names
     missing = sorted({p for s in cfg.specs for p in s.split("+") if p} - set(library_names())
                      - {p for s in cfg.specs for p in s.split("+") if p.endswith(".mix") and os.path.exists(p)})
     if missing:
@@ -424,7 +425,7 @@ def main(a) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 1
     if a.out:                                  # a path onto a file or an unwritable folder: now, not after training
-        from .bench import writable_folder
+        from .bench import writable_folder      # lazy: mixc.bench imports torch and Triton
         writable_folder(a.out)
     rows = run(cfg, Path(a.out) if a.out else None)
     print(table(rows))
