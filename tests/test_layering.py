@@ -109,3 +109,45 @@ def test_the_dump_names_are_the_pipeline_stages():
     from mixc import cli, pipeline
     assert cli.DUMPS == pipeline.DUMPS
     assert set(pipeline.DUMPS) <= set(pipeline.STAGES)
+
+
+# Function-level imports not yet commented in files that other work is editing concurrently;
+# the lead clears it (each entry: path relative to the repo, then the import line's text).
+UNCOMMENTED_FOR_NOW = {
+    "mixc/integrations/hf_packing.py:from transformers.activations import ACT2FN",
+    "mixc/runtime/context_parallel.py:import torch.distributed as dist",
+    "mixc/runtime/context_parallel.py:import hashlib",
+    "mixc/runtime/context_parallel.py:import json",
+    "mixc/runtime/decode.py:from .launch import recurrent_forward",
+    "mixc/runtime/op.py:from .sequence import SequenceOp",
+    "mixc/runtime/op.py:from ..derive.convform import AUTO_MIN_T, conv_form",
+    "mixc/runtime/op.py:from .conv_form import conv_forward",
+    "mixc/runtime/op.py:from .torch_chunk import torch_chunked",
+    "mixc/runtime/op.py:from .cache import load_module",
+    "mixc/runtime/op.py:from .custom_op import kernel_ops",
+    "mixc/runtime/op.py:from ..derive.convform import conv_form",
+    "mixc/runtime/op.py:from .decode import step_inplace",
+}
+
+
+def _function_imports(path: Path) -> list[tuple[int, str, str]]:
+    """(line, its text, the line above) of each import inside a function body."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    tree = ast.parse(text)
+    found = {n.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return [(i, lines[i - 1].strip(), lines[i - 2] if i > 1 else "") for i in sorted(found)]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module_name(p))
+def test_function_level_imports_say_why(path):
+    """An import inside a function exists only to load lazily (torch, Triton, sympy, lark,
+    jinja2, ... kept off `mixc --help`, `mixc check`, `import mixc` or a compiled module's
+    import) or for an optional dependency, and a comment on its line or the line above says
+    which; any other import belongs at module level."""
+    rel = path.relative_to(ROOT.parent).as_posix()
+    bad = [f"{rel}:{line}: {text}" for line, text, above in _function_imports(path)
+           if "#" not in text and "#" not in above and f"{rel}:{text}" not in UNCOMMENTED_FOR_NOW]
+    assert not bad, ("function-level imports without a comment saying why (lazy: ..., optional: ...); "
+                     "move them to module level or say why not:\n" + "\n".join(bad))
