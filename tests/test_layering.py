@@ -111,25 +111,6 @@ def test_the_dump_names_are_the_pipeline_stages():
     assert set(pipeline.DUMPS) <= set(pipeline.STAGES)
 
 
-# Function-level imports not yet commented in files that other work is editing concurrently;
-# the lead clears it (each entry: path relative to the repo, then the import line's text).
-UNCOMMENTED_FOR_NOW = {
-    "mixc/integrations/hf_packing.py:from transformers.activations import ACT2FN",
-    "mixc/runtime/context_parallel.py:import torch.distributed as dist",
-    "mixc/runtime/context_parallel.py:import hashlib",
-    "mixc/runtime/context_parallel.py:import json",
-    "mixc/runtime/decode.py:from .launch import recurrent_forward",
-    "mixc/runtime/op.py:from .sequence import SequenceOp",
-    "mixc/runtime/op.py:from ..derive.convform import AUTO_MIN_T, conv_form",
-    "mixc/runtime/op.py:from .conv_form import conv_forward",
-    "mixc/runtime/op.py:from .torch_chunk import torch_chunked",
-    "mixc/runtime/op.py:from .cache import load_module",
-    "mixc/runtime/op.py:from .custom_op import kernel_ops",
-    "mixc/runtime/op.py:from ..derive.convform import conv_form",
-    "mixc/runtime/op.py:from .decode import step_inplace",
-}
-
-
 def _function_imports(path: Path) -> list[tuple[int, str, str]]:
     """(line, its text, the line above) of each import inside a function body."""
     text = path.read_text(encoding="utf-8")
@@ -148,6 +129,6 @@ def test_function_level_imports_say_why(path):
     which; any other import belongs at module level."""
     rel = path.relative_to(ROOT.parent).as_posix()
     bad = [f"{rel}:{line}: {text}" for line, text, above in _function_imports(path)
-           if "#" not in text and "#" not in above and f"{rel}:{text}" not in UNCOMMENTED_FOR_NOW]
+           if "#" not in text and "#" not in above]
     assert not bad, ("function-level imports without a comment saying why (lazy: ..., optional: ...); "
                      "move them to module level or say why not:\n" + "\n".join(bad))

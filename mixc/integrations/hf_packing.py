@@ -100,7 +100,7 @@ def packed_conv(original):
         if bias is not None:
             out = out + bias[:, None]
         if activation is not None:
-            from transformers.activations import ACT2FN
+            from transformers.activations import ACT2FN     # optional: transformers, only in a patched model
             out = ACT2FN[activation](out)
         return out.to(hidden_states.dtype)
     return causal_conv1d_fn

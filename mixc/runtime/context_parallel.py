@@ -29,6 +29,9 @@ the ranks whose (Phi, Z) built it through the all-gather's backward.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 
 from .. import classes
@@ -39,7 +42,7 @@ from .signature import ArgumentError, Bound, bind, option_values
 def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool, cu_seqlens, call):
     """The op on this rank's shard, its true initial state brought in from the earlier ranks.
     `call(initial_state=..., cu_seqlens=..., output_final_state=...)` runs the op locally."""
-    import torch.distributed as dist
+    import torch.distributed as dist      # lazy: only where a process group is used
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     # Every rank checks its own arguments, then the ranks compare what they must agree on in one
@@ -148,7 +151,6 @@ DESCRIPTOR_BYTES = 4096
 def describe(op, bound: Bound, cu_seqlens) -> tuple[tuple[str, str], ...]:
     """What every rank must agree on, as (what, value) pairs: the spec, B and H, the dims, each
     tensor's dtype, the options and flags, and the packed stream's offsets. T may differ."""
-    import hashlib
     out = [("spec", f"{op.name} ({hashlib.sha1(op.ir.source.text.encode()).hexdigest()[:12]})"),
            ("B", str(bound.B)), ("H", str(bound.H))]
     out += [(f"dim {d}", str(n)) for d, n in bound.sizes.items() if d != "T"]
@@ -169,13 +171,11 @@ def agree(group, rank: int, world: int, fields, refused: str | None, T: int) -> 
     """All-gather every rank's (T, fields, error) as a fixed-size byte buffer; raise the same
     ArgumentError on every rank when one refused its arguments or two disagree. Returns each
     rank's (T, fields)."""
-    import json
 
-    import torch.distributed as dist
+    import torch.distributed as dist      # lazy: only where a process group is used
     text = json.dumps({"T": T, "fields": list(fields), "refused": refused}).encode()
     if len(text) > DESCRIPTOR_BYTES:         # a spec with very many tensors: compare a digest of the rest
-        import hashlib
-        text = json.dumps({"T": T, "fields": [["arguments", hashlib.sha1(text).hexdigest()]],
+            text = json.dumps({"T": T, "fields": [["arguments", hashlib.sha1(text).hexdigest()]],
                            "refused": refused and refused[:1000]}).encode()
     buf = torch.zeros(DESCRIPTOR_BYTES + 8, dtype=torch.uint8)
     buf[:8] = torch.tensor(list(len(text).to_bytes(8, "little")), dtype=torch.uint8)
@@ -208,7 +208,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        import torch.distributed as dist
+        import torch.distributed as dist      # lazy: only where a process group is used
         ctx.group = group
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
@@ -216,7 +216,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
+        import torch.distributed as dist      # lazy: only where a process group is used
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad[dist.get_rank(ctx.group)], None

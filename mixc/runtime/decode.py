@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from . import fastpath
-from .launch import recording
+from .launch import recording, recurrent_forward
 from .signature import ArgumentError, bind
 
 
@@ -58,7 +58,6 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
     mode = op._resolve(mode, x0.device)
     plan = op._plan_for(bound.flags)
     if mode in ("auto", "recurrent", "chunk") and plan.stabilizer is None:
-        from .launch import recurrent_forward
         seq = {k: v.unsqueeze(1) for k, v in bound.inputs.items()}        # [B, 1, H, ...]: T = 1
         b = dataclasses.replace(bound, T=1, inputs=seq, initial_state={k: buffers[k] for k in names})
         with recording() as log:

@@ -25,11 +25,17 @@ from functools import lru_cache, partial
 
 import torch
 
+from ..derive.convform import AUTO_MIN_T, conv_form
 from ..derive.plan import Plan, derive
 from ..dsl import MixerIR
 from . import fastpath, launch
 from . import reference as _reference
-from .cache import interpreting
+from .cache import interpreting, load_module
+from .conv_form import conv_forward
+from .custom_op import kernel_ops
+from .decode import step_inplace
+from .sequence import SequenceOp
+from .torch_chunk import torch_chunked
 from .launch import chunk_size_for
 from .signature import ArgumentError, Bound, bind, option_values
 from .spec_held import HeldBySpec
@@ -89,13 +95,11 @@ class MixerOp(HeldBySpec):
         asked, mode = mode, self._resolve(mode, device)
         plan = self._plan_for(bound.flags)
         if mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
-            from .conv_form import conv_forward
             # grouped inputs repeated per head here (the kernels alone read a shared head in place)
             o, st = conv_forward(plan, bound.expanded(), output_final_state=output_final_state,
                                  dtype=_compute_dtype(bound))
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode == "torch" and plan.layout.torch_chunked:
-            from .torch_chunk import torch_chunked
             o, st = torch_chunked(plan, bound.expanded(), output_final_state=output_final_state,
                                   dtype=_compute_dtype(bound), C=chunk)          # None: the torch backend's own C
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
@@ -162,9 +166,6 @@ class MixerOp(HeldBySpec):
         chunked form, the convolution form)."""
         key = tuple(sorted(({o.name: o.default for o in self.ir.flags} | flags).items()))
         if key not in self._ops:
-            from .cache import load_module
-            from .custom_op import kernel_ops
-            from ..derive.convform import conv_form
             plan = self._plan_for(dict(key))
             load_module(plan)
             conv_form(plan)                 # remembered per plan: a dict lookup when traced
@@ -200,7 +201,6 @@ class MixerOp(HeldBySpec):
         if state_indices is not None and not inplace:
             raise ArgumentError("state_indices: a cache of slots is updated in place; pass inplace=True too")
         if inplace:
-            from .decode import step_inplace
             return step_inplace(self, state=state, state_indices=state_indices, mode=mode, kwargs=kwargs)
         if not isinstance(state, (dict, torch.Tensor)):
             raise ArgumentError("state: step() needs the state dict that output_final_state=True returns")
@@ -297,7 +297,6 @@ def _cached_plan(mixer: MixerIR, source, flags: tuple) -> Plan:
 def make_op(mixer: MixerIR):
     """The op of a checked spec: a MixerOp for a recurrence, a SequenceOp for conv, mix, attend."""
     if mixer.is_sequence:
-        from .sequence import SequenceOp
         return SequenceOp(mixer)
     return MixerOp(mixer)
 
@@ -305,6 +304,5 @@ def make_op(mixer: MixerIR):
 def use_conv_form(plan: Plan, bound) -> bool:
     """mode="auto" on the torch backend takes the FFT convolution form of a time-invariant spec
     whose kernel comes from the params alone, from AUTO_MIN_T tokens on (derive/convform.py)."""
-    from ..derive.convform import AUTO_MIN_T, conv_form
     cf = conv_form(plan)
     return cf is not None and cf.fft and bound.T >= AUTO_MIN_T
