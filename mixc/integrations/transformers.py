@@ -23,6 +23,7 @@ version that renames them gets an ArgumentError naming what was looked for.
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 
 import torch
@@ -81,9 +82,11 @@ def patch(model: torch.nn.Module, mode: str = "auto", **op_kwargs) -> torch.nn.M
                     "differs over both state dims); use mode='auto' or 'recurrent'")
     modules = dict(model.named_modules())
     for name, family in found.items():
-        forward_globals = inspect.unwrap(type(modules[name]).forward).__globals__
-        cores = hf_cores.make(family, mode=mode, op_kwargs=op_kwargs, module_globals=forward_globals)
-        _rebind(modules[name], cores, mark=(family, mode))
+        cls = type(modules[name])
+        forward_globals = inspect.unwrap(cls.forward).__globals__
+        _rebind(modules[name], lambda: hf_cores.make(family, mode=mode, op_kwargs=op_kwargs,
+                                                     module_globals=forward_globals),
+                key=(family, mode, repr(sorted(op_kwargs.items()))), mark=(family, mode))
     return model
 
 
@@ -114,7 +117,7 @@ def torch_fallback(model: torch.nn.Module) -> torch.nn.Module:
                 fallbacks[name] = inspect.unwrap(f)
             elif _TORCH_PATHS.get(name) in fn.__globals__:
                 fallbacks[name] = fn.__globals__[_TORCH_PATHS[name]]
-        _rebind(module, fallbacks, mark=("transformers", "torch"))
+        _rebind(module, lambda: fallbacks, key=("transformers",), mark=("transformers", "torch"))
     return model
 
 
@@ -141,10 +144,22 @@ def _family_of(cls) -> str | None:
     return None
 
 
-def _rebind(module: torch.nn.Module, replacements: dict, mark) -> None:
+# the copied forwards, one per (layer class, what it runs): every layer of a class (and of every
+# model patched alike) shares one copy, its globals and its code object. torch.compile keeps its
+# compiled code per code object and puts the compiled graph's function in the globals of the
+# frame it compiled: layers sharing a code object must share those globals, or the next layer
+# runs the compiled code without its function (NameError: __compiled_fn_...). The copy's code
+# object is its own, so the class's unpatched forward is compiled apart.
+_FORWARDS: dict = {}
+
+
+def _rebind(module: torch.nn.Module, replacements, key: tuple, mark) -> None:
     """module.forward = a copy of its class's forward (decorators included) whose innermost
-    function reads `replacements` in place of the modeling module's globals of those names."""
-    forward = _copy_with_globals(type(module).forward, replacements)
+    function reads replacements() in place of the modeling module's globals of those names."""
+    cls = type(module)
+    forward = _FORWARDS.get((cls,) + key)
+    if forward is None:
+        forward = _FORWARDS[(cls,) + key] = _copy_with_globals(cls.forward, replacements())
     module.__dict__["forward"] = types.MethodType(forward, module)
     module.__dict__[_MARK] = mark
 
@@ -152,9 +167,8 @@ def _rebind(module: torch.nn.Module, replacements: dict, mark) -> None:
 def _copy_with_globals(fn, replacements: dict):
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
-        g = dict(fn.__globals__)            # a snapshot: the module itself is not touched
-        g.update(replacements)
-        return _clone(fn, g, fn.__closure__)
+        return _clone(fn, _globals_module(fn.__globals__, replacements), fn.__closure__,
+                      fn.__code__.replace())                   # a code object of its own
     # a decorator's wrapper (functools.wraps): rebuild it around the copied inner function,
     # which it holds in a closure cell
     cells = fn.__closure__ or ()
@@ -165,13 +179,26 @@ def _copy_with_globals(fn, replacements: dict):
         return _copy_with_globals(inner, replacements)
     new_inner = _copy_with_globals(inner, replacements)
     closure = tuple(types.CellType(new_inner) if i == hits[0] else c for i, c in enumerate(cells))
-    out = _clone(fn, fn.__globals__, closure)
+    out = _clone(fn, fn.__globals__, closure, fn.__code__)
     out.__wrapped__ = new_inner
     return out
 
 
-def _clone(fn, globals_: dict, closure):
-    out = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
+def _globals_module(module_globals: dict, replacements: dict) -> dict:
+    """A snapshot of the modeling module's globals with the replacements, as the __dict__ of a
+    module registered in sys.modules (the modeling module itself is not touched). torch.compile
+    resolves an inlined function's globals by their __name__ through sys.modules: a plain dict
+    copy would be resolved to the modeling module's own globals (transformers' functions)."""
+    name = f"{__name__}._forward_{len(_FORWARDS)}_{module_globals.get('__name__', 'module').rsplit('.', 1)[-1]}"
+    module = types.ModuleType(name)
+    module.__dict__.update({k: v for k, v in module_globals.items() if k not in ("__name__", "__spec__")})
+    module.__dict__.update(replacements)
+    sys.modules[name] = module
+    return module.__dict__
+
+
+def _clone(fn, globals_: dict, closure, code):
+    out = types.FunctionType(code, globals_, fn.__name__, fn.__defaults__, closure)
     out.__kwdefaults__ = fn.__kwdefaults__
     out.__dict__.update({k: v for k, v in fn.__dict__.items() if k != "__wrapped__"})
     out.__doc__, out.__qualname__, out.__module__ = fn.__doc__, fn.__qualname__, fn.__module__
