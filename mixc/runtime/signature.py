@@ -219,7 +219,10 @@ def _bind_heads(inputs: dict, axis: int, sizes: dict) -> None:
     is grouped: its heads must divide H, and head h reads its head h // (H / its heads)."""
     if not inputs:
         return
-    src, H = max(((k, x.shape[axis]) for k, x in inputs.items()), key=lambda kv: kv[1])
+    src, H = None, -1
+    for k, x in inputs.items():         # a plain loop: torch.compile traces no max(key=)
+        if x.shape[axis] > H:
+            src, H = k, x.shape[axis]
     for k, x in inputs.items():
         n = x.shape[axis]
         if (n == 0 and H > 0) or (n > 0 and H % n):

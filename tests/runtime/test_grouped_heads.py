@@ -21,14 +21,15 @@ GROUPED = {
 }
 
 
-def _case(name, T, seed):
+def _case(name, T, seed, shared=None):
     op = mixc.load(name)
     args, sizes = random_args(op.ir, B=2, T=T, H=H, sizes={d.name: 16 for d in op.ir.dims if not d.alias_of},
                               dtype=torch.float32, seed=seed)
     # fresh values per shared head (not a slice of a repeated tensor)
-    grouped = {k: (v[:, :, :H // G].clone() if k in GROUPED[name] else v) for k, v in args.items()}
+    shared = shared or GROUPED[name]
+    grouped = {k: (v[:, :, :H // G].clone() if k in shared else v) for k, v in args.items()}
     state = random_state(op.ir, 2, H, sizes, dtype=torch.float32, seed=seed + 1)
-    return op, grouped, state, GROUPED[name]
+    return op, grouped, state, shared
 
 
 def _run(op, args, state, shared, *, repeat: bool, **kw):
@@ -53,8 +54,8 @@ def _close(got, want, tol, what):
     assert err < tol, f"{what}: relative error {err:.2e}"
 
 
-def _check(name, T, seed, tol, **kw):
-    op, args, state, shared = _case(name, T, seed)
+def _check(name, T, seed, tol, shared=None, **kw):
+    op, args, state, shared = _case(name, T, seed, shared)
     want = _run(op, args, state, shared, repeat=True, mode="reference")
     got = _run(op, args, state, shared, repeat=False, **kw)
     _close(got[0], want[0], tol, "output")
@@ -69,6 +70,22 @@ def _check(name, T, seed, tol, **kw):
 @pytest.mark.parametrize("mode", ["reference", "torch"])
 def test_grouped_call_equals_repeated_call_host(name, mode):
     _check(name, T=37, seed=3, tol=1e-12 if mode == "reference" else 2e-5, mode=mode)
+
+
+def test_grouped_call_equals_repeated_call_conv():
+    """The convolution form (retention's parallel form) on grouped q, k."""
+    _check("retention", T=23, seed=13, tol=2e-5, shared=("q", "k"), mode="conv")
+
+
+@pytest.mark.parametrize("mode", ["torch", "reference"])
+def test_grouped_attention_is_gqa(mode):
+    """A sequence mixer (attend) with grouped k, v: GQA, as the repeated call."""
+    op = mixc.load("attention")
+    args, _ = random_args(op.ir, B=2, T=9, H=H, sizes={"K": 8, "V": 8}, dtype=torch.float64, seed=14)
+    kv = {k: args[k][:, :, :H // G].clone() for k in ("k", "v")}
+    o, _ = op(**{**args, **kv}, mode=mode)
+    o_r, _ = op(**{**args, **{k: x.repeat_interleave(G, dim=2) for k, x in kv.items()}}, mode="reference")
+    _close(o.double(), o_r, 1e-12, "output")
 
 
 @pytest.mark.parametrize("name", ["gated_delta_rule", "mamba2"])
@@ -144,6 +161,24 @@ def test_a_compiled_module_takes_grouped_heads(tmp_path):
         _close(got[2][k], want[2][k], 2e-5, f"gradient of {k}")
     with pytest.raises(ArgumentError, match="B: has 3 heads, which do not divide H = 4"):
         mod.op(**{**args, "B": torch.randn(2, 5, 3, 16)})
+
+
+@pytest.mark.slow          # dynamo's import and tracing: ~12 s
+def test_torch_compile_traces_a_grouped_call():
+    """torch.compile(fullgraph=True) through the kernels' custom ops (whose Bound takes H from
+    the most heads of any input): the compiled forward and gradients equal the eager ones."""
+    op, args, state, shared = _case("simple_gla", T=5, seed=15)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in args.items()}
+
+    def f(**kw):
+        o, st = op(**kw, initial_state=state, output_final_state=True, mode="recurrent")
+        return o.pow(2).sum() + st["S"].sum()
+
+    want = torch.autograd.grad(f(**leaves), list(leaves.values()))
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(**leaves), list(leaves.values()))
+    for k, a, b in zip(leaves, got, want):
+        torch.testing.assert_close(a, b, msg=k)
 
 
 def test_a_head_count_that_does_not_divide_H_is_an_argument_error():
