@@ -45,8 +45,6 @@ from .dsl.errors import Source
 from .dsl.ir import MixerIR
 from .dsl.parser import SpecTree, parse_tree
 from .dsl.unparse import spec_text
-from .runtime import cache as _cache
-from .runtime.op import make_op
 
 STAGES = ("read", "parse", "check", "derive", "render", "load")
 # what `--dump` prints: a stage's result (the old names stay: ir, plan, source)
@@ -83,7 +81,8 @@ def render(plan: Plan) -> str:
 
 def load(plan: Plan) -> types.ModuleType:
     """The generated module, from the cache (rendered and written on a miss), imported once."""
-    return _cache.load_module(plan)
+    from .runtime.cache import load_module     # lazy: torch and Triton only once a module runs
+    return load_module(plan)
 
 
 # ---- the chain, as its users call it ----
@@ -106,6 +105,7 @@ def compile(name_or_path, flags: dict[str, bool] | None = None) -> Plan:
 def op(mixer: MixerIR):
     """The op of a checked spec (a MixerOp, or a SequenceOp for conv, mix, attend), its default
     flags prepared: derived, the module loaded, the custom ops registered."""
+    from .runtime.op import make_op             # lazy: `mixc check` and `explain` need no torch
     o = make_op(mixer)
     o.prepare()
     return o

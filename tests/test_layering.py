@@ -132,3 +132,18 @@ def test_function_level_imports_say_why(path):
            if "#" not in text and "#" not in above]
     assert not bad, ("function-level imports without a comment saying why (lazy: ..., optional: ...); "
                      "move them to module level or say why not:\n" + "\n".join(bad))
+
+
+def test_check_and_explain_import_no_torch():
+    """`mixc check` and `mixc explain` read, derive and print: they pay for neither torch nor
+    Triton (about 4 s of imports); the pipeline loads the runtime only to run an op."""
+    import subprocess
+    import sys
+    code = ("import io, sys, contextlib\n"
+            "from mixc import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    cli.main(['check', 'gla']); cli.main(['explain', 'gated_delta_rule'])\n"
+            "print(sorted(m for m in ('torch', 'triton', 'jinja2') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
