@@ -153,8 +153,24 @@ class Rank1(TransitionClass):
     def torch_chunks_setup(self, dec, K, V, L, R):
         """The WY/UT form (torch_setup) for a group of chunks: (I - A_rl) U = R^ S0 + A_rk V,
         solved once as U = W0 + Wm S0, so the walk is two matmuls per chunk. (W0, Wm, the
-        update's (L exp(b_C - b))^T)."""
+        update's (L exp(b_C - b))^T).
+
+        With left = c * key (L is then c [BH, N, C]: the delta rules' -beta, -a beta) the walk
+        carries the corrected values U' = V + c U instead (the delta rule's beta (v - k . S)):
+        A_rl = A_rk diag(c), so S_C = exp(b_C) S0 + K~^T U' and the readout is Q^ S0 + P U';
+        and from (I - A_rk D) U = R^ S0 + A_rk V, U = R^ S0 + A_rk U', so
+        (I - D A_rk) U' = V + D R^ S0 (D = diag(c)): one [C, C] product for the solve and one
+        for the readout (not two each), no A_rk V and no separate K^T V."""
         torch, ops = torch_form()
+        if L.dim() == K.dim() - 1:
+            c = L.unsqueeze(-1)
+            A = dec.product(R, K, True)                          # A_rk, strictly lower
+            # unitriangular: the solve takes the diagonal as 1, so -D A serves for I - D A
+            A = A.mul_(c).neg_() if dec.fast else -(A * c)
+            rhs = torch.cat([V, dec.on_keys(R, 2) * c], -1)
+            sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+            vf = V.shape[-1]
+            return sol[..., :vf], sol[..., vf:], dec.on_keys(K, 3).transpose(-1, -2)
         A_rl, A_rk = dec.product(R, L, True), dec.product(R, K, True)
         # unitriangular: the solve takes the diagonal as 1, so -A_rl serves for I - A_rl
         A = A_rl.neg_() if dec.fast else -A_rl
@@ -165,6 +181,9 @@ class Rank1(TransitionClass):
 
     def torch_chunks_readout(self, dec, Q, K, V, L, S_starts, U, prev):
         _, ops = torch_form()
+        if L.dim() == K.dim() - 1:                  # left = c * key: U holds V + c U (setup)
+            val = ops.mm(dec.on_keys(Q, 2 if prev else 0), S_starts, fast=dec.fast)
+            return ops.mm(dec.product(Q, K, prev), U, val, fast=dec.fast)
         val = super().torch_chunks_readout(dec, Q, K, V, L, S_starts, U, prev)
         return ops.mm(dec.product(Q, L, prev), U, val, fast=dec.fast)
 

@@ -4,10 +4,12 @@ query and scale, the stabilizer's gate, the output's combine) are printed as tor
 torch_expr.py; the chunk loop is the template's, the same for every spec."""
 from __future__ import annotations
 
+import functools
 import pprint
 
 from .. import classes
-from ..derive.plan import Plan
+from ..derive import affine
+from ..derive.plan import Plan, _factor
 from .chunk import ChunkCode
 from .torch_expr import TorchEmitter
 from .triton_expr import canon
@@ -26,6 +28,22 @@ def _element_log_decay(em, log_decay, kd, vd, order) -> str:
         perm = f".permute(0, 1, 2, {', '.join(str(3 + kv.index(d)) for d in kd + vd)})"
     return (f"_t({em.expand(var, have, kv)}).to(_x0.dtype).expand(_B, _T, _H, "
             f"{', '.join(f'_sizes[{d!r}]' for d in kv)}){perm}.reshape(_B, _T, _H, {ksz}, {vsz})")
+
+
+def _key_scale(left, key):
+    """c with left = c * key, c a per-token scalar (no dims: the delta rules' -beta, gated
+    -a beta), or None: the left's factors less the key's, matched structurally. The batched
+    torch form then solves for the corrected values directly (mixc/classes/rank1.py)."""
+    if key is None:
+        return None
+    rest = _factor(left)
+    for f in _factor(key):
+        if f not in rest:
+            return None
+        rest.remove(f)
+    if any(f.shape for f in rest):
+        return None
+    return functools.reduce(affine.mul, rest) if rest else affine.num(1)
 
 
 def _env_lines(plan: Plan) -> tuple[list[str], dict, set]:
@@ -68,7 +86,7 @@ def torch_hooks(plan: Plan) -> dict:
         var, have = em(expr)
         return f"_full({em.expand(var, have, dims)}, _B, _T, _H, {_sizes(dims)}).to(_x0.dtype)"
 
-    out = [f"{I1}_K, _V, _g, _Q, _L, _R = {{}}, {{}}, {{}}, {{}}, {{}}, {{}}"]
+    out = [f"{I1}_K, _V, _g, _Q, _L, _R, _Lc = {{}}, {{}}, {{}}, {{}}, {{}}, {{}}, {{}}"]
     states = {}
     for st in chunk.states:
         kd, vd = canon(order, st.key_dims), canon(order, st.value_dims)
@@ -86,6 +104,9 @@ def torch_hooks(plan: Plan) -> dict:
         if p.left is not None:                    # left * (right @ S): the WY/UT chunk (mixc/classes/rank1.py)
             out.append(f"{I1}_L[{st.name!r}] = {full(p.left, kd)}")
             out.append(f"{I1}_R[{st.name!r}] = {full(p.right, kd)}")
+            c = _key_scale(p.left, p.key)
+            if c is not None:                     # left = c * key (the delta rules' -beta k): the batched form's
+                out.append(f"{I1}_Lc[{st.name!r}] = _t({em(c)[0]}).to(_x0.dtype).expand(_B, _T, _H)")
         g = {None: lambda: "None",
              "scalar": lambda: f"_t({em(p.log_decay)[0]}).to(_x0.dtype).expand(_B, _T, _H)",
              "key": lambda: full(p.log_decay, kd),
@@ -106,7 +127,7 @@ def torch_hooks(plan: Plan) -> dict:
     if plan.stabilizer is not None:
         var, _ = em(plan.stabilizer.log_gate)
         gate = f"_t({var}).to(_x0.dtype).expand(_B, _T, _H)"
-    out.append(f'{I1}return {{"K": _K, "V": _V, "g": _g, "Q": _Q, "L": _L, "R": _R, "gate": {gate}}}')
+    out.append(f'{I1}return {{"K": _K, "V": _V, "g": _g, "Q": _Q, "L": _L, "R": _R, "Lc": _Lc, "gate": {gate}}}')
     pieces = lines + em.lines + out
 
     # the combine, over the readouts (and m)

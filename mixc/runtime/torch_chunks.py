@@ -130,8 +130,9 @@ def _walk(lay, s, KV, a, S, init, finals, rank1=None):
     if lay.fast:
         return _walk_into(lay, s, KV, a, S, init, finals, rank1)
     starts, us = [], []
-    KV = KV.unbind(1)                         # one op for all the chunks' views, not a slice per chunk
-    a = a.expand(KV[0].shape[:1] + (n1 - n0,) + a.shape[2:]).unbind(1) if a is not None else None
+    BH = (KV if KV is not None else rank1[0]).shape[0]
+    KV = KV.unbind(1) if KV is not None else None       # one op for all the chunks' views, not a slice each
+    a = a.expand((BH, n1 - n0) + a.shape[2:]).unbind(1) if a is not None else None
     if rank1 is not None:
         rank1 = tuple(t.unbind(1) for t in rank1)
     for n in range(n0, n1):
@@ -143,7 +144,11 @@ def _walk(lay, s, KV, a, S, init, finals, rank1=None):
             W0, Wm, LwT = rank1
             U = torch.baddbmm(W0[i], Wm[i], S)
             us.append(U)
-            S = torch.baddbmm(KV[i] + S if a is None else torch.addcmul(KV[i], a[i], S), LwT[i], U)
+            if KV is None:                    # U holds the values (left = c * key)
+                base = S if a is None else a[i] * S
+            else:
+                base = KV[i] + S if a is None else torch.addcmul(KV[i], a[i], S)
+            S = torch.baddbmm(base, LwT[i], U)
         else:
             S = KV[i] + S if a is None else torch.addcmul(KV[i], a[i], S)
         if lay.last.get(lay.seq[n]) == n:
@@ -156,11 +161,14 @@ def _walk_into(lay, s, KV, a, S, init, finals, rank1):
     walk's own outputs, not a stack of them after; chunk-major, so that each is contiguous for
     the matmuls that write it); views unbound once, as in _walk."""
     n0, n1 = s.start, s.stop
-    buf = KV.new_empty((n1 - n0 + 1,) + KV.shape[:1] + KV.shape[2:])
-    bufs, KVs = buf.unbind(0), KV.unbind(1)
-    a = a.expand(KV.shape[:2] + a.shape[2:]).unbind(1) if a is not None else None
+    # [BH, KF, VF] of a state (rank-1 without KV: Wm [BH, n, C, KF], W0 [BH, n, C, VF])
+    shape = (KV.shape[:1] + KV.shape[2:]) if KV is not None else (rank1[1].shape[:1] + rank1[1].shape[3:]
+                                                                  + rank1[0].shape[3:])
+    buf = (KV if KV is not None else rank1[0]).new_empty((n1 - n0 + 1,) + shape)
+    bufs, KVs = buf.unbind(0), (KV.unbind(1) if KV is not None else None)
+    a = a.expand(shape[:1] + (n1 - n0,) + a.shape[2:]).unbind(1) if a is not None else None
     if rank1 is not None:
-        us = rank1[0].new_empty((n1 - n0,) + rank1[0].shape[:1] + rank1[0].shape[2:3] + KV.shape[3:])
+        us = rank1[0].new_empty((n1 - n0,) + rank1[0].shape[:1] + rank1[0].shape[2:3] + shape[2:])
         W0, Wm, LwT = (t.unbind(1) for t in rank1)
         U = us.unbind(0)
     if not lay.first[n0]:
@@ -171,8 +179,14 @@ def _walk_into(lay, s, KV, a, S, init, finals, rank1):
             bufs[i].copy_(init(lay.seq[n]))
         if rank1 is not None:
             torch.baddbmm(W0[i], Wm[i], bufs[i], out=U[i])
-            base = KVs[i] + bufs[i] if a is None else torch.addcmul(KVs[i], a[i], bufs[i])
-            torch.baddbmm(base, LwT[i], U[i], out=bufs[i + 1])
+            if KVs is None:                   # U holds the values (left = c * key)
+                if a is None:
+                    torch.baddbmm(bufs[i], LwT[i], U[i], out=bufs[i + 1])
+                else:
+                    torch.mul(a[i], bufs[i], out=bufs[i + 1]).baddbmm_(LwT[i], U[i])
+            else:
+                base = KVs[i] + bufs[i] if a is None else torch.addcmul(KVs[i], a[i], bufs[i])
+                torch.baddbmm(base, LwT[i], U[i], out=bufs[i + 1])
         elif a is None:
             torch.add(KVs[i], bufs[i], out=bufs[i + 1])
         else:
@@ -270,17 +284,27 @@ def _state_group(lay, s, st, pc, name, S, init, finals):
     the chunks' starts, the rank-1 U, the tokens holding inf/NaN or None), the state after them)."""
     unit = classes.unit(st["class"])
     K, V = lay.chunks(pc["K"][name], s), lay.chunks(pc["V"][name], s)
-    L, R = lay.chunks(pc["L"].get(name), s), lay.chunks(pc["R"].get(name), s)
+    # a rank-1 left that is a scaled key (left = c * key) comes as c [B' H, N, C]
+    scaled = name in pc.get("Lc", {})
+    L = lay.chunks(pc["Lc"][name] if scaled else pc["L"].get(name), s)
+    R = lay.chunks(pc["R"].get(name), s)
     # causality under non-finite input: a token's key-side rows holding inf or NaN are zeroed
     # before the matmuls; the readouts from it on and the states after are NaN
-    bad = nonfinite_rows(K, V, L, R)
+    bad = nonfinite_rows(K, V, L.unsqueeze(-1) if scaled else L, R)
     if bad is not None:
-        K, V, L, R = (t.masked_fill(bad.unsqueeze(-1), 0.0) if t is not None else None for t in (K, V, L, R))
+        K, V, R = (t.masked_fill(bad.unsqueeze(-1), 0.0) if t is not None else None for t in (K, V, R))
+        if L is not None:
+            L = L.masked_fill(bad if scaled else bad.unsqueeze(-1), 0.0)
     dec = unit.torch_decay(st, lay.chunks(pc["g"][name], s), lay.fast)
     rank1 = unit.torch_chunks_setup(dec, K, V, L, R)          # rank-1: the WY/UT solve, U = W0 + Wm S0
-    KV = unit.torch_chunks_update(dec, K, V)
-    if bad is not None:
-        KV = KV.masked_fill(bad.any(-1)[..., None, None], float("nan"))
+    # with left = c * key the rank-1 unit's U holds the values too: no separate K^T V
+    KV = None if scaled else unit.torch_chunks_update(dec, K, V)
+    if bad is not None:             # the states after a bad token: NaN
+        nan = bad.any(-1)[..., None, None]
+        if KV is not None:
+            KV = KV.masked_fill(nan, float("nan"))
+        else:
+            rank1 = rank1[:2] + (rank1[2].masked_fill(nan, float("nan")),)
     a = dec.last()
     S_starts, U, S = _walk(lay, s, KV, a, S, init, finals, rank1)
     return (K, V, L, dec, S_starts, U, bad), S

@@ -140,3 +140,39 @@ def test_bench_fla_column_without_fla(monkeypatch):
     res = bench_fla.side_by_side([64], threads=None)
     assert res["rows"] == [] and res["fla"].startswith("fla not importable: ModuleNotFoundError")
     assert bench_fla.fla_table(res).startswith("fla column: fla not importable")
+
+
+@pytest.mark.parametrize("name", ["delta_rule", "gated_delta_rule", "kda"])
+def test_scaled_key_rank1_form_equals_the_general_one(name, monkeypatch):
+    """A rank-1 left that is a scaled key (the delta rules' -beta k, -a beta k; kda's with a
+    decay per key) comes as its scale (torch_pieces' "Lc") and the batched form solves for the
+    corrected values: the same output, final states and gradients as the general WY form (Lc
+    withheld), with and without autograd, across groups of chunks, and causal under a NaN."""
+    from mixc.runtime.cache import load_module
+    monkeypatch.setattr(tc, "GROUP_ELEMENTS", 2048)
+    monkeypatch.setattr(tc, "GRAD_GROUP_ELEMENTS", 2048)
+    op = mixc.load(name)
+    mod = load_module(op.plan())
+    general = mod.torch_pieces
+    args, sizes = random_args(op.ir, B=2, T=70, H=2, sizes={d.name: 5 for d in op.ir.dims if not d.alias_of},
+                              dtype=torch.float64, requires_grad=True, seed=3)
+    assert list(general(args, {}, {"scale": 0.5}, sizes, 2, 70, 2)["Lc"]) == ["S"]
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    leaves = list(args.values()) + list(st.values())
+
+    def run(scaled, grad):
+        if not scaled:
+            monkeypatch.setattr(mod, "torch_pieces", lambda *a: {**general(*a), "Lc": {}})
+        with torch.set_grad_enabled(grad):
+            o, fin = op(**args, initial_state=st, output_final_state=True, mode="torch", chunk=16)
+        monkeypatch.setattr(mod, "torch_pieces", general)
+        if not grad:
+            return [o, *fin.values()]
+        return [o, *fin.values(), *torch.autograd.grad(o.sum() + sum(f.sum() for f in fin.values()), leaves)]
+    for grad in (False, True):
+        for a, b in zip(run(True, grad), run(False, grad)):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    with torch.no_grad():
+        args["k"][1, 40, 1, 0] = float("nan")
+    o = run(True, False)[0]
+    assert torch.isfinite(o[:, :40]).all() and torch.isfinite(o[0]).all() and torch.isnan(o[1, 40:, 1]).all()
