@@ -6,9 +6,10 @@ mamba_ssm's mamba_chunk_scan_combined / selective_state_update / selective_scan_
 transformers' rwkv_linear_attention, in the layouts transformers passes them) and returns what that function returns, so the layer's own
 projections, conv, norm and cache keep working. What the layouts need:
 
-- grouped heads (Qwen3-Next's key heads < value heads, Mamba-2's n_groups): mixc has one
-  head count per call, so q/k (B/C) are repeated per value head with repeat_interleave, the
-  order transformers and mamba_ssm use (head h reads group h // (H / G));
+- grouped heads (Qwen3-Next's key heads < value heads, Mamba-2's n_groups): passed as they
+  are, q/k (B/C) with G heads and the op's H the value heads'; head h reads group h // (H / G),
+  the order transformers and mamba_ssm use, and the kernels read the shared head in place
+  (docs/language.md, grouped heads);
 - Mamba-2's state is [B, H, head_dim, state] in the cache and [B, H, N, P] in mixc (the spec's
   S[N, P]): transposed on the way in and out; Mamba's is [B, D, N] and mixc's [B, G, N, D/G];
 - selective_state_update writes the state it is given (the cache's buffer): the new state is
@@ -58,13 +59,13 @@ def _cast_state(st: dict | None, name: str = "S"):
     return None if st is None else st[name].float()
 
 
-def _repeat_heads(x: torch.Tensor, heads: int, dim: int, what: str) -> torch.Tensor:
+def _grouped_heads(x: torch.Tensor, heads: int, dim: int, what: str) -> torch.Tensor:
+    """x with its groups of heads as they are (the op shares each over H / G heads), checked
+    in transformers' words: G must divide the layer's heads."""
     groups = x.shape[dim]
-    if groups == heads:
-        return x
-    if heads % groups:
+    if groups != heads and (groups > heads or heads % groups):
         raise ArgumentError(f"{what}: {groups} groups do not divide {heads} heads")
-    return x.repeat_interleave(heads // groups, dim=dim)
+    return x
 
 
 def _call(op, seqs: dict, *, init, final: bool, cu_seqlens, seq_idx, **kwargs):
@@ -95,8 +96,8 @@ def _delta_rule_family(spec: str, chunk_name: str, recurrent_name: str):
         def chunk(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, scale=None, **kwargs):
             heads = value.shape[2]
-            q = _repeat_heads(query, heads, 2, "query")
-            k = _repeat_heads(key, heads, 2, "key")
+            q = _grouped_heads(query, heads, 2, "query")
+            k = _grouped_heads(key, heads, 2, "key")
             o, st = _call(op, dict(q=q, k=k, v=value, g=g, beta=beta),
                           init=None if initial_state is None else {"S": initial_state},
                           final=bool(output_final_state), cu_seqlens=cu_seqlens if cu_seqlens is not None
@@ -112,8 +113,8 @@ def _delta_rule_family(spec: str, chunk_name: str, recurrent_name: str):
                              output_final_state=output_final_state, cu_seqlens=cu, seq_idx=kwargs.get("seq_idx"),
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale)
             heads = value.shape[2]
-            q = _repeat_heads(query[:, 0], heads, 1, "query")
-            k = _repeat_heads(key[:, 0], heads, 1, "key")
+            q = _grouped_heads(query[:, 0], heads, 1, "query")
+            k = _grouped_heads(key[:, 0], heads, 1, "key")
             o, st = op.step(q=q, k=k, v=value[:, 0], g=g[:, 0], beta=beta[:, 0],
                             **options(scale, use_qk_l2norm_in_kernel), state={"S": initial_state}, mode=mode)
             return o[:, None].to(query.dtype), (_cast_state(st) if output_final_state else None)
@@ -166,8 +167,8 @@ def _mamba2(mode: str, op_kwargs: dict) -> dict:
                    seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                    return_final_states=False, **kwargs):
         batch, T, heads, P = x.shape
-        Bh = _repeat_heads(B, heads, 2, "B")
-        Ch = _repeat_heads(C, heads, 2, "C")
+        Bh = _grouped_heads(B, heads, 2, "B")
+        Ch = _grouped_heads(C, heads, 2, "C")
         D_op, D_out = _d_parts(D, heads, A)
         bias = dt_bias if dt_bias is not None else A.new_zeros(heads)
         init = None if initial_states is None else {"S": initial_states.transpose(-1, -2)}
@@ -194,7 +195,7 @@ def _mamba2(mode: str, op_kwargs: dict) -> dict:
         dt_h = _per_head(dt, 2, "dt")
         bias = _per_head(dt_bias, 1, "dt_bias") if dt_bias is not None else A_h.new_zeros(heads)
         D_op, D_out = _d_parts(D, heads, A_h)
-        o, st = op.step(x=x, dt=dt_h, B=_repeat_heads(B, heads, 1, "B"), C=_repeat_heads(C, heads, 1, "C"),
+        o, st = op.step(x=x, dt=dt_h, B=_grouped_heads(B, heads, 1, "B"), C=_grouped_heads(C, heads, 1, "C"),
                         A=A_h, D=D_op, dt_bias=bias, dt_softplus=bool(dt_softplus),
                         state={"S": state.transpose(-1, -2).float()}, mode=mode)
         with torch.no_grad():
