@@ -74,8 +74,11 @@ def pair_logs(g, prev, axis):
     after = (ar[:, None] > ar[None, :] + int(prev)).view((C, C) + tail)     # [s, j]: s after j
     # in place on the fresh [C, C] tensor (autograd-safe: none of these saves its input)
     seg = torch.where(after, g.unsqueeze(axis), torch.zeros((), dtype=g.dtype, device=g.device)).cumsum_(axis - 1)
-    causal = (ar[:, None] - int(prev) >= ar[None, :]).view((C, C) + tail)
-    return seg.masked_fill_(~causal, float("-inf"))
+    # -inf where j is after the row, by adding a [C, C] of 0 / -inf (seg is an empty sum, 0,
+    # there: never NaN); a broadcast masked_fill_ is ~10x slower
+    above = torch.zeros((C, C) + tail, dtype=g.dtype, device=g.device).masked_fill_(
+        (ar[:, None] - int(prev) < ar[None, :]).view((C, C) + tail), float("-inf"))
+    return seg.add_(above)
 
 
 def groups(N, per_chunk, elements=None):
