@@ -94,6 +94,18 @@ def test_grouped_call_equals_repeated_call_chunk(name):
     _check(name, T=17, seed=4, tol=2e-5, mode="chunk", chunk=16)
 
 
+def test_grouped_packed_sequences_chunk():
+    """Packed sequences (cu_seqlens, B = 1): a grouped input's rows are tokens x its heads too."""
+    op, args, state, shared = _case("mamba2", T=17, seed=16)
+    args = {k: (v[:1] if k in {d.name for d in op.ir.inputs} else v) for k, v in args.items()}
+    cu = torch.tensor([0, 6, 17])
+    want = _run(op, args, state, shared, repeat=True, mode="reference", cu_seqlens=cu)
+    got = _run(op, args, state, shared, repeat=False, mode="chunk", chunk=16, cu_seqlens=cu)
+    for a, b, what in [(got[0], want[0], "output"), *((got[1][k], want[1][k], k) for k in want[1]),
+                       *((got[2][k], want[2][k], f"gradient of {k}") for k in want[2])]:
+        _close(a, b, 2e-5, what)
+
+
 @pytest.mark.parametrize("name", ["simple_gla"])
 def test_grouped_call_equals_repeated_call_recurrent(name):
     _check(name, T=6, seed=5, tol=2e-5, mode="recurrent")
