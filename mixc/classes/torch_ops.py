@@ -161,7 +161,13 @@ def scalar_factors(g, prev):
     sfx = torch.cat([gs.flip(-1).cumsum(-1).flip(-1)[..., 1:], torch.zeros_like(gs[..., :1])], -1)
     gap = pair_logs(b[..., -1], True, -1).exp_()           # [BH, N, I, J]: the sub-chunks between, J < I
     rows = bq.exp().unsqueeze(-1) * gap.unsqueeze(-2)                       # [BH, N, I, i, J]
-    D = rows.unsqueeze(-1) * sfx.exp().view(BH, N, 1, 1, m, c)              # [BH, N, I, i, J, j]
+    # D[I, i, J, j] = rows[I, i, J] exp(sfx[J, j]) as rows @ E, E [m, m c] block-diagonal
+    # (E[J, J c + j] = exp(sfx[J, j])): each entry one product and m - 1 exact zeros, so equal
+    # to the broadcast product, which was 3x slower (a size-1 last dim) and an eighth of the
+    # forward of simple_gla at T = 1K
+    E = g.new_zeros(BH * N, m, m, c)
+    E.diagonal(dim1=1, dim2=2).copy_(sfx.exp().reshape(BH * N, m, c).transpose(1, 2))
+    D = torch.bmm(rows.reshape(BH * N, C, m), E.reshape(BH * N, m, C)).view(BH, N, m, c, m, c)
     D.diagonal(dim1=2, dim2=4).copy_(pair_logs(gs, prev, -1).exp_().permute(0, 1, 3, 4, 2))
     return D.reshape(BH, N, C, C)
 
@@ -185,6 +191,14 @@ def chunk_logs(g, axis):
     C = g.shape[axis]
     sfx = torch.cat([g.flip(axis).cumsum(axis).flip(axis).narrow(axis, 1, C - 1), z], axis)
     return b, b.select(axis, -1), torch.cat([z, b.narrow(axis, 0, C - 1)], axis), sfx
+
+
+def scale_rows(X, f, fast):
+    """X * f (f broadcast over X's last dim or matching it). fast: into a fresh contiguous
+    tensor: X * f on the chunk layout's strided views keeps their strides, 2.5x slower."""
+    if not fast:
+        return X * f
+    return torch.mul(X, f, out=X.new_empty(torch.broadcast_shapes(X.shape, f.shape)))
 
 
 # the most leading indices mm loops over (one matmul each) before it takes matmul's copy
@@ -259,7 +273,7 @@ class ScalarDecay(NoDecay):
         return A.mul_(self._pairs[prev]) if self.fast else A * self._pairs[prev]
 
     def on_keys(self, X, which):
-        return X * self.logs[which].exp().unsqueeze(-1)
+        return scale_rows(X, self.logs[which].exp().unsqueeze(-1), self.fast)
 
     def last(self):
         return self.logs[1].exp()[..., None, None]
@@ -278,7 +292,7 @@ class KeyDecay(NoDecay):
         return key_decay_product(X, Y, self.g, prev)
 
     def on_keys(self, X, which):
-        return X * self.logs[which].exp()
+        return scale_rows(X, self.logs[which].exp(), self.fast)
 
     def last(self):
         return self.logs[1].exp().unsqueeze(-1)

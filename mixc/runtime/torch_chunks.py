@@ -86,7 +86,11 @@ class Layout:
             x = torch.where(valid.view((-1,) + (1,) * (x.dim() - 1)), x, torch.zeros((), dtype=x.dtype,
                                                                                     device=x.device))
             x = x.reshape((1, n, C, H) + f)
-        return x.permute((0, 3, 1, 2) + tuple(range(4, 4 + len(f)))).reshape((self.Bp * H, n, C) + f)
+        x = x.permute((0, 3, 1, 2) + tuple(range(4, 4 + len(f)))).reshape((self.Bp * H, n, C) + f)
+        # under autograd one copy into the chunk layout: matmul copies a view whose [BH, n] has
+        # no single stride, once per product that reads it (K, V and Q twice each), and saves
+        # the copy for the backward
+        return x if self.fast else x.contiguous()
 
     def tokens(self, parts, f):
         """The chunk groups [B' H, n, C, *f] in order -> [B, T, H, *f]: the layout change and the
