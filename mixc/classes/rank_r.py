@@ -7,10 +7,9 @@ number of distinct projections r_i).
 Its parallel form is the generalized UT transform on chunks: the C tokens' r terms give C*r
 unknown rows u_{t,i} = r~_{t,i} . X_{t-1}, and X_{t-1} sums over the earlier tokens' terms, so the
 rows solve one [C*r, C*r] unit lower triangular system, block triangular in tokens with [r, r]
-blocks (a token's r terms all read S_{t-1}: its diagonal block is 0). The torch backend's
-chunked form (below) serves mode='torch'; the Triton chunked kernels are not generated yet:
-parallel_form is None, so the recurrent and step kernels serve the kernel modes, and `mixc
-explain` says so."""
+blocks (a token's r terms all read S_{t-1}: its diagonal block is 0). The Triton chunked
+kernels (rank_r.j2, the kernel stages below) keep that system as r x r blocks [C, C]; the
+torch backend's chunked form (below) serves mode='torch'."""
 from __future__ import annotations
 
 from ..dsl.unparse import expr_text
@@ -20,20 +19,16 @@ from .base import TransitionClass, UpdateShape, torch_form
 class RankR(TransitionClass):
     name = "rank-r correction"
     hardness = 5.5                          # between rank-1 (5) and general linear (6)
-    parallel_form = None                    # the chunked Triton kernels are not generated yet
+    parallel_form = "chunk"                 # the generalized UT transform (rank_r.j2)
     torch_chunked = True                    # the torch form below serves mode='torch'
     term_axes = True                        # L, R [.., r, KF]; K, V [.., m, *]: B_t = sum_m k_m v_m^T
+    template = "rank_r.j2"
 
     def claims(self, u: UpdateShape) -> bool:
         key = set(u.key_dims)
         return (len(u.projections) >= 2 and set(u.decay_dims) <= key
                 and all(set(t.over) == key and set(t.proj_dims) <= key
                         and (t.scale_dims is None or set(t.scale_dims) <= key) for t in u.projections))
-
-    def no_parallel_note(self, st) -> str | None:
-        return (f"state {st.name} is a rank-r correction (r = {len(st.rank1)}): its chunked kernels (the "
-                "generalized UT transform) are not generated yet; the recurrent and step kernels serve it, "
-                "and the torch backend's chunked form serves mode='torch'")
 
     def explain_chunk(self, st, s) -> list[str]:
         S, r = st.name, len(st.rank1)
@@ -49,9 +44,103 @@ class RankR(TransitionClass):
                 f"system (I - A) U = R^ {S}0 + A_rk V, block triangular in tokens with [{r}, {r}] blocks "
                 f"A_(t,i),(s,j) = r~_t,i . l~_s,j for s < t (a token's terms all read {S}_{{t-1}})",
                 f"B_t = sum_m k_m v_m^T, m = {len(pieces)} outer products (K, V rows with an m axis): {inputs}",
-                "the torch backend runs this chunked form (mode='torch', and mode='auto' on CPU); the "
-                "class's chunked kernels are not generated yet: the recurrent and step kernels serve the "
-                "kernel modes (mode='chunk' is refused; mode='auto' on a GPU takes the recurrent kernels)"]
+                f"the chunked kernels solve it as {r} x {r} blocks [C, C] (token rows), by forward substitution "
+                f"over the C tokens ({r} rows each); O = (Q * exp(b)) {S}0 + sum_i [A_ql_i]_(t >= s) U_i + "
+                f"sum_m [A_qk_m]_(t >= s) V_m, {S}_C = exp(b_C) {S}0 + sum_i (L_i * exp(b_C - b))^T U_i + "
+                "sum_m (K_m * exp(b_C - b))^T V_m; the torch backend runs this chunked form (mode='torch')"]
+
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
+    # rank_r.j2, its macros in two variants as rank1.j2's: vector, a scalar decay (DeltaProduct's),
+    # else per key. code.extra[S] holds the state's own matrices (sanitized): L<i>, R<i> for the
+    # r terms (StateIR.terms) and K<m>, V<m> for B_t's m outer products (StateIR.inputs); the
+    # generic K, V are None (B_t is no single outer product). The backward keeps each term's
+    # gradient list in G under dL<i>, dU<i>, dK<m>, dV<m>.
+    def chunk_inputs(self, code, st, em, kd) -> dict[str, str]:
+        vd = tuple(d for d in code.order if d in set(st.value_dims)) or ("_1",)
+        out = {}
+        for i, (left, right) in enumerate(st.ir_pieces.terms):
+            out[f"L{i}"], out[f"R{i}"] = code.matrix(em, em(left), kd), code.matrix(em, em(right), kd)
+        for m, (key, value) in enumerate(st.ir_pieces.inputs):
+            out[f"K{m}"], out[f"V{m}"] = code.matrix(em, em(key), kd), code.matrix(em, em(value), vd)
+        return out
+
+    @staticmethod
+    def _mats(code, st) -> dict[str, list[str]]:
+        x, p = code.extra[st.name], st.ir_pieces
+        return {"Ls": [x[f"L{i}"] for i in range(len(p.terms))], "Rs": [x[f"R{i}"] for i in range(len(p.terms))],
+                "Ks": [x[f"K{m}"] for m in range(len(p.inputs))], "Vs": [x[f"V{m}"] for m in range(len(p.inputs))]}
+
+    def chunk_size(self, st) -> int:
+        # the r terms' U rows [C, VF] each, the r^2 blocks A_ij and r M blocks A_rk [C, C] (and
+        # their adjoints in the backward) stay live: r times rank-1's (32) registers at C = 32,
+        # so C = 16 for r = 2; a per-key decay makes every block [C, C, K]: 16 as rank-1's
+        return 16
+
+    def chunk_setup(self, code, st, parts) -> list[str]:
+        n, M = st.name, self._mats(code, st)
+        return [code.shifted(st, f"_b_{n}", f"_bx_{n}"), code.shifted(st, f"_z_{n}", f"_zx_{n}")] + self.render(
+            code, "setup", n=n, Ks=M["Ks"], Vs=M["Vs"], Ls=M["Ls"], Rs=M["Rs"], ok=code.pair_ok(st, f"_zx_{n}"),
+            vector=self.decay_is_vector(st))
+
+    def _query(self, code, st, prev: bool) -> dict[str, str]:
+        """b at the query rows, their weight from the chunk's start, the no-reset pair mask."""
+        n, x = st.name, "x" if prev else ""
+        return {"bq": f"_b{x}_{n}", "bq0": f"_b{x}0_{n}", "ok": code.pair_ok(st, f"_z{x}_{n}")}
+
+    def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
+        M = self._mats(code, st)
+        return self.render(code, "readout", n=st.name, R=R, Q=Q, Ks=M["Ks"], Vs=M["Vs"], Ls=M["Ls"], prev=prev,
+                           vector=self.decay_is_vector(st), **self._query(code, st, prev))
+
+    def chunk_advance(self, code, st, parts) -> list[str]:
+        M = self._mats(code, st)
+        return self.render(code, "advance", n=st.name, Ks=M["Ks"], Vs=M["Vs"], Ls=M["Ls"],
+                           vector=self.decay_is_vector(st))
+
+    def _grads(self, code, st, G, stem: str) -> dict:
+        """Fresh names of one stage's dS0, db and per term (L_j, U_j, dL_j, dU_j), per input
+        (K_m, V_m, dK_m, dV_m): the macros' lu and kv; registered in G."""
+        t, n, M = code.fresh(stem), st.name, self._mats(code, st)
+        G["dS0"].append(f"_dS0{t}")
+        G["db"].append(f"_db{t}")
+        lu = [(L, f"_U_{n}_{j}", f"_dL{t}_{j}", f"_dU{t}_{j}") for j, L in enumerate(M["Ls"])]
+        kv = [(K, V, f"_dK{t}_{m}", f"_dV{t}_{m}") for m, (K, V) in enumerate(zip(M["Ks"], M["Vs"]))]
+        for j, x in enumerate(lu):
+            G.setdefault(f"dL{j}", []).append(x[2])
+            G.setdefault(f"dU{j}", []).append(x[3])
+        for m, x in enumerate(kv):
+            G.setdefault(f"dK{m}", []).append(x[2])
+            G.setdefault(f"dV{m}", []).append(x[3])
+        return {"dS0": f"_dS0{t}", "db": f"_db{t}", "lu": lu, "kv": kv}
+
+    def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
+        names = self._grads(code, st, G, "w")
+        return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, prev=prev, vector=self.decay_is_vector(st),
+                           dQ=dQ, **self._query(code, st, prev), **names) + code.query_side(st, names["db"], prev)
+
+    def chunk_advance_backward(self, code, st, parts, G) -> list[str]:
+        return self.render(code, "advance_backward", n=st.name, vector=self.decay_is_vector(st),
+                           **self._grads(code, st, G, "w"))
+
+    def chunk_setup_backward(self, code, st, parts, G) -> tuple[list[str], list]:
+        K, V, g, kd, vd = parts
+        n, M, p = st.name, self._mats(code, st), st.ir_pieces
+        dU = [" + ".join(G[f"dU{j}"]) for j in range(len(p.terms))]      # the readouts' and the update's
+        names = self._grads(code, st, G, "y")
+        lu = [(L, U, dL, dU[j]) for j, (L, U, dL, _) in enumerate(names["lu"])]
+        dRs = [code.fresh("dRt") for _ in p.terms]
+        lines = self.render(code, "setup_backward", n=n, lu=lu, kv=names["kv"], Rs=M["Rs"],
+                            ok=code.pair_ok(st, f"_zx_{n}"), vector=self.decay_is_vector(st), dRs=dRs,
+                            dS0=names["dS0"], db=names["db"])
+        rows, vrows = ("_T",) + kd, ("_T",) + vd      # dR, dL, dK, dV seed the spec's terms and inputs
+        seeds = []
+        for j, (left, right) in enumerate(p.terms):
+            seeds += [(right, code.unflat(dRs[j], rows), rows),
+                      (left, code.unflat(" + ".join(G[f"dL{j}"]), rows), rows)]
+        for m, (key, value) in enumerate(p.inputs):
+            seeds += [(key, code.unflat(" + ".join(G[f"dK{m}"]), rows), rows),
+                      (value, code.unflat(" + ".join(G[f"dV{m}"]), vrows), vrows)]
+        return lines, seeds
 
     # ---- torch form ----
     # The generalized UT transform on one chunk, in the chunk-at-a-time layout of base.py's

@@ -161,8 +161,10 @@ class ChunkCode:
         for st in self.states:
             pieces = st.ir_pieces
             kd, vd = _axes(st, order)
-            K = self.matrix(em, em(pieces.key), kd)
-            V = self.matrix(em, em(pieces.value) if pieces.value is not None else ("1.0", ()), vd)
+            K = V = None            # the rank-r class's B_t, m outer products: its unit's (chunk_inputs)
+            if pieces.key is not None:
+                K = self.matrix(em, em(pieces.key), kd)
+                V = self.matrix(em, em(pieces.value) if pieces.value is not None else ("1.0", ()), vd)
             g = None
             unit = classes.unit(st.transition)
             self.extra[st.name] = unit.chunk_inputs(self, st, em, kd)
@@ -303,14 +305,14 @@ class ChunkCode:
         state after its chunk too, as the recurrence would give."""
         K, V, g, kd, vd = per_state[st.name]
         n, I = st.name, I2
-        parts = [("K", K), ("V", V)] + list(self.extra[n].items())
+        parts = [(role, x) for role, x in [("K", K), ("V", V)] + list(self.extra[n].items()) if x is not None]
         checks = [f"tl.max(tl.where(tl.abs({x}) < float('inf'), 0, 1), axis=1)" for _, x in parts]
         lines = [f"{I}_bad_{n} = {' | '.join(checks)}"]
         clean = {}
         for role, x in parts:
             clean[role] = f"_{role}c_{n}"
             lines.append(f"{I}{clean[role]} = tl.where(_bad_{n}[:, None] > 0, 0.0, {x})")
-        per_state[n] = (clean["K"], clean["V"], g, kd, vd)
+        per_state[n] = (clean.get("K"), clean.get("V"), g, kd, vd)
         self.extra[n] = {role: clean[role] for role in self.extra[n]}
         return lines
 

@@ -72,11 +72,14 @@ def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
     key = s(st.key) if st.key is not None else None
     value = s(st.value) if st.value is not None else None
     Q = " , ".join(queries) if queries else "(none)"
-    rows = [f"rows are the tokens of one chunk; Q = readout queries {Q}; K = rows of {key}; V = rows of {value}"]
-    if key is None:
+    unit = classes.unit(st.transition)
+    if unit.term_axes and key is None:      # the rank-r class: B_t's m outer products (its lines)
+        rows = [f"rows are the tokens of one chunk; Q = readout queries {Q}; K_m, V_m = rows of B_t's outer products"]
+    else:
+        rows = [f"rows are the tokens of one chunk; Q = readout queries {Q}; K = rows of {key}; V = rows of {value}"]
+    if key is None and not unit.term_axes:
         rows.append(f"the input term {s(st.input_term)} is not an outer product key (x) value: "
                     "the chunked form takes it as a full-rank term per token")
-    unit = classes.unit(st.transition)
     if unit.parallel_form == "chunk":
         rows += unit.explain_chunk(st, s)
     else:           # no matmul form: the class's own lines say which parallel form (if any)

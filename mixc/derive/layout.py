@@ -53,9 +53,13 @@ def kernel_layout(plan) -> KernelLayout:
 def chunk_supported(plan) -> str | None:
     """Why the chunked kernel cannot serve this plan, or None when it can."""
     for st in plan.states:
-        if classes.unit(st.transition).parallel_form != "chunk":
+        unit = classes.unit(st.transition)
+        if unit.parallel_form != "chunk":
             return f"state {st.name} is a {st.transition}"
-        if st.ir_pieces is None or st.ir_pieces.key is None:
+        if unit.term_axes:              # the rank-r class: B_t as m outer products (StateIR.inputs)
+            if st.ir_pieces is None or not st.ir_pieces.inputs:
+                return f"the input term of state {st.name} is not a sum of outer products key (x) value"
+        elif st.ir_pieces is None or st.ir_pieces.key is None:
             return f"the input term of state {st.name} is not an outer product key (x) value"
     for r in plan.output.readouts:
         st = plan.state(r.state)

@@ -352,7 +352,11 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     ti = _time_invariant(coefs, table)
     forms = ("recurrent", "step")
     parallel = classes.unit(transition).parallel_form
-    if parallel == "chunk" and key is not None:
+    terms = inputs = ()
+    if unit.term_axes:                  # the rank-r class: its r terms and B_t's m outer products
+        terms = tuple((t.scale or affine.num(1), t.proj) for t in proj)
+        inputs = _outer_terms(const, kdims, vdims)
+    if parallel == "chunk" and (key is not None or inputs):
         forms = ("chunk",) + forms
     elif parallel == "scan":
         forms = ("scan",) + forms
@@ -363,10 +367,6 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     left = right = None
     if transition == RANK1:
         left, right = proj[0].scale or affine.num(1), proj[0].proj
-    terms = inputs = ()
-    if unit.term_axes:                  # the rank-r class: its r terms and B_t's m outer products
-        terms = tuple((t.scale or affine.num(1), t.proj) for t in proj)
-        inputs = _outer_terms(const, kdims, vdims)
     pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value, left, right, terms, inputs)
     return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,
                      rank1, input_term, conv(key) if key is not None else None,

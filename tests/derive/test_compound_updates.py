@@ -48,14 +48,14 @@ def test_delta_product_is_rank_2(spec, l2norm):
     plan = mixc.load(spec).plan(use_qk_l2norm_in_kernel=l2norm)
     st = plan.states[0]
     assert plan.transition == st.transition == RANK_R
-    assert plan.forms == ("recurrent", "step")         # the chunked kernels are not generated yet
+    assert plan.forms == ("chunk", "recurrent", "step")   # the chunked kernels: rank_r.j2
     assert len(st.rank1) == 2 and all(r.over == ("K",) for r in st.rank1)
     k1, k2 = sp.symbols("k1 k2", real=True)
     want = [k1, k2] if not l2norm else None
     if want is not None:
         assert [r.right for r in st.rank1] == want
     assert sp.simplify(st.log_decay - sp.Symbol("g", real=True)) == 0
-    assert "rank-r correction" in plan.layout.chunk_unsupported
+    assert plan.layout.chunk_unsupported is None
 
 
 def test_nested_projection_distributes_into_rank_1():
@@ -124,23 +124,35 @@ def test_per_key_decay_inside_the_nest():
 
 
 def test_explain_prints_the_units_lines(capsys):
-    """`mixc explain` prints the rank-r unit's lines: the generalized UT transform and that its
-    chunked kernels are not generated yet."""
+    """`mixc explain` prints the rank-r unit's lines: the generalized UT transform and how its
+    chunked kernels solve it."""
     text = explain(mixc.load(str(NESTED)).plan())
     assert "class: rank-r correction" in text
-    assert "no chunked kernel: state S is a rank-r correction" in text
     assert "rank r = 2" in text and "generalized UT transform" in text
     assert "[C*2, C*2] unit lower triangular" in text
-    assert "chunked kernels are not generated yet" in text
+    assert "the chunked kernels solve it as 2 x 2 blocks [C, C]" in text
+    assert "K = rows of None" not in text and "full-rank term" not in text
     assert main(["explain", "gated_delta_product"]) == 0
     out = capsys.readouterr().out
     assert "class: rank-r correction" in out and "[C*2, C*2] unit lower triangular" in out
 
 
-def test_chunk_mode_is_refused_clearly():
+def test_chunk_mode_is_refused_clearly_without_outer_products(tmp_path):
+    """The rank-r chunked kernels take B_t as m outer products; one that is no such sum
+    (exp(k1 * v)) keeps the recurrent kernels, and mode='chunk' says why."""
     import torch
+    st = _plan("S - b1 * k1 * (k1 @ S) - b2 * k2 * (k2 @ S) + 0.1 * exp(k1 * v)").states[0]
+    assert st.transition == RANK_R and st.ir_pieces.inputs == () and "chunk" not in st.forms
     op = mixc.load(str(NESTED))
     args = {n: torch.randn(1, 4, 1, 4) for n in ("q", "k1", "k2", "v1", "v2")}
     args.update({n: torch.rand(1, 4, 1) for n in ("g", "beta1", "beta2")})
-    with pytest.raises(Exception, match="rank-r correction"):
-        op(**args, mode="chunk")
+    op(**args, mode="chunk")                           # DeltaProduct's B_t: two outer products
+    text = "S - b1 * k1 * (k1 @ S) - b2 * k2 * (k2 @ S) + 0.1 * exp(k1 * v)"
+    f = tmp_path / "dp_full.mix"
+    f.write_text(f"mixer dp_full\n  dims K, V\n  input q[K], k1[K], k2[K], v[V], b1[], b2[]\n"
+                 f"  state S[K, V]\n  update S = {text}\n  output o = q @ S\n")
+    full = mixc.load(str(f))
+    args = {n: torch.randn(1, 4, 1, 4) for n in ("q", "k1", "k2", "v")}
+    args.update({n: torch.rand(1, 4, 1) for n in ("b1", "b2")})
+    with pytest.raises(Exception, match="not a sum of outer products"):
+        full(**args, mode="chunk")
