@@ -90,6 +90,17 @@ class ScalarDecay(TransitionClass):
         w = torch.exp(sfx)                                                        # [B, c, H]
         return bl.exp()[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
 
+    def torch_chunks_readout(self, dec, Q, K, V, L, S_starts, U, prev):
+        """The batched readout (base's), with exp(b) scaling the rows of Q S rather than Q: Q
+        is a strided view of the input and Q * exp(b) a fresh copy of it, while Q S is fresh
+        and contiguous, scaled in place without autograd."""
+        _, ops = torch_form()
+        val = ops.mm(Q, S_starts, fast=dec.fast)
+        if dec.logs is not None:                # None: a log decay of constant 0
+            e = dec.logs[2 if prev else 0].exp().unsqueeze(-1)
+            val = val.mul_(e) if dec.fast else val * e
+        return ops.mm(dec.product(Q, K, prev), V, val, fast=dec.fast)
+
     # ---- context parallel (runtime/context_parallel.py) ----
     def cp_apply(self, st, phi, S):
         return phi[:, :, None, None] * S                # phi [n, H]

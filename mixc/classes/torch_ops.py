@@ -67,18 +67,35 @@ def pair_logs(g, prev, axis):
     of cumulative sums: a log decay of -inf (a reset) stays -inf (not NaN), and at strong decay
     a neighbour's factor is exp(g) exactly (the difference would round to ulp(b))."""
     C = g.shape[axis]
-    ar = torch.arange(C, device=g.device)
     tail = () if axis == -1 else (1,)
     if prev:                 # row i takes the sum up to s = i - 1: g shifted by one token, s > j + 1
         g = torch.cat([torch.zeros_like(g.narrow(axis, 0, 1)), g.narrow(axis, 0, C - 1)], axis)
-    after = (ar[:, None] > ar[None, :] + int(prev)).view((C, C) + tail)     # [s, j]: s after j
+    after, above = _pair_masks(C, prev, g.dtype, g.device)
     # in place on the fresh [C, C] tensor (autograd-safe: none of these saves its input)
-    seg = torch.where(after, g.unsqueeze(axis), torch.zeros((), dtype=g.dtype, device=g.device)).cumsum_(axis - 1)
+    seg = torch.where(after.view((C, C) + tail), g.unsqueeze(axis),
+                      torch.zeros((), dtype=g.dtype, device=g.device)).cumsum_(axis - 1)
     # -inf where j is after the row, by adding a [C, C] of 0 / -inf (seg is an empty sum, 0,
     # there: never NaN); a broadcast masked_fill_ is ~10x slower
-    above = torch.zeros((C, C) + tail, dtype=g.dtype, device=g.device).masked_fill_(
-        (ar[:, None] - int(prev) < ar[None, :]).view((C, C) + tail), float("-inf"))
-    return seg.add_(above)
+    return seg.add_(above.view((C, C) + tail))
+
+
+_MASKS: dict = {}
+
+
+def _pair_masks(C, prev, dtype, device):
+    """pair_logs' [C, C] constants: s after j (bool), and 0 / -inf (-inf where j is after the
+    row). Kept per (C, prev, dtype, device) outside torch.compile: built afresh they were six
+    small ops per call, twice per group in scalar_factors."""
+    key = (C, prev, dtype, device)
+    if key in _MASKS and not torch.compiler.is_compiling():
+        return _MASKS[key]
+    ar = torch.arange(C, device=device)
+    after = ar[:, None] > ar[None, :] + int(prev)                        # [s, j]: s after j
+    above = torch.zeros((C, C), dtype=dtype, device=device).masked_fill_(
+        ar[:, None] - int(prev) < ar[None, :], float("-inf"))
+    if not torch.compiler.is_compiling():
+        _MASKS[key] = (after, above)
+    return after, above
 
 
 def groups(N, per_chunk, elements=None):
@@ -215,8 +232,8 @@ def mm(X, Y, acc=None, fast=False):
         return P if acc is None else P.add_(acc)        # in place on the fresh product (autograd-safe)
     if acc is None:
         acc = torch.empty(X.shape[:-1] + Y.shape[-1:], dtype=X.dtype, device=X.device)
-        for h in range(X.shape[0]):
-            torch.matmul(X[h], Y[h], out=acc[h])
+        for h in range(X.shape[0]):            # bmm, not matmul: no expand / reshape per call
+            torch.bmm(X[h], Y[h], out=acc[h])
         return acc
     for h in range(X.shape[0]):
         acc[h].baddbmm_(X[h], Y[h])
