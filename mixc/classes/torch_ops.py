@@ -60,10 +60,11 @@ def causal(c, prev, device):
 GROUP_ELEMENTS = 1 << 18
 
 
-def pair_logs(g, prev, axis):
+def pair_logs(g, prev, axis, masked=True):
     """[.., i, j] (scalar g [.., C]: axis -1) or [.., i, j, f] (g [.., C, f]: axis -2): the log
     decay from token j to the query row i, summed per pair over j < s <= i (s <= i - 1 for a
-    readout of S_{i-1}), -inf where j is after that row. Summed per pair, never as a difference
+    readout of S_{i-1}), -inf where j is after that row (masked=False: 0, an empty sum, for a
+    caller that masks its product after). Summed per pair, never as a difference
     of cumulative sums: a log decay of -inf (a reset) stays -inf (not NaN), and at strong decay
     a neighbour's factor is exp(g) exactly (the difference would round to ulp(b))."""
     C = g.shape[axis]
@@ -76,7 +77,7 @@ def pair_logs(g, prev, axis):
                       torch.zeros((), dtype=g.dtype, device=g.device)).cumsum_(axis - 1)
     # -inf where j is after the row, by adding a [C, C] of 0 / -inf (seg is an empty sum, 0,
     # there: never NaN); a broadcast masked_fill_ is ~10x slower
-    return seg.add_(above.view((C, C) + tail))
+    return seg.add_(above.view((C, C) + tail)) if masked else seg
 
 
 _MASKS: dict = {}
@@ -152,12 +153,16 @@ def _key_product(X, Y, g, prev):
     b = gs.cumsum(3)                                                        # within each sub-chunk
     bq = torch.cat([torch.zeros_like(b[:, :, :, :1]), b[:, :, :, :-1]], 3) if prev else b
     sfx = torch.cat([gs.flip(3).cumsum(3).flip(3)[:, :, :, 1:], torch.zeros_like(gs[:, :, :, :1])], 3)
-    gap = pair_logs(b[:, :, :, -1], True, -2)            # [BH, N, I, J, F]: the sub-chunks between, J < I
-    Ys = Y.reshape(BH, N, 1, n, c, F) * (sfx.unsqueeze(2) + gap.unsqueeze(4)).exp()             # [.., I, J, c, F]
+    gap = pair_logs(b[:, :, :, -1], True, -2).exp_()     # [BH, N, I, J, F]: the sub-chunks between, J < I
+    # Y_j exp(from j to its sub-chunk's end) exp(the sub-chunks between): the [I, J, c, F]
+    # tensor in one pass (a product of two factors <= 1, each of a sum over tokens), not three
+    Ys = (Y.reshape(BH, N, n, c, F) * sfx.exp()).unsqueeze(2) * gap.unsqueeze(4)             # [.., I, J, c, F]
     Xs = X.reshape(BH, N, n, c, F) * bq.exp()
     A = (Xs @ Ys.reshape(BH, N, n, C, F).transpose(-1, -2)).reshape(BH, N, n, c, n, c)
-    w = pair_logs(gs, prev, -2).exp_()                                       # [BH, N, n, i, j, F]
-    diag = ((X.reshape(BH, N, n, c, 1, F) * w) * Y.reshape(BH, N, n, 1, c, F)).sum(-1)
+    # inside a sub-chunk per pair and key, unmasked (j after the row: an empty sum, a finite
+    # factor of 1), the [c, c] sums made causal after: one pass over [.., c, c, F] less
+    w = pair_logs(gs, prev, -2, masked=False).exp_()                         # [BH, N, n, i, j, F]
+    diag = ((X.reshape(BH, N, n, c, 1, F) * w) * Y.reshape(BH, N, n, 1, c, F)).sum(-1).tril_(-int(prev))
     eye = torch.eye(n, dtype=X.dtype, device=X.device).view(n, 1, n, 1)
     return (A + diag.unsqueeze(4) * eye).reshape(BH, N, C, C)
 
