@@ -95,7 +95,7 @@ class ScalarDecay(TransitionClass):
         is a strided view of the input and Q * exp(b) a fresh copy of it, while Q S is fresh
         and contiguous, scaled in place without autograd."""
         _, ops = torch_form()
-        val = ops.mm(Q, S_starts, fast=dec.fast)
+        val = ops.mm(Q, S_starts, fast=dec.fast, out=dec.out)
         if dec.logs is not None:                # None: a log decay of constant 0
             e = dec.logs[2 if prev else 0].exp().unsqueeze(-1)
             val = val.mul_(e) if dec.fast else val * e

@@ -228,16 +228,17 @@ def scale_rows(X, f, fast):
 MM_LOOP = 16
 
 
-def mm(X, Y, acc=None, fast=False):
+def mm(X, Y, acc=None, fast=False, out=None):
     """X @ Y over [BH, n, a, b] @ [BH, n, b, c] (plus acc). fast (no autograd graph): per
-    leading index on the views as they are, into acc in place. The chunk layout's views of
+    leading index on the views as they are, into acc in place (without acc into out, when
+    given: a slice of the whole output). The chunk layout's views of
     [B, T, H, d] have no single stride over [BH, n], so matmul copies them whole; one bmm per
     head reads them with the row stride H d instead."""
     if not fast or X.shape[0] > MM_LOOP:
         P = X @ Y
         return P if acc is None else P.add_(acc)        # in place on the fresh product (autograd-safe)
     if acc is None:
-        acc = torch.empty(X.shape[:-1] + Y.shape[-1:], dtype=X.dtype, device=X.device)
+        acc = out if out is not None else torch.empty(X.shape[:-1] + Y.shape[-1:], dtype=X.dtype, device=X.device)
         for h in range(X.shape[0]):            # bmm, not matmul: no expand / reshape per call
             torch.bmm(X[h], Y[h], out=acc[h])
         return acc
@@ -258,6 +259,9 @@ class NoDecay:
     def __init__(self, g, fast=False):
         self.g, self.fast = g, fast
         self.logs = None
+        # fast: where a unit's readout may write its readouts [BH, n, C, VF] (a slice of the
+        # whole output, torch_chunks sets it per readout; None: a fresh tensor)
+        self.out = None
 
     def product(self, X, Y, prev):
         """[BH, N, C(i), C(j)]: sum_k X_ik Y_jk exp(the pair's log decay), causal."""

@@ -243,7 +243,14 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
     finals = {name: {} for name in STATES}
     parts = {rname: [] for rname in READOUTS}
     width = max([C] + [d for kv in dims.values() for d in kv])
-    for s in groups(lay.N, BH * C * width, GROUP_ELEMENTS if lay.fast else GRAD_GROUP_ELEMENTS):
+    grouped = groups(lay.N, BH * C * width, GROUP_ELEMENTS if lay.fast else GRAD_GROUP_ELEMENTS)
+    # without autograd over several groups, each group's readouts land in one [B' H, N, C, VF]
+    # whose token view is the output (no copy out; fla's naive form returns such a view too)
+    whole = {}
+    if lay.fast and lay.idx is None and len(grouped) > 1:
+        whole = {rname: torch.empty((BH, lay.N, C, dims[rd["state"]][1]), dtype=dtype, device=device)
+                 for rname, rd in READOUTS.items()}
+    for s in grouped:
         walked = {}
         for name, st in live.items():
             walked[name], carry[name] = _state_group(lay, s, st, pc, name, carry[name],
@@ -252,16 +259,21 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
             unit = classes.unit(STATES[rd["state"]]["class"])
             K, V, L, dec, S_starts, U, bad = walked[rd["state"]]
             terms = [(lay.chunks(Q, s), lay.chunks(sc, s)) for Q, sc in pc["Q"][rname]]
+            into = whole[rname][:, s] if rname in whole else None
+            dec.out = into if len(terms) == 1 and terms[0][1] is None else None
             total = _readout_part(unit, dec, terms, K, V, L, S_starts, U, rd["prev"])
+            dec.out = None
             if bad is not None:
                 seen = bad.cumsum(-1) - (bad.to(torch.long) if rd["prev"] else 0)      # bad tokens up to the row
                 total = total.masked_fill((seen > 0).unsqueeze(-1), float("nan"))
-            parts[rname].append(total)
+            if into is not None and total.data_ptr() != into.data_ptr():
+                into.copy_(total)
+            parts[rname].append(into if into is not None else total)
     r = {}
     for rname, rd in READOUTS.items():
         vf = dims[rd["state"]][1]
-        val = lay.tokens(parts[rname], (vf,)) if parts[rname] else torch.zeros(B, T, H, vf, dtype=dtype,
-                                                                             device=device)
+        got = [whole[rname]] if rname in whole else parts[rname]
+        val = lay.tokens(got, (vf,)) if got else torch.zeros(B, T, H, vf, dtype=dtype, device=device)
         vd = STATES[rd["state"]]["vd"]
         r[rname] = val.reshape(val.shape[:3] + tuple(sizes[d] for d in vd)) if vd else val[..., 0]
     o = mod.torch_combine(x, p, opt, sizes, B, T, H, r, None)
