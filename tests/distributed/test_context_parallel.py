@@ -16,7 +16,7 @@ SIZES = {"K": 4, "V": 3, "N": 3, "P": 5, "D": 4}
 def chunked_library_specs() -> list[str]:
     """Every library spec with a chunked form (the shard's Phi is its torch form's): all the
     transition classes (prefix sum, scalar, key, value, elementwise, rank-1 with and without a
-    per-key decay, the stabilized mLSTM, the rank-r DeltaProduct: torch only)."""
+    per-key decay, the stabilized mLSTM, the rank-r DeltaProduct)."""
     import mixc
     from mixc.dsl import library_names
     return [n for n in library_names("recurrent") if mixc.load(n).plan().layout.torch_chunked]
