@@ -218,6 +218,33 @@ class TransitionClass:
         return f"<transition class {self.name}>"
 
 
+def projection_shard_map(unit, st, pc, name, n, H):
+    """The [KF, KF] map Phi of a shard for the classes with projection terms (rank-1, rank-r):
+    the unit's torch form run chunk by chunk on S0 = I with every value 0 (the input term
+    dropped), so S_end = Phi @ S_start over the key axis. Its cp_apply is a matrix product."""
+    torch, ops = torch_form()
+    L, R, K, g = pc["L"][name], pc["R"][name], pc["K"][name], pc["g"][name]
+    T, KF = K.shape[1], K.shape[-1]
+    if g is None:                                 # no decay
+        g = torch.zeros(n, T, H, dtype=K.dtype, device=K.device)
+    S = torch.eye(KF, dtype=K.dtype, device=K.device).expand(n, H, KF, KF)
+    C = 32
+    for c0 in range(0, T, C):
+        c1 = min(c0 + C, T)
+        bb = ops.loop_chunk_logs(g[:, c0:c1])       # per-pair sums, suffixes
+        L_, R_, K_ = L[:, c0:c1], R[:, c0:c1], K[:, c0:c1]
+        zero_v = torch.zeros_like(K_)               # v = 0: K's shape, the value axis KF wide
+        ctx = unit.torch_setup(st, K_, zero_v, L_, R_, S, bb)
+        S = unit.torch_advance(st, K_, zero_v, L_, S, bb, None, ctx)
+    return S
+
+
+def projection_shard_apply(phi, S):
+    """Phi S over the key axis (a shard map of projection_shard_map)."""
+    torch, _ = torch_form()
+    return torch.einsum("nhij,nhjv->nhiv", phi, S)
+
+
 def torch_form():
     """(torch, mixc.classes.torch_ops) for the units' torch and context-parallel methods,
     imported on their first call, never at module level: derive imports the units, and `mixc

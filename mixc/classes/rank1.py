@@ -3,7 +3,7 @@ decay a_t a scalar or over the key dims (DeltaNet, gated DeltaNet, Comba, KDA, L
 the chunked WY/UT form, a [C, C] triangular solve per chunk."""
 from __future__ import annotations
 
-from .base import TransitionClass, UpdateShape, torch_form
+from .base import TransitionClass, UpdateShape, projection_shard_apply, projection_shard_map, torch_form
 
 
 class Rank1(TransitionClass):
@@ -189,25 +189,10 @@ class Rank1(TransitionClass):
     def cp_transition(self, st, pc, name, n, H):
         """The [KF, KF] map of a shard of S_t = D_t S_{t-1} + l_t (r_t . S_{t-1}) (+ k v^T, dropped):
         the torch form's chunks (torch_setup, torch_advance) run on S0 = I with v = 0."""
-        torch, ops = torch_form()
-        L, R, K, g = pc["L"][name], pc["R"][name], pc["K"][name], pc["g"][name]
-        T, KF = K.shape[1], K.shape[3]
-        if g is None:                                 # no decay
-            g = torch.zeros(n, T, H, dtype=K.dtype, device=K.device)
-        S = torch.eye(KF, dtype=K.dtype, device=K.device).expand(n, H, KF, KF)
-        C = 32
-        for c0 in range(0, T, C):
-            c1 = min(c0 + C, T)
-            bb = ops.loop_chunk_logs(g[:, c0:c1])       # per-pair sums, suffixes
-            zero_v = torch.zeros(n, c1 - c0, H, KF, dtype=K.dtype, device=K.device)
-            L_, R_, K_ = L[:, c0:c1], R[:, c0:c1], K[:, c0:c1]
-            ctx = self.torch_setup(st, K_, zero_v, L_, R_, S, bb)
-            S = self.torch_advance(st, K_, zero_v, L_, S, bb, None, ctx)
-        return S                                      # S_end = Phi @ S_start over the key axis
+        return projection_shard_map(self, st, pc, name, n, H)
 
     def cp_apply(self, st, phi, S):
-        torch, _ = torch_form()
-        return torch.einsum("nhij,nhjv->nhiv", phi, S)
+        return projection_shard_apply(phi, S)
 
 
 def _solve_unit_lower(A, rhs):

@@ -13,7 +13,7 @@ torch backend's chunked form (below) serves mode='torch'."""
 from __future__ import annotations
 
 from ..dsl.unparse import expr_text
-from .base import TransitionClass, UpdateShape, torch_form
+from .base import TransitionClass, UpdateShape, projection_shard_apply, projection_shard_map, torch_form
 
 
 class RankR(TransitionClass):
@@ -219,25 +219,10 @@ class RankR(TransitionClass):
     def cp_transition(self, st, pc, name, n, H):
         """The [KF, KF] map of a shard, the product of the tokens' (a_t + sum_i l_t,i r_t,i^T): the
         torch form's chunks run on S0 = I with every v = 0 (rank1.py's, with the term axes)."""
-        torch, ops = torch_form()
-        L, R, K, g = pc["L"][name], pc["R"][name], pc["K"][name], pc["g"][name]
-        T, m, KF = K.shape[1], K.shape[3], K.shape[4]
-        if g is None:                                 # no decay
-            g = torch.zeros(n, T, H, dtype=K.dtype, device=K.device)
-        S = torch.eye(KF, dtype=K.dtype, device=K.device).expand(n, H, KF, KF)
-        C = 32
-        for c0 in range(0, T, C):
-            c1 = min(c0 + C, T)
-            bb = ops.loop_chunk_logs(g[:, c0:c1])
-            zero_v = torch.zeros(n, c1 - c0, H, m, KF, dtype=K.dtype, device=K.device)
-            L_, R_, K_ = L[:, c0:c1], R[:, c0:c1], K[:, c0:c1]
-            ctx = self.torch_setup(st, K_, zero_v, L_, R_, S, bb)
-            S = self.torch_advance(st, K_, zero_v, L_, S, bb, None, ctx)
-        return S                                      # S_end = Phi @ S_start over the key axis
+        return projection_shard_map(self, st, pc, name, n, H)
 
     def cp_apply(self, st, phi, S):
-        torch, _ = torch_form()
-        return torch.einsum("nhij,nhjv->nhiv", phi, S)
+        return projection_shard_apply(phi, S)
 
 
 UNIT = RankR()
