@@ -137,15 +137,7 @@ def test_rank_r_torch_form_with_a_per_key_decay(C, tmp_path):
     plan = op.plan()
     assert plan.states[0].transition == UNIT.name and plan.states[0].decay_dims == ("K",)
     B, T, H, Kd, Vd = 2, 8, 2, 4, 5
-    gen = torch.Generator().manual_seed(41)
-    shapes = {"q": (Kd,), "k1": (Kd,), "k2": (Kd,), "v1": (Vd,), "v2": (Vd,), "g": (Kd,), "beta1": (), "beta2": ()}
-    args = {n: torch.randn((B, T, H) + sh, generator=gen, dtype=torch.float64) for n, sh in shapes.items()}
-    for n in ("k1", "k2"):
-        args[n] = torch.nn.functional.normalize(args[n], dim=-1)
-    args["g"] = torch.nn.functional.logsigmoid(args["g"] + 2)
-    args["beta1"], args["beta2"] = args["beta1"].sigmoid(), args["beta2"].sigmoid()
-    args = {n: x.requires_grad_() for n, x in args.items()}
-    s0 = {"S": torch.randn(B, H, Kd, Vd, generator=gen, dtype=torch.float64).requires_grad_()}
+    args, s0 = per_key_inputs(B, T, H, Kd, Vd, seed=41)
     sizes = {"K": Kd, "V": Vd}
     L, R = _terms(plan, args, {}, sizes)
     b1, b2 = args["beta1"][..., None], args["beta2"][..., None]
@@ -173,3 +165,18 @@ def test_rank_r_torch_form_with_a_per_key_decay(C, tmp_path):
         assert_close(a, b, f"C={C}: d/d {n}", tol=1e-9)
     o_ref, fin_ref = op(**args, initial_state=s0, output_final_state=True, mode="reference")
     assert_close(o_ref, o_l, "the reference vs the loop")
+
+
+def per_key_inputs(B, T, H, Kd, Vd, seed):
+    """Fresh float64 inputs of PER_KEY (unit keys, log decays below 0, gates in (0, 1)) and an
+    initial state, all requiring gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q": (Kd,), "k1": (Kd,), "k2": (Kd,), "v1": (Vd,), "v2": (Vd,), "g": (Kd,), "beta1": (), "beta2": ()}
+    args = {n: torch.randn((B, T, H) + sh, generator=gen, dtype=torch.float64) for n, sh in shapes.items()}
+    for n in ("k1", "k2"):
+        args[n] = torch.nn.functional.normalize(args[n], dim=-1)
+    args["g"] = torch.nn.functional.logsigmoid(args["g"] + 2)
+    args["beta1"], args["beta2"] = args["beta1"].sigmoid(), args["beta2"].sigmoid()
+    args = {n: x.requires_grad_() for n, x in args.items()}
+    s0 = {"S": torch.randn(B, H, Kd, Vd, generator=gen, dtype=torch.float64).requires_grad_()}
+    return args, s0

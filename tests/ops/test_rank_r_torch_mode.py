@@ -132,21 +132,13 @@ def test_a_non_finite_token_poisons_only_its_rows_on():
 def test_a_per_key_decay_in_torch_mode(tmp_path):
     """DeltaProduct behind a decay per key (KDA's gate): the plan's g over K reaches the per-key
     path of the form; outputs, final state and gradients against the loop."""
-    from .test_rank_r_torch_form import PER_KEY, per_key_loop
+    from .test_rank_r_torch_form import PER_KEY, per_key_inputs, per_key_loop
     f = tmp_path / "dp_key.mix"
     f.write_text(PER_KEY)
     op = mixc.load(str(f))
     assert op.plan().layout.torch_chunked
     B, T, H, Kd, Vd = 2, 11, 2, 4, 5
-    gen = torch.Generator().manual_seed(53)
-    shapes = {"q": (Kd,), "k1": (Kd,), "k2": (Kd,), "v1": (Vd,), "v2": (Vd,), "g": (Kd,), "beta1": (), "beta2": ()}
-    args = {n: torch.randn((B, T, H) + sh, generator=gen, dtype=torch.float64) for n, sh in shapes.items()}
-    for n in ("k1", "k2"):
-        args[n] = torch.nn.functional.normalize(args[n], dim=-1)
-    args["g"] = torch.nn.functional.logsigmoid(args["g"] + 2)
-    args["beta1"], args["beta2"] = args["beta1"].sigmoid(), args["beta2"].sigmoid()
-    args = {n: x.requires_grad_() for n, x in args.items()}
-    s0 = {"S": torch.randn(B, H, Kd, Vd, generator=gen, dtype=torch.float64).requires_grad_()}
+    args, s0 = per_key_inputs(B, T, H, Kd, Vd, seed=53)
     o, fin = op(**args, initial_state=s0, output_final_state=True, mode="torch", chunk=4)
     o_l, fin_l = per_key_loop(args, s0)
     assert_close(o, o_l, "per-key decay: output")
