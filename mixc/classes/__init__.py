@@ -5,12 +5,13 @@ CLASSES is also the order in which the units are asked to claim an update: the f
 claims it is its class (a rank-r class would go before `general`)."""
 from __future__ import annotations
 
-from . import elementwise, general, key_diag, prefix_sum, rank1, rank_r, scalar, value_diag
+from . import elementwise, general, key_diag, prefix_sum, rank1, rank_r, scalar, value_column, value_diag
 from .base import Projection, TransitionClass, UpdateShape
 
 CLASSES: tuple[TransitionClass, ...] = (
     rank1.UNIT,
     rank_r.UNIT,            # r >= 2 projections over the key dims (DeltaProduct)
+    value_column.UNIT,      # one projection whose left or decay varies per value column (Longhorn)
     general.UNIT,           # any other update with projection terms
     prefix_sum.UNIT,
     scalar.UNIT,
@@ -28,6 +29,7 @@ KEY_DIAG = key_diag.UNIT.name
 VALUE_DIAG = value_diag.UNIT.name
 ELEMENTWISE = elementwise.UNIT.name
 RANK1 = rank1.UNIT.name
+VALUE_COLUMN = value_column.UNIT.name
 GENERAL = general.UNIT.name
 
 # the classes with the chunked kernels (the recurrent and step forms exist for every class)
@@ -45,4 +47,5 @@ def classify(u: UpdateShape) -> TransitionClass:
 
 
 __all__ = ["CLASSES", "BY_NAME", "unit", "classify", "TransitionClass", "UpdateShape", "Projection",
-           "PREFIX_SUM", "SCALAR", "KEY_DIAG", "VALUE_DIAG", "ELEMENTWISE", "RANK1", "GENERAL", "CHUNK_CLASSES"]
+           "PREFIX_SUM", "SCALAR", "KEY_DIAG", "VALUE_DIAG", "ELEMENTWISE", "RANK1", "VALUE_COLUMN", "GENERAL",
+           "CHUNK_CLASSES"]

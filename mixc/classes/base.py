@@ -158,6 +158,9 @@ class TransitionClass:
     # The torch form's L, R carry a term axis [.., r, KF] (the plan's StateIR.terms) and K, V an
     # input-term axis [.., m, *] (StateIR.inputs: B_t = sum_m k_m v_m^T): the rank-r class
     term_axes: bool = False
+    # The torch form's L is [.., KF, VF]: the term's left varies per value column (the plan's
+    # StateIR.left over key and value dims; R stays [.., KF]): the per-value-column class
+    left_per_value: bool = False
 
     def decay_axis(self, st) -> str | None:
         """What the state's log decay g runs over, for the torch form and the context-parallel

@@ -18,7 +18,8 @@ I1 = "    "
 
 
 def _element_log_decay(em, log_decay, kd, vd, order) -> str:
-    """A log decay per state element: [B, T, H, KF, VF], key dims first, then value dims."""
+    """A log decay per state element: [B, T, H, KF, VF], key dims first, then value dims (any
+    expression over the state's dims: the per-value-column class's left too)."""
     kv = canon(order, kd + vd)
     var, have = em(log_decay)
     ksz = " * ".join(f"_sizes[{d!r}]" for d in kd) or "1"
@@ -101,7 +102,10 @@ def torch_hooks(plan: Plan) -> dict:
             out.append(f"{I1}_K[{st.name!r}] = {full(p.key, kd)}")
             out.append(f"{I1}_V[{st.name!r}] = {full(p.value, vd)}")
         axis = unit.decay_axis(st)                # what the log decay g runs over
-        if p.left is not None:                    # left * (right @ S): the WY/UT chunk (mixc/classes/rank1.py)
+        if p.left is not None and unit.left_per_value:    # L [.., KF, VF] (mixc/classes/value_column.py)
+            out.append(f"{I1}_L[{st.name!r}] = {_element_log_decay(em, p.left, kd, vd, order)}")
+            out.append(f"{I1}_R[{st.name!r}] = {full(p.right, kd)}")
+        elif p.left is not None:                  # left * (right @ S): the WY/UT chunk (mixc/classes/rank1.py)
             out.append(f"{I1}_L[{st.name!r}] = {full(p.left, kd)}")
             out.append(f"{I1}_R[{st.name!r}] = {full(p.right, kd)}")
             c = _key_scale(p.left, p.key)

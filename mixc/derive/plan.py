@@ -87,6 +87,7 @@ class StateIR:
     key: ir.Expr | None
     value: ir.Expr | None
     left: ir.Expr | None = None        # a rank-1 term left * (right @ S): left, right over the key dims
+                                       # (left over the value dims too: the per-value-column class)
     right: ir.Expr | None = None
     # the rank-r class (its unit's term_axes): its r terms (left, right), and B_t as m outer
     # products (key, value), its top-level sum split (() where a summand does not factor)
@@ -365,7 +366,7 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     decay_ir = functools.reduce(lambda a, b: affine.add(a, b), [t.scale or affine.num(1) for t in diag]) \
         if diag else affine.num(0)
     left = right = None
-    if transition == RANK1:
+    if transition == RANK1 or unit.left_per_value:      # one term left * (right @ S)
         left, right = proj[0].scale or affine.num(1), proj[0].proj
     pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value, left, right, terms, inputs)
     return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,
