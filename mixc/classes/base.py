@@ -155,11 +155,13 @@ class TransitionClass:
     # token, b_{i-1}, the suffix sums, g; None without a decay); logs the stabilizer's (m per
     # row, the gate, m at the start, m at the end) for a state of its group, else None.
     torch_batched: bool = True             # the batched form (torch_chunks.py) serves it
+    torch_chunk: int | None = None         # the torch form's default chunk (None: torch_chunk.TORCH_CHUNK)
     # The torch form's L, R carry a term axis [.., r, KF] (the plan's StateIR.terms) and K, V an
     # input-term axis [.., m, *] (StateIR.inputs: B_t = sum_m k_m v_m^T): the rank-r class
     term_axes: bool = False
-    # The torch form's L is [.., KF, VF]: the term's left varies per value column (the plan's
-    # StateIR.left over key and value dims; R stays [.., KF]): the per-value-column class
+    # The torch form's L varies per value column (the plan's StateIR.left over key and value
+    # dims; R stays [.., KF]): [.., KF + VF], its key and value factors side by side, where the
+    # left is their product, else [.., KF, VF]: the per-value-column class
     left_per_value: bool = False
 
     def decay_axis(self, st) -> str | None:

@@ -9,7 +9,7 @@ import pprint
 
 from .. import classes
 from ..derive import affine
-from ..derive.plan import Plan, _factor
+from ..derive.plan import Plan, _factor, _key_value
 from .chunk import ChunkCode
 from .torch_expr import TorchEmitter
 from .triton_expr import canon
@@ -102,8 +102,12 @@ def torch_hooks(plan: Plan) -> dict:
             out.append(f"{I1}_K[{st.name!r}] = {full(p.key, kd)}")
             out.append(f"{I1}_V[{st.name!r}] = {full(p.value, vd)}")
         axis = unit.decay_axis(st)                # what the log decay g runs over
-        if p.left is not None and unit.left_per_value:    # L [.., KF, VF] (mixc/classes/value_column.py)
-            out.append(f"{I1}_L[{st.name!r}] = {_element_log_decay(em, p.left, kd, vd, order)}")
+        if p.left is not None and unit.left_per_value:    # a left per value column (mixc/classes/value_column.py)
+            lk, lv = _key_value(p.left, st.key_dims, st.value_dims)
+            if lk is not None:                    # left = lk (x) lv: L [.., KF + VF], the two factors side by side
+                out.append(f"{I1}_L[{st.name!r}] = torch.cat([{full(lk, kd)}, {full(lv, vd)}], -1)")
+            else:                                 # no such factors: L [.., KF, VF]
+                out.append(f"{I1}_L[{st.name!r}] = {_element_log_decay(em, p.left, kd, vd, order)}")
             out.append(f"{I1}_R[{st.name!r}] = {full(p.right, kd)}")
         elif p.left is not None:                  # left * (right @ S): the WY/UT chunk (mixc/classes/rank1.py)
             out.append(f"{I1}_L[{st.name!r}] = {full(p.left, kd)}")

@@ -26,7 +26,7 @@ TORCH_CHUNK = 64
 
 def torch_chunked(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: torch.dtype, C: int | None = None):
     """(o [B, T, H, *out dims] in dtype, final states {name: [N, H, *dims]} or None)."""
-    C = C or TORCH_CHUNK
+    C = C or min(classes.unit(s.transition).torch_chunk or TORCH_CHUNK for s in plan.states)    # a class's own
     mod = load_module(plan)
     x = {n: t.to(dtype) for n, t in bound.inputs.items()}
     p = {n: t.to(dtype) for n, t in bound.params.items()}

@@ -22,9 +22,12 @@ STEPS = 3
 _step = "a * S"
 for _j in range(1, STEPS + 1):
     _step = f"({_step}) + beta{_j} * k{_j} * (v{_j} - k{_j} @ ({_step}))"
+_J = range(1, STEPS + 1)
+_INPUTS = ", ".join(["q[K]"] + [f"k{j}[K]" for j in _J] + [f"v{j}[V]" for j in _J] + ["g[]"]
+                   + [f"beta{j}[]" for j in _J])
 SPEC = f"""mixer gated_delta_product_3
   dims   K, V
-  input  q[K], {', '.join(f'k{j}[K]' for j in range(1, STEPS + 1))}, {', '.join(f'v{j}[V]' for j in range(1, STEPS + 1))}, g[], {', '.join(f'beta{j}[]' for j in range(1, STEPS + 1))}
+  input  {_INPUTS}
   option scale = K ** -0.5
   let    a = exp(g)
   state  S[K, V]

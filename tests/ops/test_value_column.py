@@ -114,16 +114,16 @@ def chunk_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("spec,mode,chunk", [("longhorn", "torch", 4), ("value_decay", "torch", 8),
-                                             ("longhorn", "auto", None), ("value_decay", "auto", 16)])
+                                             ("longhorn", "auto", None), ("value_decay", "auto", 32)])
 def test_torch_chunked_form_matches_loop(spec, mode, chunk, chunk_calls, monkeypatch):
-    """T = 21 over chunks of 4, 8, 16 and the default 64 (the last chunk partial)."""
+    """T = 21 over chunks of 4, 8, 32 and the class's default 16 (the last chunk partial)."""
     if mode == "auto":            # auto on CPU without Triton's interpreter is the torch backend
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     B, T, H = 2, 21, 2
     op, args, s0 = case(spec, B=B, T=T, H=H, seed={"longhorn": 3, "value_decay": 5}[spec] + (chunk or 0))
     kw = {} if chunk is None else {"chunk": chunk}
     o, fin = op(**args, initial_state=s0, output_final_state=True, mode=mode, **kw)
-    assert chunk_calls == [chunk or torch_chunk.TORCH_CHUNK]          # the chunked form ran, not the token loop
+    assert chunk_calls == [chunk or 16]          # the chunked form ran (the class's own C: 16), not the token loop
     o_l, fin_l = loop(spec, args, s0)
     check_all(f"{spec} {mode} C={chunk}", o, fin, o_l, fin_l, list(args.values()) + [s0["S"]],
               list(args) + ["initial_state[S]"], 1e-6, ST_TOL)
@@ -171,3 +171,43 @@ def test_packed_sequences_match_separate_loops(spec, mode):
     tol = ST_TOL if mode == "torch" else KERNEL_TOL
     check_all(f"{spec} {mode} packed", o, fin, torch.cat(outs, 1), {"S": torch.cat(finals, 0)},
               list(args.values()) + [s0["S"]], list(args) + ["initial_state[S]"], tol, tol)
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_the_left_comes_as_key_and_value_factors(spec):
+    """Longhorn's -eps k and the decayed delta rule's -a beta k reach the torch form as their
+    factors side by side, L [.., KF + VF] (products over the keys then [C, C], shared by the columns)."""
+    from mixc.runtime.cache import load_module
+    op, args, _ = case(spec, B=1, T=3, H=2, Kd=4, Vd=5, seed=1, requires_grad=False)
+    pc = load_module(op.plan()).torch_pieces(args, {}, {"scale": torch.tensor(0.5, dtype=torch.float64)}
+                                             if spec == "value_decay" else {}, {"K": 4, "V": 5}, 1, 3, 2)
+    assert pc["L"]["S"].shape == (1, 3, 2, 4 + 5)
+
+
+# a left that is no product of a key and a value factor (sigmoid(w) spans K and V): the torch form
+# takes it whole, L [.., KF, VF]
+FULL_LEFT = """mixer vc_full_left
+  dims   K, V
+  input  q[K], k[K], v[V], w[K, V]
+  state  S[K, V]
+  update S = S - 0.5 * sigmoid(w) * k * (k @ S) + k * v
+  output o = q @ S
+"""
+
+
+def test_a_left_without_key_and_value_factors(tmp_path):
+    from mixc.runtime.cache import load_module
+    from mixc.runtime.inputs import random_args
+    f = tmp_path / "vc_full_left.mix"
+    f.write_text(FULL_LEFT)
+    op = mixc.load(str(f))
+    assert op.plan().transition == "per-value-column rank-1" and op.plan().layout.torch_chunked
+    B, T, H, sizes = 2, 13, 2, {"K": 3, "V": 4}
+    args, _ = random_args(op.ir, B=B, T=T, H=H, sizes=sizes, seed=29, requires_grad=True)
+    pc = load_module(op.plan()).torch_pieces({k: v.detach() for k, v in args.items()}, {}, {}, sizes, B, T, H)
+    assert pc["L"]["S"].shape == (B, T, H, 3, 4)                 # the left itself, per column
+    s0 = random_state(op.ir, B, H, sizes, seed=31, requires_grad=True)
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="torch", chunk=5)
+    o_l, fin_l = op(**args, initial_state=s0, output_final_state=True, mode="reference")
+    check_all("full left", o, fin, o_l, fin_l, list(args.values()) + [s0["S"]], list(args) + ["initial_state[S]"],
+              1e-6, ST_TOL)
