@@ -90,6 +90,12 @@ class ScalarDecay(TransitionClass):
         w = torch.exp(sfx)                                                        # [B, c, H]
         return bl.exp()[:, :, None, None] * S + torch.einsum("bjhk,bjh,bjhv->bhkv", K, w, V)
 
+    def torch_chunks_update(self, dec, K, V):
+        """base's (K exp(b_C - b))^T V, into the group's arena without autograd (the walk reads it)."""
+        _, ops = torch_form()
+        Kw = dec.on_keys(K, 3).transpose(-1, -2)
+        return ops.mm(Kw, V, fast=dec.fast, out=dec.take(Kw.shape[:-1] + V.shape[-1:], V))
+
     def torch_chunks_readout(self, dec, Q, K, V, L, S_starts, U, prev):
         """The batched readout (base's), with exp(b) scaling the rows of Q S rather than Q: Q
         is a strided view of the input and Q * exp(b) a fresh copy of it, while Q S is fresh

@@ -12,6 +12,9 @@ log decay, never from differences of cumulative sums (a decay of 0 resets; dg st
 neighbours at strong decay)."""
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 
 
@@ -71,7 +74,7 @@ def pair_logs(g, prev, axis, masked=True):
     tail = () if axis == -1 else (1,)
     if prev:                 # row i takes the sum up to s = i - 1: g shifted by one token, s > j + 1
         g = torch.cat([torch.zeros_like(g.narrow(axis, 0, 1)), g.narrow(axis, 0, C - 1)], axis)
-    after, above = _pair_masks(C, prev, g.dtype, g.device)
+    after, above, _ = _pair_masks(C, prev, g.dtype, g.device)
     # in place on the fresh [C, C] tensor (autograd-safe: none of these saves its input)
     seg = torch.where(after.view((C, C) + tail), g.unsqueeze(axis),
                       torch.zeros((), dtype=g.dtype, device=g.device)).cumsum_(axis - 1)
@@ -80,13 +83,29 @@ def pair_logs(g, prev, axis, masked=True):
     return seg.add_(above.view((C, C) + tail)) if masked else seg
 
 
+def pair_factors(g, prev, axis):
+    """exp(pair_logs(g, prev, axis)), bit for bit: exp of the unmasked sums (an empty sum where
+    j is after the row: a factor of 1) times the causal [C, C] mask of 0 / 1, never exp(-inf):
+    torch's CPU exp leaves its vector path for -inf (and for results below the smallest normal
+    float), 3-8x slower per element, and half of a causal [C, C] is masked. In place but under
+    autograd (exp_ saves its result)."""
+    C = g.shape[axis]
+    w = pair_logs(g, prev, axis, masked=False).exp_()
+    inplace = not (g.requires_grad and torch.is_grad_enabled())
+    if axis == -1:
+        return w.tril_(-int(prev)) if inplace else w.tril(-int(prev))
+    keep = _pair_masks(C, prev, g.dtype, g.device)[2].view(C, C, 1)
+    return w.mul_(keep) if inplace else w * keep
+
+
 _MASKS: dict = {}
 
 
 def _pair_masks(C, prev, dtype, device):
-    """pair_logs' [C, C] constants: s after j (bool), and 0 / -inf (-inf where j is after the
-    row). Kept per (C, prev, dtype, device) outside torch.compile: built afresh they were six
-    small ops per call, twice per group in scalar_factors."""
+    """pair_logs' [C, C] constants: s after j (bool), 0 / -inf (-inf where j is after the row)
+    and its factor 1 / 0 (pair_factors). Kept per (C, prev, dtype, device) outside
+    torch.compile: built afresh they were six small ops per call, twice per group in
+    scalar_factors."""
     key = (C, prev, dtype, device)
     if key in _MASKS and not torch.compiler.is_compiling():
         return _MASKS[key]
@@ -94,15 +113,95 @@ def _pair_masks(C, prev, dtype, device):
     after = ar[:, None] > ar[None, :] + int(prev)                        # [s, j]: s after j
     above = torch.zeros((C, C), dtype=dtype, device=device).masked_fill_(
         ar[:, None] - int(prev) < ar[None, :], float("-inf"))
+    keep = (ar[:, None] - int(prev) >= ar[None, :]).to(dtype)
     if not torch.compiler.is_compiling():
-        _MASKS[key] = (after, above)
-    return after, above
+        _MASKS[key] = (after, above, keep)
+    return after, above, keep
 
 
 def groups(N, per_chunk, elements=None):
     """Slices of the N chunks, each group's tensors of about `elements` (GROUP_ELEMENTS)."""
     step = max(1, (elements or GROUP_ELEMENTS) // max(per_chunk, 1))
     return [slice(n, min(n + step, N)) for n in range(0, N, step)]
+
+
+# ---- a group's intermediates in buffers kept across calls (no autograd graph, CPU) ----
+# Fresh each call, a group's ~1 MB intermediates come from pages glibc handed back to the
+# OS when the last call freed them (it trims its heap top past twice the mmap threshold):
+# a page fault per 4 KB written, a fifth of simple_gla's forward at T = 1K.
+ARENA_ELEMENTS = 1 << 19        # a larger request is allocated afresh (and not kept)
+ARENA_TOTAL = 1 << 22           # elements one arena keeps at most (16 MB in float32)
+ARENA_MIN = 1 << 16             # the smallest buffer: small calls of growing T do not regrow it
+_ARENAS = threading.local()
+
+
+class Arena:
+    """The intermediates of one group of chunks: the group's i-th request (take) is a view of
+    the i-th buffer, kept across calls (one arena per thread, dtype and inference mode; a
+    buffer grows to the largest request seen, within ARENA_ELEMENTS and ARENA_TOTAL, so it
+    does not grow with the shapes seen). A take is valid until the next reset (the next
+    group, or the next call): nothing taken may be returned or carried past its group."""
+
+    def __init__(self, dtype):
+        self.dtype, self.bufs, self.n, self.busy = dtype, [], 0, False
+
+    def reset(self):
+        self.n = 0
+
+    def take(self, shape, like):
+        """An uninitialized [shape] tensor (like's dtype), distinct from every other take since
+        the last reset."""
+        shape = tuple(shape)
+        numel = math.prod(shape)
+        i = self.n
+        if numel > ARENA_ELEMENTS or like.dtype != self.dtype:
+            return like.new_empty(shape)
+        if i == len(self.bufs):
+            self.bufs.append(None)
+        buf = self.bufs[i]
+        if buf is None or buf.numel() < numel:
+            kept = sum(b.numel() for b in self.bufs if b is not None) - (buf.numel() if buf is not None else 0)
+            if kept + numel > ARENA_TOTAL:
+                return like.new_empty(shape)
+            self.bufs[i] = None             # freed first: its pages may serve the larger one
+            buf = self.bufs[i] = torch.empty(max(numel, min(ARENA_MIN, ARENA_TOTAL - kept)), dtype=self.dtype)
+        self.n = i + 1
+        return buf[:numel].view(shape)
+
+    def owns(self, t):
+        """Whether t's storage is one of the arena's buffers."""
+        p = t.untyped_storage().data_ptr()
+        return any(b is not None and b.untyped_storage().data_ptr() == p for b in self.bufs)
+
+
+def arena(like):
+    """This thread's arena for like's dtype, reset and marked busy (release_arena after the
+    call); None where none serves: not on the CPU, under torch.compile, or one already in use
+    on this thread (a call inside a call). The caller takes from it only without an autograd
+    graph: a take is overwritten by the next call, so autograd must save none."""
+    if like.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    arenas = _ARENAS.__dict__.setdefault("by_key", {})
+    # inference tensors cannot be written outside inference mode: one arena per mode
+    key = (like.dtype, torch.is_inference_mode_enabled())
+    a = arenas.get(key)
+    if a is None:
+        a = arenas[key] = Arena(like.dtype)
+    if a.busy:
+        return None
+    a.busy = True
+    a.reset()
+    return a
+
+
+def release_arena(a):
+    if a is not None:
+        a.busy = False
+
+
+def free_arenas():
+    """Drop this thread's arenas (their buffers are freed when no take is left alive)."""
+    _ARENAS.__dict__.pop("by_key", None)
 
 
 def causal_product(X, Y, prev):
@@ -123,7 +222,7 @@ def key_decay_product(X, Y, g, prev):
         return key_product(X, Y, g, prev)
     out = []
     for s in groups(N, BH * C * C * F):
-        w = pair_logs(g[:, s], prev, -2).exp_()                               # [BH, n, i, j, K]
+        w = pair_factors(g[:, s], prev, -2)                                  # [BH, n, i, j, K]
         out.append(((X[:, s].unsqueeze(-2) * w) * Y[:, s].unsqueeze(-3)).sum(-1))
     return out[0] if len(out) == 1 else torch.cat(out, 1)
 
@@ -153,7 +252,7 @@ def _key_product(X, Y, g, prev):
     b = gs.cumsum(3)                                                        # within each sub-chunk
     bq = torch.cat([torch.zeros_like(b[:, :, :, :1]), b[:, :, :, :-1]], 3) if prev else b
     sfx = torch.cat([gs.flip(3).cumsum(3).flip(3)[:, :, :, 1:], torch.zeros_like(gs[:, :, :, :1])], 3)
-    gap = pair_logs(b[:, :, :, -1], True, -2).exp_()     # [BH, N, I, J, F]: the sub-chunks between, J < I
+    gap = pair_factors(b[:, :, :, -1], True, -2)         # [BH, N, I, J, F]: the sub-chunks between, J < I
     # Y_j exp(from j to its sub-chunk's end) exp(the sub-chunks between): the [I, J, c, F]
     # tensor in one pass (a product of two factors <= 1, each of a sum over tokens), not three
     Ys = (Y.reshape(BH, N, n, c, F) * sfx.exp()).unsqueeze(2) * gap.unsqueeze(4)             # [.., I, J, c, F]
@@ -167,31 +266,68 @@ def _key_product(X, Y, g, prev):
     return (A + diag.unsqueeze(4) * eye).reshape(BH, N, C, C)
 
 
-def scalar_factors(g, prev):
+def scalar_factors(g, prev, arena=None):
     """exp(pair_logs(g, prev, -1)) [BH, N, C, C] for a scalar log decay g [BH, N, C], on
     sub-chunks of SUB as key_product: per pair inside a sub-chunk; across sub-chunks the product
     exp(the log decay from its sub-chunk's start to i) exp(the sub-chunks between) exp(from j
     to its sub-chunk's end), each factor a sum over tokens (a reset's -inf gives 0, never NaN:
-    every factor is at most 1 for log decays <= 0, the only ones taken here)."""
+    every factor is at most 1 for log decays <= 0, the only ones taken here). arena: where
+    the [C, C] factors and their block-diagonal go (an Arena, or None: fresh tensors)."""
     BH, N, C = g.shape
     if C % SUB or C <= SUB or torch.compiler.is_compiling() or not bool((g <= 0).all()):
-        return pair_logs(g, prev, -1).exp_()
+        return pair_factors(g, prev, -1)
     m, c = C // SUB, SUB
     gs = g.reshape(BH, N, m, c)
     b = gs.cumsum(-1)                                                       # within each sub-chunk
     bq = torch.cat([torch.zeros_like(b[..., :1]), b[..., :-1]], -1) if prev else b
     sfx = torch.cat([gs.flip(-1).cumsum(-1).flip(-1)[..., 1:], torch.zeros_like(gs[..., :1])], -1)
-    gap = pair_logs(b[..., -1], True, -1).exp_()           # [BH, N, I, J]: the sub-chunks between, J < I
+    gap = pair_factors(b[..., -1], True, -1)               # [BH, N, I, J]: the sub-chunks between, J < I
     rows = bq.exp().unsqueeze(-1) * gap.unsqueeze(-2)                       # [BH, N, I, i, J]
     # D[I, i, J, j] = rows[I, i, J] exp(sfx[J, j]) as rows @ E, E [m, m c] block-diagonal
     # (E[J, J c + j] = exp(sfx[J, j])): each entry one product and m - 1 exact zeros, so equal
     # to the broadcast product, which was 3x slower (a size-1 last dim) and an eighth of the
     # forward of simple_gla at T = 1K
-    E = g.new_zeros(BH * N, m, m, c)
+    E = g.new_zeros(BH * N, m, m, c) if arena is None else arena.take((BH * N, m, m, c), g).zero_()
     E.diagonal(dim1=1, dim2=2).copy_(sfx.exp().reshape(BH * N, m, c).transpose(1, 2))
-    D = torch.bmm(rows.reshape(BH * N, C, m), E.reshape(BH * N, m, C)).view(BH, N, m, c, m, c)
-    D.diagonal(dim1=2, dim2=4).copy_(pair_logs(gs, prev, -1).exp_().permute(0, 1, 3, 4, 2))
+    D = torch.bmm(rows.reshape(BH * N, C, m), E.reshape(BH * N, m, C),
+                  out=None if arena is None else arena.take((BH * N, C, C), g)).view(BH, N, m, c, m, c)
+    D.diagonal(dim1=2, dim2=4).copy_(pair_factors(gs, prev, -1).permute(0, 1, 3, 4, 2))
     return D.reshape(BH, N, C, C)
+
+
+# the row and column factors' range: |log| <= ROW_COL_BOUND about each chunk's middle, so that
+# u, v in [e^-40, e^40] (no overflow, no subnormal) and u_i v_j of j after i at most e^80,
+# finite or inf in a product that tril_ then overwrites with 0
+ROW_COL_BOUND = 40.0
+SPLIT = 2.0 ** 14           # hi = (g + SPLIT) - SPLIT: g on a grid of 2^-10 (float32)
+
+
+def row_col_factors(g):
+    """(u, u of the row before, v) [BH, N, C] with u_i v_j = exp(the log decay from token j to
+    i) for a scalar log decay g [BH, N, C] (j <= i; u of the row before for a readout of
+    S_{i-1}), or None where g is out of ROW_COL_BOUND (a strong decay, a reset's -inf, NaN),
+    another dtype than float32/64, or under torch.compile (a host read).
+
+    As the kernels' compensated sums (scalar.j2's pair_logs): g = hi + lo with hi on a grid,
+    whose cumulative sums bh are exact (and their differences), lo's bl of size below C
+    2^-10. u_i = exp(bh_i - r) exp(bl_i), v_j = exp(r - bh_j) exp(-bl_j) (r = bh at the
+    chunk's middle, on the grid): each exp of an exact exponent or of a small one, so u_i v_j
+    is the pair's factor to a few ulp (never to ulp(b), as exp(b_i) exp(-b_j) would be)."""
+    if g.dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
+        return None
+    C = g.shape[-1]
+    hi = (g + SPLIT) - SPLIT
+    lo = g - hi                                                 # exact (Sterbenz)
+    bh = hi.cumsum(-1)
+    bh = bh - bh[..., C // 2:C // 2 + 1]                        # exact: both on the grid
+    if not float(bh.abs().amax()) <= ROW_COL_BOUND:             # NaN and inf fail too
+        return None
+    bl = lo.cumsum(-1)
+    u = bh.exp().mul_(bl.exp())
+    v = bh.neg().exp_().mul_(bl.neg().exp_())
+    # the row before: u shifted (row 0 reads no key of the chunk: 0, its products all masked)
+    uq = torch.cat([torch.zeros_like(u[..., :1]), u[..., :-1]], -1)
+    return u, uq, v
 
 
 def value_mix(A, V, g, prev):
@@ -199,7 +335,7 @@ def value_mix(A, V, g, prev):
     BH, N, C, F = V.shape
     out = []
     for s in groups(N, BH * C * C * F):
-        w = pair_logs(g[:, s], prev, -2).exp_()                               # [BH, n, i, j, V]
+        w = pair_factors(g[:, s], prev, -2)                                  # [BH, n, i, j, V]
         out.append((A[:, s].unsqueeze(-1) * w * V[:, s].unsqueeze(-3)).sum(-2))
     return out[0] if len(out) == 1 else torch.cat(out, 1)
 
@@ -215,13 +351,13 @@ def chunk_logs(g, axis):
     return b, b.select(axis, -1), torch.cat([z, b.narrow(axis, 0, C - 1)], axis), sfx
 
 
-def scale_rows(X, f, fast):
-    """X * f (f broadcast to X's shape). fast: into a fresh contiguous tensor: X * f on the
-    chunk layout's strided views keeps their strides, 2.5x slower (torch.broadcast_shapes
-    is python, ~0.4 ms a call: X's shape is the product's)."""
+def scale_rows(X, f, fast, arena=None):
+    """X * f (f broadcast to X's shape). fast: into a fresh contiguous tensor (the arena's,
+    when given): X * f on the chunk layout's strided views keeps their strides, 2.5x slower
+    (torch.broadcast_shapes is python, ~0.4 ms a call: X's shape is the product's)."""
     if not fast:
         return X * f
-    return torch.mul(X, f, out=X.new_empty(X.shape))
+    return torch.mul(X, f, out=arena.take(X.shape, X) if arena is not None else X.new_empty(X.shape))
 
 
 # the most leading indices mm loops over (one matmul each) before it takes matmul's copy
@@ -262,11 +398,19 @@ class NoDecay:
         # fast: where a unit's readout may write its readouts [BH, n, C, VF] (a slice of the
         # whole output, torch_chunks sets it per readout; None: a fresh tensor)
         self.out = None
+        # fast on the CPU: the group's Arena (torch_chunks sets it), for the intermediates
+        # that die with the group (the products, the scaled rows)
+        self.arena = None
+
+    def take(self, shape, like):
+        """An uninitialized tensor from the group's arena, or None without one (a fresh one)."""
+        return self.arena.take(shape, like) if self.arena is not None else None
 
     def product(self, X, Y, prev):
         """[BH, N, C(i), C(j)]: sum_k X_ik Y_jk exp(the pair's log decay), causal."""
         if self.fast:
-            return mm(X, Y.transpose(-1, -2), fast=True).tril_(-int(prev))
+            out = self.take(X.shape[:-1] + Y.shape[-2:-1], X)
+            return mm(X, Y.transpose(-1, -2), fast=True, out=out).tril_(-int(prev))
         return causal_product(X, Y, prev)
 
     def on_keys(self, X, which):
@@ -289,18 +433,34 @@ class ScalarDecay(NoDecay):
         super().__init__(g, fast)
         self.logs = chunk_logs(g, self.axis)
         self._pairs = {}
+        self._rows = None           # fast: row_col_factors(g) once, False where out of range
+        self._cols = []             # (Y, Y's rows times the column factors) per product's Y
 
     def product(self, X, Y, prev):
+        if self.fast:
+            if self._rows is None:
+                self._rows = row_col_factors(self.g) or False
+            if self._rows:
+                # A_ij = (X_i u_i) . (Y_j v_j), u_i v_j the pair's factor for j <= i: two scaled
+                # copies of [C, dim] rows instead of the [C, C] factors (their exp and product)
+                u, uq, v = self._rows
+                Ys = next((s for y, s in self._cols if y is Y), None)
+                if Ys is None:              # one scaled copy of Y for every product that reads it
+                    Ys = scale_rows(Y, v.unsqueeze(-1), True, self.arena)
+                    self._cols.append((Y, Ys))
+                Xs = scale_rows(X, (uq if prev else u).unsqueeze(-1), True, self.arena)
+                out = self.take(X.shape[:-1] + Y.shape[-2:-1], X)
+                return mm(Xs, Ys.transpose(-1, -2), fast=True, out=out).tril_(-int(prev))
         if prev not in self._pairs:
             # factored on sub-chunks without autograd (one pass, not four); the backward
             # keeps the per-pair sums' gradients
-            self._pairs[prev] = (scalar_factors(self.g, prev) if self.fast
-                                 else pair_logs(self.g, prev, -1).exp_())
-        A = mm(X, Y.transpose(-1, -2), fast=self.fast)
+            self._pairs[prev] = (scalar_factors(self.g, prev, self.arena) if self.fast
+                                 else pair_factors(self.g, prev, -1))
+        A = mm(X, Y.transpose(-1, -2), fast=self.fast, out=self.take(X.shape[:-1] + Y.shape[-2:-1], X))
         return A.mul_(self._pairs[prev]) if self.fast else A * self._pairs[prev]
 
     def on_keys(self, X, which):
-        return scale_rows(X, self.logs[which].exp().unsqueeze(-1), self.fast)
+        return scale_rows(X, self.logs[which].exp().unsqueeze(-1), self.fast, self.arena)
 
     def last(self):
         return self.logs[1].exp()[..., None, None]
@@ -319,7 +479,7 @@ class KeyDecay(NoDecay):
         return key_decay_product(X, Y, self.g, prev)
 
     def on_keys(self, X, which):
-        return scale_rows(X, self.logs[which].exp(), self.fast)
+        return scale_rows(X, self.logs[which].exp(), self.fast, self.arena)
 
     def last(self):
         return self.logs[1].exp().unsqueeze(-1)

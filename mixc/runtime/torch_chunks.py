@@ -20,10 +20,12 @@ log decay of 0 leave the state as it is), so one walk serves them all, resetting
 sequence's first chunk."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import classes
-from ..classes.torch_ops import GROUP_ELEMENTS, groups
+from ..classes.torch_ops import GROUP_ELEMENTS, arena, groups, release_arena
 
 # the forward runs in groups of chunks of about GROUP_ELEMENTS elements (classes/torch_ops.py:
 # 1 MB in float32, below glibc's mmap threshold); under autograd the groups are larger (fewer
@@ -40,6 +42,11 @@ class Layout:
     """Tokens [B, T, H, *] <-> chunks [B' * H, N, C, *] (B' = 1 with cu_seqlens)."""
 
     fast = False            # no autograd graph is recorded (torch_forward_batched sets it)
+    # fast on the CPU: the classes.torch_ops.Arena the group's intermediates are taken from
+    # (reset at each group; nothing taken outlives its group)
+    arena = None
+    # {state: its key-side inputs hold no inf or NaN} (checked once a call; absent: unknown)
+    finite: dict = {}
 
     def __init__(self, B, T, H, C, cu_seqlens, device):
         self.B, self.T, self.H, self.C = B, T, H, C
@@ -98,6 +105,20 @@ class Layout:
         ys = [y.reshape((self.Bp, self.H, -1) + tuple(f)).transpose(1, 2) for y in parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, 1)
         return y[:, :self.T] if self.idx is None else y.index_select(1, self.back)
+
+
+def all_finite(*xs) -> bool:
+    """Whether the tensors hold no inf or NaN, by one sum each (a finite total means none
+    does; an overflowing one answers False, and the row test below decides). False under
+    torch.compile, where a host read is a graph break."""
+    if torch.compiler.is_compiling():
+        return False
+    total = None
+    for x in xs:
+        if x is not None:
+            s = x.detach().sum()
+            total = s if total is None else total.add_(s)
+    return total is None or math.isfinite(total.item())
 
 
 def nonfinite_rows(*xs):
@@ -168,11 +189,14 @@ def _walk_into(lay, s, KV, a, S, init, finals, rank1):
     # [BH, KF, VF] of a state (rank-1 without KV: Wm [BH, n, C, KF], W0 [BH, n, C, VF])
     shape = (KV.shape[:1] + KV.shape[2:]) if KV is not None else (rank1[1].shape[:1] + rank1[1].shape[3:]
                                                                   + rank1[0].shape[3:])
-    buf = (KV if KV is not None else rank1[0]).new_empty((n1 - n0 + 1,) + shape)
+    like = KV if KV is not None else rank1[0]
+    buf = lay.arena.take((n1 - n0 + 1,) + shape, like) if lay.arena is not None else like.new_empty(
+        (n1 - n0 + 1,) + shape)
     bufs, KVs = buf.unbind(0), (KV.unbind(1) if KV is not None else None)
     a = a.expand(shape[:1] + (n1 - n0,) + a.shape[2:]).unbind(1) if a is not None else None
     if rank1 is not None:
-        us = rank1[0].new_empty((n1 - n0,) + rank1[0].shape[:1] + rank1[0].shape[2:3] + shape[2:])
+        ushape = (n1 - n0,) + rank1[0].shape[:1] + rank1[0].shape[2:3] + shape[2:]
+        us = lay.arena.take(ushape, like) if lay.arena is not None else like.new_empty(ushape)
         W0, Wm, LwT = (t.unbind(1) for t in rank1)
         U = us.unbind(0)
     if not lay.first[n0]:
@@ -197,7 +221,9 @@ def _walk_into(lay, s, KV, a, S, init, finals, rank1):
             torch.addcmul(KVs[i], a[i], bufs[i], out=bufs[i + 1])
         if lay.last.get(lay.seq[n]) == n:           # a copy: the next sequence's reset takes this slot
             finals[lay.seq[n]] = bufs[i + 1].clone()
-    return buf[:-1].transpose(0, 1), (us.transpose(0, 1) if rank1 is not None else None), bufs[-1]
+    # the state carried to the next group: a copy out of the arena, which the next group reuses
+    S = bufs[-1] if lay.arena is None else bufs[-1].clone()
+    return buf[:-1].transpose(0, 1), (us.transpose(0, 1) if rank1 is not None else None), S
 
 
 def _readout_part(unit, dec, terms, K, V, L, S_starts, U, prev):
@@ -239,6 +265,10 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
     # for its final state
     live = {name: st for name, st in STATES.items()
             if output_final_state or any(rd["state"] == name for rd in READOUTS.values())}
+    # each state's key-side inputs checked once for inf / NaN over the whole sequence: where
+    # they are finite no group repeats the test (nonfinite_rows)
+    lay.finite = {name: all_finite(pc["K"][name], pc["V"][name], pc.get("Lc", {}).get(name, pc["L"].get(name)),
+                                   pc["R"].get(name)) for name in live}
     carry = {name: None for name in STATES}
     finals = {name: {} for name in STATES}
     parts = {rname: [] for rname in READOUTS}
@@ -250,25 +280,35 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
     if lay.fast and lay.idx is None and len(grouped) > 1:
         whole = {rname: torch.empty((BH, lay.N, C, dims[rd["state"]][1]), dtype=dtype, device=device)
                  for rname, rd in READOUTS.items()}
-    for s in grouped:
-        walked = {}
-        for name, st in live.items():
-            walked[name], carry[name] = _state_group(lay, s, st, pc, name, carry[name],
-                                                     lambda i, name=name: init(name, i), finals[name])
-        for rname, rd in READOUTS.items():
-            unit = classes.unit(STATES[rd["state"]]["class"])
-            K, V, L, dec, S_starts, U, bad = walked[rd["state"]]
-            terms = [(lay.chunks(Q, s), lay.chunks(sc, s)) for Q, sc in pc["Q"][rname]]
-            into = whole[rname][:, s] if rname in whole else None
-            dec.out = into if len(terms) == 1 and terms[0][1] is None else None
-            total = _readout_part(unit, dec, terms, K, V, L, S_starts, U, rd["prev"])
-            dec.out = None
-            if bad is not None:
-                seen = bad.cumsum(-1) - (bad.to(torch.long) if rd["prev"] else 0)      # bad tokens up to the row
-                total = total.masked_fill((seen > 0).unsqueeze(-1), float("nan"))
-            if into is not None and total.data_ptr() != into.data_ptr():
-                into.copy_(total)
-            parts[rname].append(into if into is not None else total)
+    # fast on the CPU: the groups' intermediates from buffers kept across calls (torch_ops.Arena)
+    lay.arena = arena(x0) if lay.fast else None
+    try:
+        for s in grouped:
+            if lay.arena is not None:       # the last group's takes are dead
+                lay.arena.reset()
+            walked = {}
+            for name, st in live.items():
+                walked[name], carry[name] = _state_group(lay, s, st, pc, name, carry[name],
+                                                         lambda i, name=name: init(name, i), finals[name])
+            for rname, rd in READOUTS.items():
+                unit = classes.unit(STATES[rd["state"]]["class"])
+                K, V, L, dec, S_starts, U, bad = walked[rd["state"]]
+                terms = [(lay.chunks(Q, s), lay.chunks(sc, s)) for Q, sc in pc["Q"][rname]]
+                into = whole[rname][:, s] if rname in whole else None
+                dec.out = into if len(terms) == 1 and terms[0][1] is None else None
+                total = _readout_part(unit, dec, terms, K, V, L, S_starts, U, rd["prev"])
+                dec.out = None
+                if bad is not None:
+                    seen = bad.cumsum(-1) - (bad.to(torch.long) if rd["prev"] else 0)      # bad tokens up to the row
+                    total = total.masked_fill((seen > 0).unsqueeze(-1), float("nan"))
+                if into is not None and total.data_ptr() != into.data_ptr():
+                    into.copy_(total)
+                elif into is None and lay.arena is not None and lay.arena.owns(total):
+                    total = total.clone()           # a readout is returned: never an arena's view
+                parts[rname].append(into if into is not None else total)
+    finally:
+        release_arena(lay.arena)
+        lay.arena = None
     r = {}
     for rname, rd in READOUTS.items():
         vf = dims[rd["state"]][1]
@@ -310,12 +350,13 @@ def _state_group(lay, s, st, pc, name, S, init, finals):
     R = lay.chunks(pc["R"].get(name), s)
     # causality under non-finite input: a token's key-side rows holding inf or NaN are zeroed
     # before the matmuls; the readouts from it on and the states after are NaN
-    bad = nonfinite_rows(K, V, L.unsqueeze(-1) if scaled else L, R)
+    bad = None if lay.finite.get(name) else nonfinite_rows(K, V, L.unsqueeze(-1) if scaled else L, R)
     if bad is not None:
         K, V, R = (t.masked_fill(bad.unsqueeze(-1), 0.0) if t is not None else None for t in (K, V, R))
         if L is not None:
             L = L.masked_fill(bad if scaled else bad.unsqueeze(-1), 0.0)
     dec = unit.torch_decay(st, lay.chunks(pc["g"][name], s), lay.fast)
+    dec.arena = lay.arena
     rank1 = unit.torch_chunks_setup(dec, K, V, L, R)          # rank-1: the WY/UT solve, U = W0 + Wm S0
     # with left = c * key the rank-1 unit's U holds the values too: no separate K^T V
     KV = None if scaled else unit.torch_chunks_update(dec, K, V)
