@@ -13,10 +13,16 @@ changes. Its naive chunked functions in fla-core 0.6.0 and their conventions:
 
 gla has only a recurrent naive form, retention a quadratic one, so neither is here. For the
 [B, H, T, d] ones the transpose from [B, T, H, d] is inside fla's timed call, as a caller
-holding mixc's layout would do it. T must be a multiple of 64 (fla's linear_attn does not pad)."""
+holding mixc's layout would do it. T must be a multiple of 64 (fla's linear_attn does not pad).
+
+Each cell is the median of the calls' thread CPU time (time.thread_time: on a shared machine
+wall time counts other processes' turns), with the quartiles of the per-pair ratios (call i of
+mixc over call i of fla) as its spread, the minor page faults per call (a fresh tensor whose
+pages glibc returned to the OS costs one per 4 KB touched) and the load average."""
 from __future__ import annotations
 
 import importlib
+import os
 import statistics
 import time
 
@@ -72,24 +78,34 @@ def call_fla(spec: str, fn, kw: dict):
     return fn(*t, kw["w"].transpose(1, 2), kw["u"]).transpose(1, 2)
 
 
+def _minor_faults() -> int:
+    try:
+        import resource         # optional: POSIX only (the fault column is 0 elsewhere)
+        return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
+    except (ImportError, OSError):
+        return 0
+
+
 def _timer(fn, args: dict, backward: bool):
+    """A call of fn (and its backward): (thread CPU seconds, wall seconds, minor page faults)."""
     grads = [x for x in args.values() if x.is_floating_point()]
 
     def once():
         for x in grads:
             x.grad = None
-        t0 = time.perf_counter()
+        f0, c0, t0 = _minor_faults(), time.thread_time(), time.perf_counter()
         o = fn()
         if backward:
             o.sum().backward()
-        return time.perf_counter() - t0
+        return time.thread_time() - c0, time.perf_counter() - t0, _minor_faults() - f0
     return once
 
 
 def compare(spec: str, T: int, fns: dict, *, B: int = 1, H: int = 4, D: int = 64, reps: int = 5,
             backward: bool = False) -> dict:
-    """mixc's and fla's median ms, calls alternating (a warm-up each first), and their outputs'
-    largest relative difference."""
+    """mixc's and fla's median thread CPU ms, calls alternating (a warm-up each first), the
+    quartiles of the per-pair ratios, faults per call, and their outputs' largest relative
+    difference."""
     op, kw, opts = inputs(spec, B, T, H, D)
     if backward:
         for x in kw.values():
@@ -109,12 +125,19 @@ def compare(spec: str, T: int, fns: dict, *, B: int = 1, H: int = 4, D: int = 64
         tm.append(run_m())
         if run_f is not None:
             tf.append(run_f())
-    ms_m = statistics.median(tm) * 1e3
-    ms_f = statistics.median(tf) * 1e3 if tf else None
-    row = {"spec": spec, "T": T, "B": B, "H": H, "D": D, "backward": backward, "mixc_ms": ms_m, "fla_ms": ms_f,
-           "ratio": ms_m / ms_f if ms_f else None, "max_rel_diff": diff}
+    ms_m = statistics.median(c for c, _, _ in tm) * 1e3
+    ms_f = statistics.median(c for c, _, _ in tf) * 1e3 if tf else None
+    row = {"spec": spec, "T": T, "B": B, "H": H, "D": D, "backward": backward, "reps": reps, "clock": "thread_time",
+           "mixc_ms": ms_m, "fla_ms": ms_f, "ratio": ms_m / ms_f if ms_f else None, "max_rel_diff": diff,
+           "mixc_wall_ms": statistics.median(w for _, w, _ in tm) * 1e3,
+           "mixc_faults": statistics.median(f for _, _, f in tm), "load": os.getloadavg()[0]}
     if ms_f is None:
         row["fla_note"] = why
+        return row
+    pair = [m[0] / f[0] for m, f in zip(tm, tf) if f[0] > 0]
+    q = statistics.quantiles(pair, n=4) if len(pair) > 1 else [pair[0]] * 3
+    row.update({"ratio_q1": q[0], "ratio_q3": q[2], "fla_wall_ms": statistics.median(w for _, w, _ in tf) * 1e3,
+                "fla_faults": statistics.median(f for _, _, f in tf)})
     return row
 
 
@@ -130,7 +153,9 @@ def side_by_side(Ts, *, specs=SPECS, B: int = 1, H: int = 4, D: int = 64, reps: 
     for spec in specs:
         for T in Ts:
             for bwd in ((False, True) if backward else (False,)):
-                rows.append(compare(spec, T, fns, B=B, H=H, D=D, reps=reps, backward=bwd))
+                # past 4K a call takes long enough for fewer repeats (a third, at least 3)
+                n = reps if T <= 4096 else max(3, reps // 3)
+                rows.append(compare(spec, T, fns, B=B, H=H, D=D, reps=n, backward=bwd))
                 if log:
                     log(fla_table({"rows": rows[-1:]}, header=False))
     return {"fla": why, "threads": torch.get_num_threads(), "reps": reps, "rows": rows}
@@ -141,15 +166,17 @@ def fla_table(result: dict, header: bool = True) -> str:
         return f"fla column: {result['fla']}"
     out = []
     if header:
-        h = (f"{'spec':18} {'T':>6} {'pass':8} {'mixc ms':>10} {'fla ms':>10} {'x fla':>7} {'rel diff':>9} "
-             f"{'mixc us/tok':>11}")
+        h = (f"{'spec':18} {'T':>6} {'pass':8} {'mixc ms':>10} {'fla ms':>10} {'x fla':>7} {'q1-q3':>11} "
+             f"{'rel diff':>9} {'mixc us/tok':>11} {'faults m/f':>11} {'load':>5}")
         out += [h, "-" * len(h)]
     for r in result["rows"]:
-        fla = (f"{r['fla_ms']:>10.1f} {r['ratio']:>7.2f}" if r["fla_ms"] is not None else f"{'n/a':>10} {'':>7}")
+        fla = (f"{r['fla_ms']:>10.2f} {r['ratio']:>7.2f} {r.get('ratio_q1', 0):>5.2f}-{r.get('ratio_q3', 0):<5.2f}"
+               if r["fla_ms"] is not None else f"{'n/a':>10} {'':>7} {'':>11}")
         # time per token (B tokens a step): flat across T when the backend is linear in T
         per_tok = r["mixc_ms"] * 1e3 / (r["B"] * r["T"])
-        out.append(f"{r['spec']:18} {r['T']:>6} {'fwd+bwd' if r['backward'] else 'fwd':8} {r['mixc_ms']:>10.1f} "
-                   f"{fla} {r['max_rel_diff']:>9.1e} {per_tok:>11.2f}")
+        faults = f"{r.get('mixc_faults', 0):.0f}/{r.get('fla_faults', 0):.0f}" if r["fla_ms"] is not None else ""
+        out.append(f"{r['spec']:18} {r['T']:>6} {'fwd+bwd' if r['backward'] else 'fwd':8} {r['mixc_ms']:>10.2f} "
+                   f"{fla} {r['max_rel_diff']:>9.1e} {per_tok:>11.2f} {faults:>11} {r.get('load', 0):>5.1f}")
     return "\n".join(out)
 
 

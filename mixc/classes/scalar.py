@@ -99,11 +99,13 @@ class ScalarDecay(TransitionClass):
     def torch_chunks_readout(self, dec, Q, K, V, L, S_starts, U, prev):
         """The batched readout (base's), with exp(b) scaling the rows of Q S rather than Q: Q
         is a strided view of the input and Q * exp(b) a fresh copy of it, while Q S is fresh
-        and contiguous, scaled in place without autograd."""
+        and contiguous, scaled in place without autograd; or, where the decay keeps Q * exp(b)
+        for its product anyway (dec.readout_rows: the row and column factors), that copy."""
         _, ops = torch_form()
-        val = ops.mm(Q, S_starts, fast=dec.fast, out=dec.out)
-        if dec.logs is not None:                # None: a log decay of constant 0
-            e = dec.logs[2 if prev else 0].exp().unsqueeze(-1)
+        Qe = dec.readout_rows(Q, prev)
+        val = ops.mm(Q if Qe is None else Qe, S_starts, fast=dec.fast, out=dec.out)
+        if Qe is None and dec.axis is not None:         # None: a log decay of constant 0
+            e = dec.key_factor(2 if prev else 0).unsqueeze(-1)
             val = val.mul_(e) if dec.fast else val * e
         return ops.mm(dec.product(Q, K, prev), V, val, fast=dec.fast)
 

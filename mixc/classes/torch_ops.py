@@ -303,31 +303,31 @@ SPLIT = 2.0 ** 14           # hi = (g + SPLIT) - SPLIT: g on a grid of 2^-10 (fl
 
 
 def row_col_factors(g):
-    """(u, u of the row before, v) [BH, N, C] with u_i v_j = exp(the log decay from token j to
-    i) for a scalar log decay g [BH, N, C] (j <= i; u of the row before for a readout of
-    S_{i-1}), or None where g is out of ROW_COL_BOUND (a strong decay, a reset's -inf, NaN),
+    """(u, u of the row before, v, R) with u_i v_j = exp(the log decay from token j to i) for a
+    scalar log decay g [BH, N, C] (j <= i; u of the row before for a readout of S_{i-1}), u, v
+    [BH, N, C], and R [BH, N, 1] with u_i R = exp(b_i), b the cumulative log decay in the
+    chunk; or None where g is out of ROW_COL_BOUND (a strong decay, a reset's -inf, NaN), of
     another dtype than float32/64, or under torch.compile (a host read).
 
     As the kernels' compensated sums (scalar.j2's pair_logs): g = hi + lo with hi on a grid,
     whose cumulative sums bh are exact (and their differences), lo's bl of size below C
-    2^-10. u_i = exp(bh_i - r) exp(bl_i), v_j = exp(r - bh_j) exp(-bl_j) (r = bh at the
-    chunk's middle, on the grid): each exp of an exact exponent or of a small one, so u_i v_j
-    is the pair's factor to a few ulp (never to ulp(b), as exp(b_i) exp(-b_j) would be)."""
+    2^-10. u_i = exp(bh_i - r) exp(bl_i) and v = 1 / u (r = bh at the chunk's middle, on the
+    grid): each exp of an exact exponent or of a small one, so u_i v_j is the pair's factor to
+    a few ulp (never to ulp(b), as exp(b_i) exp(-b_j) would be)."""
     if g.dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
         return None
     C = g.shape[-1]
     hi = (g + SPLIT) - SPLIT
     lo = g - hi                                                 # exact (Sterbenz)
-    bh = hi.cumsum(-1)
-    bh = bh - bh[..., C // 2:C // 2 + 1]                        # exact: both on the grid
+    z = torch.zeros_like(g[..., :1])
+    bh = torch.cat([z, hi], -1).cumsum_(-1)                     # [.., C + 1]: from before the chunk
+    r = bh[..., C // 2:C // 2 + 1]
+    bh = bh - r                                                 # exact: both on the grid
     if not float(bh.abs().amax()) <= ROW_COL_BOUND:             # NaN and inf fail too
         return None
-    bl = lo.cumsum(-1)
-    u = bh.exp().mul_(bl.exp())
-    v = bh.neg().exp_().mul_(bl.neg().exp_())
-    # the row before: u shifted (row 0 reads no key of the chunk: 0, its products all masked)
-    uq = torch.cat([torch.zeros_like(u[..., :1]), u[..., :-1]], -1)
-    return u, uq, v
+    ex = bh.exp_().mul_(torch.cat([z, lo], -1).cumsum_(-1).exp_())
+    u = ex[..., 1:]
+    return u, ex[..., :-1], u.reciprocal(), r.exp()
 
 
 def value_mix(A, V, g, prev):
@@ -370,6 +370,23 @@ def mm(X, Y, acc=None, fast=False, out=None):
     given: a slice of the whole output). The chunk layout's views of
     [B, T, H, d] have no single stride over [BH, n], so matmul copies them whole; one bmm per
     head reads them with the row stride H d instead."""
+    if fast:
+        # one bmm where [BH, n] is one stride in all three (a single chunk, a single head, the
+        # arena's contiguous tensors): a call and three views per head fewer
+        Xb, Yb = _batched(X), _batched(Y)
+        if Xb is not None and Yb is not None:
+            if acc is not None:
+                accb = _batched(acc)
+                if accb is not None:
+                    accb.baddbmm_(Xb, Yb)
+                    return acc
+            else:
+                res = out if out is not None else torch.empty(X.shape[:-1] + Y.shape[-1:], dtype=X.dtype,
+                                                              device=X.device)
+                resb = _batched(res)
+                if resb is not None and resb.is_contiguous():
+                    torch.bmm(Xb, Yb, out=resb)
+                    return res
     if not fast or X.shape[0] > MM_LOOP:
         P = X @ Y
         return P if acc is None else P.add_(acc)        # in place on the fresh product (autograd-safe)
@@ -381,6 +398,14 @@ def mm(X, Y, acc=None, fast=False, out=None):
     for h in range(X.shape[0]):
         acc[h].baddbmm_(X[h], Y[h])
     return acc
+
+
+def _batched(t):
+    """t [BH, n, a, b] viewed as [BH n, a, b], or None where BH and n have no single stride."""
+    BH, n = t.shape[:2]
+    if n == 1 or BH == 1 or t.stride(0) == n * t.stride(1):
+        return t.view((BH * n,) + t.shape[2:])
+    return None
 
 
 # ---- the decays of the batched form (a unit's torch_decay) ----
@@ -406,6 +431,10 @@ class NoDecay:
         """An uninitialized tensor from the group's arena, or None without one (a fresh one)."""
         return self.arena.take(shape, like) if self.arena is not None else None
 
+    def readout_rows(self, Q, prev):
+        """Q times exp(b) (b_{i-1} with prev) where a decay keeps that tensor anyway, else None."""
+        return None
+
     def product(self, X, Y, prev):
         """[BH, N, C(i), C(j)]: sum_k X_ik Y_jk exp(the pair's log decay), causal."""
         if self.fast:
@@ -424,33 +453,45 @@ class NoDecay:
 
 
 class ScalarDecay(NoDecay):
-    """A log decay per head and token, g [BH, N, C]: the scalar pair factors are built once per
-    prev and shared by every product."""
+    """A log decay per head and token, g [BH, N, C]. Without autograd, where g is in their range,
+    from row and column factors (row_col_factors: the products, the factors on the keys and of
+    the walk, no [C, C] factors); else from the chunk logs, the pair factors built once per prev
+    and shared by every product."""
 
     axis = -1
 
     def __init__(self, g, fast=False):
         super().__init__(g, fast)
-        self.logs = chunk_logs(g, self.axis)
+        self._rc = row_col_factors(g) if fast else None
+        self.logs = chunk_logs(g, self.axis) if self._rc is None else None
         self._pairs = {}
-        self._rows = None           # fast: row_col_factors(g) once, False where out of range
-        self._cols = []             # (Y, Y's rows times the column factors) per product's Y
+        self._scaled_rows = []      # (X, which factor, X's rows times it) (_scaled)
+
+    def _scaled(self, X, key):
+        """X times the factor `key` names ("b", "b_prev": exp(b_i), exp(b_{i-1}); "-b": exp(-b_j))
+        as one contiguous arena tensor, made once per (X, key) in the group."""
+        got = next((s for x, k, s in self._scaled_rows if x is X and k == key), None)
+        if got is None:
+            u, uq, v, R = self._rc
+            f = v / R if key == "-b" else (uq if key == "b_prev" else u) * R
+            got = scale_rows(X, f.unsqueeze(-1), True, self.arena)
+            self._scaled_rows.append((X, key, got))
+        return got
+
+    def readout_rows(self, Q, prev):
+        """Q times exp(b) (b_{i-1} with prev), the rows the product reads too; None without the
+        row and column factors (the caller scales Q S)."""
+        return self._scaled(Q, "b_prev" if prev else "b") if self._rc is not None else None
 
     def product(self, X, Y, prev):
-        if self.fast:
-            if self._rows is None:
-                self._rows = row_col_factors(self.g) or False
-            if self._rows:
-                # A_ij = (X_i u_i) . (Y_j v_j), u_i v_j the pair's factor for j <= i: two scaled
-                # copies of [C, dim] rows instead of the [C, C] factors (their exp and product)
-                u, uq, v = self._rows
-                Ys = next((s for y, s in self._cols if y is Y), None)
-                if Ys is None:              # one scaled copy of Y for every product that reads it
-                    Ys = scale_rows(Y, v.unsqueeze(-1), True, self.arena)
-                    self._cols.append((Y, Ys))
-                Xs = scale_rows(X, (uq if prev else u).unsqueeze(-1), True, self.arena)
-                out = self.take(X.shape[:-1] + Y.shape[-2:-1], X)
-                return mm(Xs, Ys.transpose(-1, -2), fast=True, out=out).tril_(-int(prev))
+        if self._rc is not None:
+            # A_ij = (X_i exp(b_i)) . (Y_j exp(-b_j)) for j <= i (u_i R . v_j / R): two scaled
+            # copies of [C, dim] rows instead of the [C, C] factors (their exp and product); X's
+            # is the one the readout's Q S reads. Within ROW_COL_BOUND both stay finite, and a
+            # product of j after i (at most e^80 |x| |y|, inf past that) is overwritten by tril_
+            Xs, Ys = self._scaled(X, "b_prev" if prev else "b"), self._scaled(Y, "-b")
+            out = self.take(X.shape[:-1] + Y.shape[-2:-1], X)
+            return mm(Xs, Ys.transpose(-1, -2), fast=True, out=out).tril_(-int(prev))
         if prev not in self._pairs:
             # factored on sub-chunks without autograd (one pass, not four); the backward
             # keeps the per-pair sums' gradients
@@ -459,11 +500,25 @@ class ScalarDecay(NoDecay):
         A = mm(X, Y.transpose(-1, -2), fast=self.fast, out=self.take(X.shape[:-1] + Y.shape[-2:-1], X))
         return A.mul_(self._pairs[prev]) if self.fast else A * self._pairs[prev]
 
+    def key_factor(self, which):
+        """[BH, N, C]: exp(the chunk log `which`: chunk_logs' 0 = b, 2 = b_{i-1}, 3 = the suffix
+        sums)."""
+        if self._rc is None:
+            return self.logs[which].exp()
+        u, uq, v, R = self._rc
+        if which == 3:                                      # exp(b_C - b_j) = u_C v_j
+            return v * u[..., -1:]
+        return (u if which == 0 else uq) * R
+
     def on_keys(self, X, which):
-        return scale_rows(X, self.logs[which].exp().unsqueeze(-1), self.fast, self.arena)
+        if self._rc is not None and which in (0, 2):        # the products' rows: one copy
+            return self._scaled(X, "b" if which == 0 else "b_prev")
+        return scale_rows(X, self.key_factor(which).unsqueeze(-1), self.fast, self.arena)
 
     def last(self):
-        return self.logs[1].exp()[..., None, None]
+        if self._rc is None:
+            return self.logs[1].exp()[..., None, None]
+        return (self._rc[0][..., -1:] * self._rc[3])[..., None]
 
 
 class KeyDecay(NoDecay):

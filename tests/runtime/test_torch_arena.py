@@ -215,8 +215,12 @@ def test_row_col_factors_equal_the_pair_sums(dtype):
     g = -torch.rand(3, 4, 64, generator=gen, dtype=torch.float64) * 1.2
     g[1, 2, :] = -1.2                   # cumulative -77 over the chunk: about its middle, +-39
     g = g.to(dtype)
-    u, uq, v = torch_ops.row_col_factors(g)
+    u, uq, v, R = torch_ops.row_col_factors(g)
     eps = torch.finfo(dtype).eps
+    b = g.double().cumsum(-1)                           # u R = exp(b) and, shifted, exp(b_{i-1})
+    torch.testing.assert_close((u * R).double(), b.exp(), rtol=8 * eps * (1 + float(b.abs().max())), atol=0)
+    torch.testing.assert_close((uq[..., 1:] * R).double(), b[..., :-1].exp(),
+                               rtol=8 * eps * (1 + float(b.abs().max())), atol=0)
     for prev, rows in ((False, u), (True, uq)):
         want = torch_ops.pair_logs(g.double(), prev, -1).exp()
         got = (rows.unsqueeze(-1) * v.unsqueeze(-2)).double().tril(-int(prev))
