@@ -147,6 +147,14 @@ def _walk(lay, s, KV, a, S, init, finals, rank1=None):
     n0, n1 = s.start, s.stop
     if a is None and rank1 is None and lay.idx is None:            # a prefix sum: one cumsum
         S0 = init(0) if n0 == 0 else S
+        if lay.arena is not None:       # the states [BH, n + 1, ..] in one arena buffer, no cat
+            buf = lay.arena.take(KV.shape[:1] + (n1 - n0 + 1,) + KV.shape[2:], KV)
+            buf[:, 0].copy_(S0)
+            torch.cumsum(KV, 1, out=buf[:, 1:]).add_(S0.unsqueeze(1))
+            S = buf[:, -1].clone()          # carried past the group: out of the arena
+            if lay.last.get(0) == n1 - 1:
+                finals[0] = S
+            return buf[:, :-1], None, S
         run = KV.cumsum(1).add_(S0.unsqueeze(1))
         S = run[:, -1]
         if lay.last.get(0) == n1 - 1:
