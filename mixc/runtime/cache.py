@@ -33,10 +33,12 @@ from .. import __version__
 from ..derive.plan import Plan
 
 # Everything a generated module is a function of besides the spec: the front end (the
-# function registry lives in dsl), the derivation (a stabilizer rewrite changes the kernels)
-# and the code generator. Hashing codegen alone kept serving modules from before a derive fix.
+# function registry lives in dsl), the class units (their kernel macros, chunk policies and
+# hooks), the derivation (a stabilizer rewrite changes the kernels) and the code generator.
+# Hashing codegen alone kept serving modules from before a derive fix; leaving out classes
+# kept serving kernels from before an edit of a class's macros.
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-GENERATOR_DIRS = tuple(PACKAGE_DIR / d for d in ("dsl", "derive", "codegen"))
+GENERATOR_DIRS = tuple(PACKAGE_DIR / d for d in ("dsl", "classes", "derive", "codegen"))
 CODEGEN_DIR = PACKAGE_DIR / "codegen"
 
 

@@ -215,25 +215,28 @@ def test_compile_output_replaces_a_symlink_instead_of_writing_through_it(tmp_pat
     assert _mode(out / "gla.py") == 0o644
 
 
-def test_the_cache_key_follows_the_derivation_and_the_front_end(tmp_path, monkeypatch):
-    """A generated module is a function of dsl, derive and codegen: a derive fix (the RWKV-4
-    output scale) changed the kernels while the key, hashing codegen alone, kept serving the
-    old module from a warm cache."""
+def test_the_cache_key_follows_every_stage_below_the_runtime(tmp_path, monkeypatch):
+    """A generated module is a function of every stage below the runtime (tests/test_layering.py's
+    order): a derive fix (the RWKV-4 output scale) changed the kernels while the key, hashing
+    codegen alone, kept serving the old module from a warm cache; then an edit of a class
+    unit's macros (mixc/classes/key_diag.j2) was served stale while the key left classes out."""
     import mixc
     from mixc.runtime import cache
-    assert {d.name for d in cache.GENERATOR_DIRS} == {"dsl", "derive", "codegen"}
+    from test_layering import STAGES
+    below = STAGES[:STAGES.index("runtime")]
+    assert tuple(d.name for d in cache.GENERATOR_DIRS) == below
     plan = mixc.load("gla").plan()
-    for d in ("dsl", "derive", "codegen"):
+    for d in below:
         (tmp_path / d).mkdir()
-        (tmp_path / d / "stage.py").write_text("x = 1\n")
+        (tmp_path / d / "stage.j2").write_text("x = 1\n")
     monkeypatch.setattr(cache, "PACKAGE_DIR", tmp_path)
-    monkeypatch.setattr(cache, "GENERATOR_DIRS", tuple(tmp_path / d for d in ("dsl", "derive", "codegen")))
+    monkeypatch.setattr(cache, "GENERATOR_DIRS", tuple(tmp_path / d for d in below))
     keys = []
-    for d in ("dsl", "derive", "codegen"):
+    for d in below:
         cache._codegen_fingerprint.cache_clear()
         keys.append(cache.cache_key(plan))
-        (tmp_path / d / "stage.py").write_text("x = 2\n")
+        (tmp_path / d / "stage.j2").write_text("x = 2\n")
     cache._codegen_fingerprint.cache_clear()
     keys.append(cache.cache_key(plan))
     cache._codegen_fingerprint.cache_clear()
-    assert len(set(keys)) == 4, "an edit in dsl, derive or codegen must change the key"
+    assert len(set(keys)) == len(below) + 1, "an edit in any stage below the runtime must change the key"
