@@ -86,9 +86,11 @@ class ChunkCode:
         return f"_{stem}{self.n}"
 
     # ---- flat matrix axes over several dims, in the declared layout of a state ----
-    def flat_axis(self, name: str, dims: tuple[str, ...], decl: tuple[str, ...], indent: str) -> list[str]:
+    def flat_axis(self, name: str, dims: tuple[str, ...], decl: tuple[str, ...], indent: str,
+                  tile_block: str = "tl.program_id(1)") -> list[str]:
         """_f<name> over the product of dims' blocks; its offset in a state laid out as `decl`
-        and its mask."""
+        and its mask. tile_block: the block of the tile dim (this program's, or the backward's
+        tile loop variable)."""
         lines = [f"{indent}_f{name} = tl.arange(0, {_block(dims)})"]
         offs, masks = [], []
         for i, d in enumerate(dims):
@@ -96,7 +98,7 @@ class ChunkCode:
             idx = f"(_f{name} // ({inner}))" if inner else f"_f{name}"
             idx = f"({idx} % _BLOCK_{d})" if i else idx
             if d == self.tile:         # this program's block of the tile dim (grid axis 1)
-                idx = f"(tl.program_id(1) * _BLOCK_{d} + {idx})"
+                idx = f"({tile_block} * _BLOCK_{d} + {idx})"
             # named by the dim's position, not its name: `_ik_S_K_V` could be state S_K's dim V
             # or state S's dim K_V; `_ik_S_K_1` is only ever state S_K's second dim
             index = f"_i{name}_{i}"
@@ -115,6 +117,14 @@ class ChunkCode:
         kd, vd = _axes(st, self.order)
         decl = self.m.state(st.name).shape
         return self.flat_axis(f"k_{st.name}", kd, decl, indent) + self.flat_axis(f"v_{st.name}", vd, decl, indent)
+
+    def tile_io(self, st: P.StatePlan, indent: str, tile_block: str) -> list[str]:
+        """state_io's lines again for the state's axis that holds the tile dim, at `tile_block`
+        (none where the state lacks the tile dim)."""
+        kd, vd = _axes(st, self.order)
+        decl = self.m.state(st.name).shape
+        return [line for name, dims in ((f"k_{st.name}", kd), (f"v_{st.name}", vd)) if self.tile in dims
+                for line in self.flat_axis(name, dims, decl, indent, tile_block)]
 
     def state_ptr(self, st: P.StatePlan, ptr: str, base: str) -> tuple[str, str]:
         n = st.name

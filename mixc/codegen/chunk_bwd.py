@@ -11,6 +11,8 @@ the chunks from last to first, with dL/dS (a [key, value] matrix per state) in r
    inputs of the chunk's tokens, the params (summed) and the lets."""
 from __future__ import annotations
 
+import textwrap
+
 from .. import classes
 from ..derive import plan as P
 from ..derive.plan import Plan
@@ -119,6 +121,10 @@ class ChunkBackward(ChunkCode):
         body += adj.lines + adj_l.lines
         sums = Emitter(m, {}, indent=I2, prefix="_bs", order=order)
         tail = []
+        # an input's gradient lacking the tile dim (dq, dk, dg: fla's dqkwg) is summed over the
+        # tile blocks in registers (_sum_d<x>, stored once after the tile loop); one with it
+        # (dv) is stored per block
+        sums_init, sums_store = [], []
         for d in m.inputs:
             cd = ("_T",) + canon(order, d.shape)
             g = combine(sums, [x for a in adjs for x in a.leaf_parts(("input", d.name))])
@@ -128,9 +134,17 @@ class ChunkBackward(ChunkCode):
             offs = self._offsets(d.shape)
             mask = " & ".join([expand("_mask__T", ("_T",), cd)] + [expand(f"_mask_{x}", (x,), cd) for x in cd[1:]])
             rows = expand("_rows", ("_T",), cd)
+            ptr = f"p_d{d.name} + ({self._partial(d.shape, '_ntok')}{rows} * H + i_h) * {numel(d.shape)}" \
+                  f"{' + ' + offs if offs else ''}"
+            if self._lacks_tile(d.shape):
+                acc = f"_sum_d{d.name}"
+                sums_init.append(f"{I2}{acc} = tl.zeros([{', '.join(f'_BLOCK_{x}' for x in cd)}], dtype=tl.float32)")
+                tail += [f"{I2}if PHASE != 1:", f"{I3}{acc} = {acc} + {value}"]
+                sums_store += [f"{I2}if PHASE != 1:",
+                               f"{I3}tl.store({ptr}, {acc}.to(p_d{d.name}.dtype.element_ty), mask={mask})"]
+                continue
             tail.append(f"{I2}if PHASE != 1:")
-            tail.append(f"{I3}tl.store(p_d{d.name} + ({self._partial(d.shape, '_ntok')}{rows} * H + i_h) * {numel(d.shape)}"
-                        f"{' + ' + offs if offs else ''}, {value}.to(p_d{d.name}.dtype.element_ty), mask={mask})")
+            tail.append(f"{I3}tl.store({ptr}, {value}.to(p_d{d.name}.dtype.element_ty), mask={mask})")
         for d in m.params:
             g = combine(sums, [x for a in adjs for x in a.leaf_parts(("param", d.name))])
             if g is not None:
@@ -161,10 +175,10 @@ class ChunkBackward(ChunkCode):
             # dL/dS at the chunk's end: PHASE 1 keeps it for PHASE 2 ([slots, tiles, H, *dims]
             # where the state lacks the tile dim: each block's own partial, as for dinit)
             if whole:
-                slot = f"({slot} * tl.num_programs(1) + tl.program_id(1))"
+                slot = f"({slot} * _N_TILES + _tv)"
             ptr, msk = self.state_ptr(st, f"p_dh_{n}", f"({slot} * H + i_h)")
             load_ckpt += [f"{I2}if PHASE == 1:", f"{I3}tl.store({ptr}, d_{n}, mask={msk})",
-                          f"{I2}if PHASE == 2:", f"{I3}d_{n} = tl.load({ptr}, mask={msk}, other=0.0)"]
+                          f"{I2}if PHASE == 2:", f"{I3}d_{n} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)"]
             ptr, msk = self.state_ptr(st, f"p_dinit_{n}", f"({self._partial(self.m.state(n).shape, '_nseq')}i_n * H + i_h)")
             final += [f"{I1}if PHASE != 2:", f"{I2}tl.store({ptr}, d_{n}, mask={msk})"]
         for d in m.params:
@@ -180,11 +194,27 @@ class ChunkBackward(ChunkCode):
             load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
             final += [f"{I1}if PHASE != 2:",
                       f"{I2}tl.store(p_dinit__m + {self._partial((), '_nseq')}i_n * H + i_h, _head_f * 0.0)"]
+        # the tile loop: this program's blocks of the tile dim (one in PHASE 0 and 1, whose walk
+        # keeps one block's d_<state>; PHASE 2 launched with one program along axis 1 takes all)
+        tile_loop = []
+        if self.tile is not None:
+            t = self.tile
+            tile_loop = sums_init + [
+                f"{I2}for _tv in range(tl.program_id(1), _N_TILES, tl.num_programs(1)):",
+                f"{I3}_offs_{t} = _tv * _BLOCK_{t} + tl.arange(0, _BLOCK_{t})",
+                f"{I3}_mask_{t} = _offs_{t} < _size_{t}"]
+            for st in self.states:
+                tile_loop += self.tile_io(st, I3, "_tv")
+        loop = "\n".join
+        if self.tile is not None:
+            loop = lambda lines: textwrap.indent("\n".join(lines), "    ")     # noqa: E731 (inside the tile loop)
         return common_hooks(self.plan) | {
             "init_grads": "\n".join(init),
-            "load_checkpoint": "\n".join(load_ckpt),
-            "load_inputs": "\n".join(fb["loads"]),
-            "chunk_backward": "\n".join(body),
+            "tile_loop": "\n".join(tile_loop),
+            "load_checkpoint": loop(load_ckpt),
+            "load_inputs": loop(fb["loads"]),
+            "chunk_backward": loop(body),
+            "store_sums": "\n".join(sums_store),
             "store_grads": "\n".join(final),
         }
 

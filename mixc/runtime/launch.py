@@ -277,13 +277,14 @@ def chunk_size_for(plan: Plan, bound: Bound) -> int:
 
 def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, dfinal: dict | None, *,
               launch: dict, write=("inputs", "params", "dinit"), grid0: int | None = None,
-              param_rows: int | None = None):
+              param_rows: int | None = None, tile_programs: int | None = None):
     """Launch a backward kernel: its arguments (plan.layout.kernel_args[form]) keyed by role,
     per_state(...) a state's buffers by role, `launch` as _forward's; returns the gradients of
     the inputs, the params (summed over sequences) and the initial states, None for what this
     launch does not `write`. grid0: programs along axis 0
     (default: sequences x heads); param_rows: the params' partial rows per tile block (default:
-    one per sequence)."""
+    one per sequence); tile_programs: programs along axis 1 (default: one per block of the tile
+    dim; the chunked PHASE 2 takes 1, its programs looping over the blocks)."""
     m = plan.ir
     device = next(iter(bound.inputs.values())).device
     kernel = _kernel(plan, device, form)
@@ -292,7 +293,7 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
     params = [bound.params[d.name].contiguous() for d in m.params]
     opts = _options(m, bound)
     # what lacks the tile (split) dim gets one gradient partial per tile (split) block, summed below
-    tiles, splits = n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
+    tiles, splits = tile_programs or n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
     tile, split = plan.layout.tile, plan.layout.split
 
     def parts(dims) -> int:
@@ -456,6 +457,18 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
     return run(_tuned(plan, bound, "chunk_fwd", run, C))
 
 
+def tile_loop(plan: Plan) -> bool:
+    """Whether the chunked backward's PHASE 2 runs one program per (chunk, head), looping over
+    the tile dim's blocks inside: then what lacks the tile dim (dq, dk, dg) is summed in
+    registers and written once in the inputs' dtype, where one program per block would write
+    float32 partials for torch to sum and cast (fla's dqkwg loops over V likewise; at K = V = 128
+    bf16 that is 6.1 KB of 13.7 KB per token-head for simple_gla: bench/traffic_report). A
+    param over the tile dim is loaded once per program, so such a spec keeps a program per
+    block (no library spec has one)."""
+    tile = plan.layout.tile
+    return tile is not None and not any(tile in p.shape for p in plan.ir.params)
+
+
 def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C: int):
     """The chunked backward kernel (two launches or one: CHUNK_PHASES): same returns as
     recurrent_backward, from the chunked forward's checkpoints (chunks of C tokens)."""
@@ -476,7 +489,9 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
 
         def per_state(s, shape, dfin, dinit, device):
             parts = tiles if tile is not None and tile not in s.shape else 1
-            dh[s.name] = _empty((slots * parts, H) + shape, torch.float32, device)
+            # dL/dS at chunk ends in the checkpoints' dtype (bf16 for bf16 inputs: half the
+            # bytes PHASE 1 writes and PHASE 2 reads; both accumulate in fp32)
+            dh[s.name] = _empty((slots * parts, H) + shape, checkpoint_dtype(True, x0.dtype, s.name), device)
             return dict(ckpt=ckpts[s.name], dfinal=dfin if dfin is not None else dinit, dinit=dinit, dh=dh[s.name])
         # PHASE 1 writes dh and the initial states' gradients; PHASE 2 (same buffers) the rest
         _, _, dinit = _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, write=("dinit",),
@@ -484,6 +499,7 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
         dinputs, dparams, _ = _backward(plan, bound, "chunk_bwd",
                                         lambda s, *a: dict(ckpt=ckpts[s.name], dfinal=do, dinit=do, dh=dh[s.name]),
                                         do, dfinal, write=("inputs", "params"), grid0=chunk_programs * H,
-                                        param_rows=chunk_programs, launch=_one_stage(common) | {"phase": 2})
+                                        param_rows=chunk_programs, launch=_one_stage(common) | {"phase": 2},
+                                        tile_programs=1 if tile_loop(plan) else None)
         return dinputs, dparams, dinit
     return run(_tuned(plan, bound, "chunk_bwd", run, C))

@@ -230,3 +230,43 @@ def test_tiled_recurrent_kernels_with_varlen(monkeypatch):
     st = random_state(op.ir, 3, 2, sizes, requires_grad=True)
     check_against_reference(op, {}, args, st, torch.float32, mode="recurrent", CK=4,
                             cu_seqlens=torch.tensor([0, 5, 5, 12]))
+
+
+# a chunked spec with a param over the tile dim (V): its PHASE 2 keeps one program per block
+PARAM_OVER_TILE = """
+mixer gated_skip
+  dims   K, V
+  input  q[K], k[K], v[V], g[]
+  param  D[V]
+  state  S[K, V]
+  update S = exp(g) * S + k * v
+  output o = q @ S + D * v
+"""
+
+
+@pytest.mark.parametrize("text,name", [(PARAM_OVER_TILE, "gated_skip"), (None, "simple_gla")],
+                         ids=["param-over-tile", "simple_gla"])
+def test_chunked_backward_loops_over_the_tile_blocks(text, name, monkeypatch):
+    """PHASE 2 of the chunked backward: one program per (chunk, head) loops over the tile
+    dim's blocks and sums dq, dk, dg in registers (launch.tile_loop), so the gradients come
+    out of the kernel in the inputs' dtype with no float32 partials for torch to sum; a spec
+    with a param over the tile dim keeps one program per block (its param loaded per program),
+    and both agree with the reference."""
+    import mixc.runtime.launch as launch
+    from mixc.pipeline import from_text
+    monkeypatch.setattr(launch, "CHUNK_TILE", 16)
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    op = from_text(text, f"{name}.mix") if text else mixc.load(name)
+    assert launch.tile_loop(op.plan()) is (text is None)
+    grids = []
+    real = launch._backward
+
+    def spy(*a, **kw):
+        grids.append((kw["launch"]["phase"], kw.get("tile_programs")))
+        return real(*a, **kw)
+    monkeypatch.setattr(launch, "_backward", spy)
+    args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes={"K": 8, "V": 40}, dtype=torch.float32,
+                              requires_grad=True, seed=11)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
+    assert (2, 1 if text is None else None) in grids and (1, None) in grids

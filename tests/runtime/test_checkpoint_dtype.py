@@ -12,6 +12,31 @@ from mixc.runtime import launch
 from mixc.runtime.inputs import random_args
 
 
+def test_backward_state_gradients_take_the_checkpoint_dtype(monkeypatch):
+    """PHASE 1 of the two-launch backward hands dL/dS at each chunk's end to PHASE 2 in the
+    checkpoints' dtype (bf16 here), and in fp32 under FP32_CHECKPOINTS."""
+    op = mixc.load("simple_gla")
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    args, _ = random_args(op.ir, B=1, T=40, H=2, sizes={"K": 16, "V": 16}, dtype=torch.bfloat16,
+                          requires_grad=True, seed=9)
+    seen = []
+    real = launch._backward
+
+    def spy(plan, bound, form, per_state, *a, **kw):
+        def watch(s, *rest):
+            bufs = per_state(s, *rest)
+            seen.append((kw["launch"]["phase"], bufs["dh"].dtype))
+            return bufs
+        return real(plan, bound, form, watch, *a, **kw)
+    monkeypatch.setattr(launch, "_backward", spy)
+    for fp32, want in ((False, torch.bfloat16), (True, torch.float32)):
+        monkeypatch.setattr(launch, "FP32_CHECKPOINTS", fp32)
+        seen.clear()
+        out, _ = op(**args, mode="chunk", chunk=16)
+        out.float().square().sum().backward()
+        assert seen == [(1, want), (2, want)], (fp32, seen)
+
+
 def _call(op, args, f, C=16):
     m = op.ir
     return f([args[d.name] for d in m.inputs], [args[d.name] for d in m.params], [], [], None, True, True, True, C)
@@ -54,10 +79,13 @@ def test_stabilizer_m_checkpoint_stays_fp32():
     assert set(dtypes.values()) == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
-def test_gradients_through_bf16_checkpoints(name, monkeypatch):
+@pytest.mark.parametrize("name,phases", [("simple_gla", 1), ("gated_delta_rule", 1), ("gla", 2)])
+def test_gradients_through_bf16_checkpoints(name, phases, monkeypatch):
     """bf16 checkpoints against fp32 ones, both against the float64 reference: the extra error
-    is the rounding of a state to bf16 (2^-8), well inside what bf16 inputs already cost."""
+    is the rounding of a state to bf16 (2^-8), well inside what bf16 inputs already cost. In two
+    launches (phases = 2) the backward's dL/dS at chunk ends (PHASE 1 -> PHASE 2) follows the
+    same rule."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", phases)
     op = mixc.load(name)
     args, _ = random_args(op.ir, B=1, T=48, H=2, sizes={"K": 16, "V": 16}, dtype=torch.bfloat16,
                           requires_grad=True, seed=8)
