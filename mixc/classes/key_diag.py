@@ -12,13 +12,22 @@ class KeyDiagonal(TransitionClass):
     torch_chunked = True
     conv_form = True
     template = "key_diag.j2"
+    compensated_sum = True          # key_diag.j2's pair log weights: (hi_i - hi_j) + (lo_i - lo_j)
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections and set(u.decay_dims) <= set(u.key_dims)
 
     def chunk_size(self, st) -> int:
-        # the intra-chunk term is a [C, C, K] block: 16 keeps it in registers
-        return 16
+        # the intra-chunk term runs on sub-chunks of 16 (key_diag.j2), so any C is a matter of
+        # registers: on sm_90 at K = V = 128 (bf16, 8 warps) C = 32 keeps the forward's PHASE 2
+        # within them (gla 0 B of spills, rwkv6 104 B; the backward's 2.4 KB), where C = 64's
+        # [64, K] fp32 operands (Q, K, hi and lo of b, z and one key row of each sub-chunk)
+        # exceed the register file (forward 2.2-3.5 KB, backward 9.5 KB). C = 32 halves C = 16's
+        # checkpoint bytes; the tuner also times 64 (wgmma) and 16 on the GPU.
+        return 32
+
+    def chunk_candidates(self, C: int) -> list[int]:
+        return [C] + [c for c in (64, 32, 16) if c != C]
 
     def explain_chunk(self, st, s) -> list[str]:
         S = st.name
@@ -27,11 +36,21 @@ class KeyDiagonal(TransitionClass):
                 f"O   = (Q * exp(b)) {S}0 + [ sum_d q_id k_jd exp(b_id - b_jd), i >= j ] V",
                 f"{S}_C = exp(b_C) * {S}0 + (K * exp(b_C - b))^T V",
                 "only exponents b_i - b_j (i >= j) and b_C - b_j are formed: none is positive",
-                "the intra-chunk term runs on sub-chunks of 16 relative to a sub-chunk reference, "
-                "diagonal sub-blocks elementwise in fp32"]
+                "the intra-chunk term runs on sub-chunks of 16: a sub-block below the diagonal is one "
+                "matmul through the b of the row before it (both factors <= 1), a diagonal sub-block "
+                "elementwise in fp32"]
 
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    # base.py's hooks (the diagonal decays' defaults) render key_diag.j2
+    # base.py's hooks (the diagonal decays' defaults) render key_diag.j2, but for the readouts:
+    # a readout of S_{t-1} moves the keys' rows (the macros' `moved`) instead of the queries' b,
+    # and its b gradient comes out whole (no query_side step)
+    def chunk_readout(self, code, st, R, Q, K, V, prev):
+        return self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev)
+
+    def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G):
+        dK, dV, dS0, db = code.grad_names(G, "t", with_db=True)
+        return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev,
+                           dQ=dQ, dK=dK, dV=dV, dS0=dS0, db=db)
 
     # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
     def decay_axis(self, st) -> str | None:

@@ -251,3 +251,41 @@ def test_a_negative_decay_runs_the_recurrence_or_is_refused_at_its_line(kind, tm
         with pytest.raises(ArgumentError, match=rf"mode='{mode}'.*the decay of S, .* \(.*neg\.mix:5:10\), is not "
                                                 r"provably >= 0"):
             op(**args, mode=mode)
+
+
+@pytest.mark.parametrize("low", [-0.5, -20.0], ids=lambda x: f"g{x:g}")
+@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("name", ["gla", "rwkv6"])
+def test_key_diagonal_sub_chunks_with_resets_and_strong_decay(name, chunk, low):
+    """The key-diagonal class's chunk in sub-chunks of 16 (key_diag.j2: below the diagonal
+    matmuls through a reference row, the diagonal sub-blocks elementwise; rwkv6 reads S_{t-1},
+    its keys moved a row): B1-T100-H2-K8, log decays in [low - 0.5, low] per key, resets (a
+    decay of 0) on both sides of sub-chunk and chunk borders and on one key alone. Output,
+    final state and every gradient (the decay's and the initial state's) within 1e-5 in norm
+    of float64."""
+    op = mixc.load(name)
+    gate = "g" if name == "gla" else "w"
+
+    def draw(shape, gen):
+        return low - 0.5 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    args, sizes = random_args(op.ir, B=1, T=100, H=2, sizes={"K": 8, "V": 8}, dtype=torch.float32, seed=31,
+                              draw={gate: draw})
+    args[gate][:, [15, 16, 47, 63, 64]] = float("-inf")
+    args[gate][:, 40, :, 3] = float("-inf")              # one key's state only
+    st = {n: x.float() for n, x in random_state(op.ir, 1, 2, sizes).items()}
+    a64 = {n: x.double().requires_grad_() for n, x in list(args.items()) + list(st.items())}
+    a32 = {n: x.clone().requires_grad_() for n, x in list(args.items()) + list(st.items())}
+    ref, ref_st = op(**{n: a64[n] for n in args}, initial_state={"S": a64["S"]}, mode="reference",
+                     output_final_state=True)
+    o, fs = op(**{n: a32[n] for n in args}, initial_state={"S": a32["S"]}, mode="chunk", chunk=chunk,
+               output_final_state=True)
+    gen = torch.Generator().manual_seed(3)
+    w, ws = (torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (ref, ref_st["S"]))
+    ((ref * w).sum() + (ref_st["S"] * ws).sum()).backward()
+    ((o.double() * w).sum() + (fs["S"].double() * ws).sum()).backward()
+    assert ((o.double() - ref).norm() / ref.norm()).item() <= 1e-5
+    assert ((fs["S"].double() - ref_st["S"]).norm() / ref_st["S"].norm()).item() <= 1e-5
+    for n in a64:
+        got, want = a32[n].grad.double(), a64[n].grad
+        assert torch.isfinite(got).all(), n
+        assert ((got - want).norm() / want.norm()).item() <= 1e-5, n
