@@ -197,7 +197,9 @@ class TransitionClass:
     def torch_chunks_update(self, dec, K, V):
         """[BH, n, KF, VF]: each chunk's own part of the state at its end, (K exp(b_C - b))^T V."""
         _, ops = torch_form()
-        return ops.mm(dec.on_keys(K, 3).transpose(-1, -2), V, fast=dec.fast)
+        # without autograd into the group's arena (it dies with the group: the walk reads it)
+        out = dec.take(K.shape[:2] + K.shape[-1:] + V.shape[-1:], K) if dec.fast else None
+        return ops.mm(dec.on_keys(K, 3).transpose(-1, -2), V, fast=dec.fast, out=out)
 
     def torch_chunks_readout(self, dec, Q, K, V, L, S_starts, U, prev):
         """[BH, n, C, VF]: one readout term q . S over a group of chunks, S_starts the states at
