@@ -28,19 +28,6 @@ def _case(flags: str, **kw):
     return make_case("gated_delta_product" + ("-l2norm" if flags == "l2norm" else ""), **kw)
 
 
-@pytest.fixture
-def chunk_calls(monkeypatch):
-    """The chunk sizes the chunk-at-a-time loop ran with (it serves the rank-r class)."""
-    calls = []
-    run = torch_chunk.torch_forward_loop
-
-    def spy(*args, **kw):
-        calls.append(kw["C"])
-        return run(*args, **kw)
-    monkeypatch.setattr(torch_chunk, "torch_forward_loop", spy)
-    return calls
-
-
 def _grads(o, fin, o_l, fin_l, leaves):
     w = _loss_weights(o_l, fin_l)
     return torch.autograd.grad(_loss(o, fin, w), leaves), torch.autograd.grad(_loss(o_l, fin_l, w), leaves)

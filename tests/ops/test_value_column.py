@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 import mixc
 from helpers import random_state
-from mixc.runtime import torch_chunk
 
 from .test_reference_new_specs import _loss, _loss_weights, assert_close
 
@@ -98,19 +97,6 @@ def check_all(what, o, fin, o_l, fin_l, leaves, names, tol, st_tol):
     for name, a, b in zip(names, got, want):
         assert a is not None, f"{what}: no gradient for {name}"
         assert_close(a, b, f"{what}: d/d {name}", tol=st_tol)
-
-
-@pytest.fixture
-def chunk_calls(monkeypatch):
-    """The chunk sizes the chunk-at-a-time loop ran with (it serves this class)."""
-    calls = []
-    run = torch_chunk.torch_forward_loop
-
-    def spy(*args, **kw):
-        calls.append(kw["C"])
-        return run(*args, **kw)
-    monkeypatch.setattr(torch_chunk, "torch_forward_loop", spy)
-    return calls
 
 
 @pytest.mark.parametrize("spec,mode,chunk", [("longhorn", "torch", 4), ("value_decay", "torch", 8),
