@@ -185,6 +185,7 @@ def test_every_config_compiles_for_sm90(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout)
     assert all(r[-1] for r in got)
-    # simple_gla: 2 C x 4 configs x 2 chunked kernels; mamba's recurrent kernels: 6 configs each
-    assert sum(r[0] == "simple_gla" and r[1].startswith("chunk") for r in got) == 16
+    # simple_gla: 2 C x (3 two-launch configs x PHASE 1 and 2 + 1 walk) x 2 chunked kernels;
+    # mamba's recurrent kernels: 6 configs each
+    assert sum(r[0] == "simple_gla" and r[1].startswith("chunk") for r in got) == 28
     assert sum(r[0] == "mamba" for r in got) == 12
