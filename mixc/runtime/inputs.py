@@ -62,6 +62,8 @@ ROLES = {
 # RWKV-7's a = -kk and b = kk * sigmoid(x) (independent normal a, b grow the state as 2^T).
 BOUNDED_ROLES = {
     ("delta_rule", "k"): _unit_vector, ("gated_delta_rule", "k"): _unit_vector,
+    ("kda", "k"): _unit_vector, ("comba", "k"): _unit_vector, ("comba", "p"): _unit_vector,
+    ("gated_delta_product", "k1"): _unit_vector, ("gated_delta_product", "k2"): _unit_vector,
     ("rwkv7", "a"): lambda shape, gen, dtype: -_unit_vector(shape, gen, dtype),
     ("rwkv7", "b"): Tied(_rwkv7_b),
 }
