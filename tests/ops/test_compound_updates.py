@@ -14,7 +14,7 @@ import mixc
 from helpers import case_id, random_state
 from kernel_checks import check_against_reference
 
-from .test_reference_new_specs import TOL, _loss, _loss_weights, assert_close, gdp_loop, make_case
+from .test_reference_new_specs import TOL, assert_close, assert_gradients_match, gdp_loop, make_case
 
 NESTED = Path(__file__).resolve().parents[2] / "examples" / "gated_delta_product_nested.mix"
 CASES = {"plain": {}, "l2norm": {"use_qk_l2norm_in_kernel": True}}
@@ -48,13 +48,8 @@ def test_nested_matches_loop_and_library(flags, mode):
     assert_close(o, o_lib, f"{flags} {mode}: output vs the library spec")
     assert_close(fin["S"], fin_l["S"], f"{flags} {mode}: final state vs the loop", tol=st_tol)
     assert_close(fin["S"], fin_lib["S"], f"{flags} {mode}: final state vs the library spec", tol=st_tol)
-    w = _loss_weights(o_l, fin_l)
-    leaves = list(args.values()) + list(s0.values())
-    names = list(args) + ["initial_state[S]"]
-    g = torch.autograd.grad(_loss(o, fin, w), leaves)
-    g_l = torch.autograd.grad(_loss(o_l, fin_l, w), leaves)
-    for name, a, b in zip(names, g, g_l):
-        assert_close(a, b, f"{flags} {mode}: d/d {name}", tol=1e-9 if mode == "reference" else 1e-6)
+    assert_gradients_match(f"{flags} {mode}", o, fin, o_l, fin_l, args, s0,
+                           tol=1e-9 if mode == "reference" else 1e-6)
 
 
 def test_nested_step_matches_loop():

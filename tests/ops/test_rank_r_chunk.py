@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import mixc
 from helpers import random_state
-from ops.test_reference_new_specs import _loss, _loss_weights, assert_close, gdp_loop, make_case
+from ops.test_reference_new_specs import assert_close, assert_gradients_match, gdp_loop, make_case
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = {"library": None, "nested": ROOT / "examples" / "gated_delta_product_nested.mix"}
@@ -49,14 +49,7 @@ def test_chunk_matches_fla_loop(which):
     o_l, fin_l = gdp_loop(args, full, s0)
     assert_close(o, o_l, f"{which} chunk: output", tol=TOL)
     assert_close(fin["S"], fin_l["S"], f"{which} chunk: final state", tol=TOL)
-    w = _loss_weights(o_l, fin_l)
-    leaves = list(args.values()) + list(s0.values())
-    names = list(args) + ["initial_state[S]"]
-    g = torch.autograd.grad(_loss(o, fin, w), leaves, allow_unused=True)
-    g_l = torch.autograd.grad(_loss(o_l, fin_l, w), leaves, allow_unused=True)
-    for name, a, b in zip(names, g, g_l):
-        assert a is not None, f"{which} chunk: no gradient for {name}"
-        assert_close(a, b, f"{which} chunk: d/d {name}", tol=TOL)
+    assert_gradients_match(f"{which} chunk", o, fin, o_l, fin_l, args, s0, tol=TOL)
 
 
 def test_chunk_packed_sequences_match_separate_loops():
@@ -79,13 +72,7 @@ def test_chunk_packed_sequences_match_separate_loops():
         outs.append(o_l)
         fins.append(fin_l["S"])
     o_l, fin_l = torch.cat(outs, 1), {"S": torch.cat(fins, 0)}
-    w = _loss_weights(o_l, fin_l)
-    leaves = list(args.values()) + list(s0.values())
-    names = list(args) + ["initial_state[S]"]
-    g = torch.autograd.grad(_loss(o, fin, w), leaves, allow_unused=True)
-    g_l = torch.autograd.grad(_loss(o_l, fin_l, w), leaves, allow_unused=True)
-    for name, a, b in zip(names, g, g_l):
-        assert_close(a, b, f"packed chunk: d/d {name}", tol=TOL)
+    assert_gradients_match("packed chunk", o, fin, o_l, fin_l, args, s0, tol=TOL)
 
 
 # DeltaProduct with a per-key decay (KDA's gate, two Householder steps): rank_r.j2's [C, C, K]
@@ -135,10 +122,4 @@ def test_per_key_decay_chunk_matches_loop(tmp_path):
     o_l, fin_l = per_key_loop(args, s0)
     assert_close(o, o_l, "per-key chunk: output", tol=TOL)
     assert_close(fin["S"], fin_l["S"], "per-key chunk: final state", tol=TOL)
-    w = _loss_weights(o_l, fin_l)
-    leaves = list(args.values()) + list(s0.values())
-    names = list(args) + ["initial_state[S]"]
-    g = torch.autograd.grad(_loss(o, fin, w), leaves)
-    g_l = torch.autograd.grad(_loss(o_l, fin_l, w), leaves)
-    for name, x, y in zip(names, g, g_l):
-        assert_close(x, y, f"per-key chunk: d/d {name}", tol=TOL)
+    assert_gradients_match("per-key chunk", o, fin, o_l, fin_l, args, s0, tol=TOL)

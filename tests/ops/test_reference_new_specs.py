@@ -243,6 +243,23 @@ def _loss(o, fin, w):
     return (w[0] * o.double()).sum() + sum((w[1][k] * fin[k].double()).sum() for k in w[1])
 
 
+def assert_gradients_match(what, o, fin, o_l, fin_l, args, s0, tol):
+    """Every gradient (the inputs', the params', the initial state's) of one weighted loss of
+    the output and final state, the op's (o, fin) against the loop's (o_l, fin_l). A gradient
+    the loop does not have must be absent or zero; one it has must exist and match."""
+    w = _loss_weights(o_l, fin_l)
+    leaves = list(args.values()) + list(s0.values())
+    names = list(args) + [f"initial_state[{k}]" for k in s0]
+    got = torch.autograd.grad(_loss(o, fin, w), leaves, allow_unused=True)
+    want = torch.autograd.grad(_loss(o_l, fin_l, w), leaves, allow_unused=True)
+    for name, a, b in zip(names, got, want):
+        if b is None:
+            assert a is None or a.abs().max() == 0, f"{what}: d/d {name} should be zero"
+            continue
+        assert a is not None, f"{what}: no gradient for {name}"
+        assert_close(a, b, f"{what}: d/d {name}", tol=tol)
+
+
 NAMES = list(SYSTEMS)
 
 
@@ -262,16 +279,8 @@ def test_forward_and_gradients_match_loop(sysname, mode):
     assert set(fin) == set(fin_l)
     st_tol = TOL if mode == "reference" else 1e-6    # the op's states are float32 (CONVENTIONS)
     assert_close(fin["S"], fin_l["S"], f"{sysname} {mode}: final state", tol=st_tol)
-    w = _loss_weights(o_l, fin_l)
-    leaves = list(args.values()) + list(s0.values())
-    names = list(args) + ["initial_state[S]"]
-    g = torch.autograd.grad(_loss(o, fin, w), leaves, allow_unused=True)
-    g_l = torch.autograd.grad(_loss(o_l, fin_l, w), leaves, allow_unused=True)
-    for name, a, b in zip(names, g, g_l):
-        if b is None:                            # an argument the loop does not read (none today)
-            assert a is None or a.abs().max() == 0, f"{sysname}: d/d {name} should be zero"
-            continue
-        assert_close(a, b, f"{sysname} {mode}: d/d {name}", tol=1e-9 if mode == "reference" else 1e-6)
+    assert_gradients_match(f"{sysname} {mode}", o, fin, o_l, fin_l, args, s0,
+                           tol=1e-9 if mode == "reference" else 1e-6)
 
 
 @pytest.mark.parametrize("sysname", NAMES)
