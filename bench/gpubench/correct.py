@@ -3,8 +3,11 @@
 states and every gradient (inputs, params, initial state). The chunked kernels are checked at
 every chunk size the autotuner may choose (mode "chunk C=32": mixc.runtime.autotune's
 candidates after the default), in one launch per direction as well as two (mode "chunk walk":
-launch.CHUNK_PHASES = 1) and with the tile dim in blocks of 16 (mode "chunk tile16": two blocks
-at D = 32, the partial gradients summed); warps and stages do not change the arithmetic."""
+launch.CHUNK_PHASES = 1), with the tile dim in blocks of 16 (mode "chunk tile16": two blocks
+at D = 32, the partial gradients summed) and with a checkpoint every two chunks (mode "chunk
+ckpt2": at T = 130, three chunks of 64 or five of 32, the last checkpoint's partial; the
+policy of launch.checkpoint_every keeps one per chunk at so few programs); warps and stages
+do not change the arithmetic."""
 from __future__ import annotations
 
 import time
@@ -29,7 +32,8 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
         modes += [("chunk", None, "chunk", {})] + [("chunk", C, f"chunk C={C}", {})
                                                     for C in chunk_candidates(op.plan())[1:]]
         modes += [("chunk", None, "chunk walk", {"CHUNK_PHASES": 1}),
-                  ("chunk", None, "chunk tile16", {"CHUNK_TILE": 16, "CHUNK_PHASES": 2})]
+                  ("chunk", None, "chunk tile16", {"CHUNK_TILE": 16, "CHUNK_PHASES": 2}),
+                  ("chunk", None, "chunk ckpt2", {"CHECKPOINT_EVERY": 2, "CHUNK_PHASES": 2})]
     rows = []
     for mode, C, label, knobs in modes:
         saved = {k: getattr(launch, k) for k in knobs}

@@ -145,7 +145,7 @@ class ChunkCode:
         flat, _ = em.emit(f"tl.reshape({masked}, [_BLOCK__T, {_block(axes)}])", ("_T", "_flat"))
         return flat
 
-    def forward_body(self) -> dict:
+    def forward_body(self, advance_first: bool = False) -> dict:
         """The per-chunk forward code (inputs, lets, keys, values, log decays, readouts, the
         output's value) and the names of everything the backward needs again."""
         m, order = self.m, self.order
@@ -202,6 +202,8 @@ class ChunkCode:
             mark = len(em.lines)
         for st in self.states:      # what the class's readouts and update share (rank-1: U)
             body += self.stage(st, "setup", classes.unit(st.transition).chunk_setup(self, st, per_state[st.name]))
+        if advance_first:
+            body += self.advances(per_state)
 
         # readouts: per term the query matrix, the scale and the unscaled value
         out_env = dict(env)
@@ -253,7 +255,8 @@ class ChunkCode:
     def hooks(self) -> dict:
         m, order = self.m, self.order
         I3 = I2 + "    "
-        fb = self.forward_body()
+        I4 = I3 + "    "
+        fb = self.forward_body(advance_first=True)
         loads, body, per_state = fb["loads"], fb["body"], fb["per_state"]
         o_var, o_dims = fb["o"]
         o_shape = canon(order, m.output.expr.shape)
@@ -266,18 +269,17 @@ class ChunkCode:
             value = f"({value} + tl.zeros([{', '.join(f'_BLOCK_{d}' for d in want)}], dtype=tl.float32))"
         if self.plan.output.readouts:       # NaN from the first token with non-finite keys on
             value = f"tl.where({expand('_pz', ('_T',), want)}, float('nan'), {value})"
-        body.append(f"{I2}if PHASE != 1:")
+        body.append(f"{I2}if PHASE == 0 or PHASE == 2:")
         body.append(f"{I3}tl.store(p_out + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
                     f"{' + ' + offs if offs else ''}, {value}.to(p_out.dtype.element_ty), mask={mask})")
 
-        # state updates
+        # the states at the chunk's end (forward_body computed them before the readouts)
         for st in self.states:
-            body += self.advance(st, per_state[st.name])
-            body.append(f"{I2}s_{st.name} = tl.where(tl.max(_bad_{st.name}, axis=0) > 0, float('nan'), s_{st.name})")
+            body.append(f"{I2}s_{st.name} = _snew_{st.name}")
         if self.stab is not None:
             body.append(f"{I2}s__m = _mnew")
 
-        init, ckpt, load_ckpt, final = [], [], [], []
+        init, ckpt, load_ckpt, dense, final = [], [], [], [], []
         for st in self.states:
             kd, vd = _axes(st, order)
             init += self.state_io(st, I1)
@@ -285,18 +287,22 @@ class ChunkCode:
             init.append(f"{I1}if USE_INITIAL_STATE:")
             ptr, msk = self.state_ptr(st, f"p_init_{st.name}", "(i_n * H + i_h)")
             init.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
-            ptr, msk = self.state_ptr(st, f"p_ckpt_{st.name}", "((bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
-            # checkpoints in the inputs' dtype where that is bf16/fp16 (launch.checkpoint_dtype)
-            ckpt.append(f"{I3}tl.store({ptr}, s_{st.name}.to(p_ckpt_{st.name}.dtype.element_ty), mask={msk})")
-            load_ckpt.append(f"{I3}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)")
+            # _ck_slot: the checkpoint's slot (templates/chunk_fwd.py.j2); checkpoints in the
+            # inputs' dtype where that is bf16/fp16 (launch.checkpoint_dtype)
+            ptr, msk = self.state_ptr(st, f"p_ckpt_{st.name}", "(_ck_slot * H + i_h)")
+            ckpt.append(f"{I4}tl.store({ptr}, s_{st.name}.to(p_ckpt_{st.name}.dtype.element_ty), mask={msk})")
+            load_ckpt.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)")
+            ptr, msk = self.state_ptr(st, f"p_dense_{st.name}", "((bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
+            dense.append(f"{I3}tl.store({ptr}, s_{st.name}.to(p_dense_{st.name}.dtype.element_ty), mask={msk})")
             ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
             final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
         if self.stab is not None:       # the stabilizer m: a scalar per (sequence, head)
             init += [f"{I1}s__m = _head_f * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)",
                      f"{I1}if USE_INITIAL_STATE:",
                      f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
-            ckpt.append(f"{I3}tl.store(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
-            load_ckpt.append(f"{I3}s__m = tl.load(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
+            ckpt.append(f"{I4}tl.store(p_ckpt__m + _ck_slot * H + i_h, s__m)")
+            load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + _ck_slot * H + i_h)")
+            dense.append(f"{I3}tl.store(p_dense__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
             final.append(f"{I2}tl.store(p_final__m + i_n * H + i_h, s__m)")
         return common_hooks(self.plan) | {
             "init_states": "\n".join(init),
@@ -304,6 +310,7 @@ class ChunkCode:
             "chunk_body": "\n".join(body),
             "checkpoint": "\n".join(ckpt),
             "load_checkpoint": "\n".join(load_ckpt),
+            "store_dense": "\n".join(dense),
             "store_states": "\n".join(final),
         }
 
@@ -495,6 +502,21 @@ class ChunkCode:
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (or S_{t-1}) for the C query rows Q: the class's stage."""
         return self.stage(st, "readout", classes.unit(st.transition).chunk_readout(self, st, R, Q, K, V, prev))
+
+    def advances(self, per_state: dict) -> list[str]:
+        """Every state's advance into _snew_<S> (S_C, NaN after a non-finite key), s_<S> left
+        at S0 for the readouts. Emitted before the readouts: the keys and S0 die there, not
+        after the output (where PHASE 2 walks several chunks, readouts then advance held Q, K,
+        S0 and the readout's products at once: sm_90 spilled 28-460 B; this order 0-148 B:
+        bench/README.md)."""
+        body = []
+        for st in self.states:
+            n = st.name
+            body.append(f"{I2}_s0_{n} = s_{n}")
+            body += self.advance(st, per_state[n])
+            body.append(f"{I2}_snew_{n} = tl.where(tl.max(_bad_{n}, axis=0) > 0, float('nan'), s_{n})")
+            body.append(f"{I2}s_{n} = _s0_{n}")
+        return body
 
     def advance(self, st: P.StatePlan, parts) -> list[str]:
         """s_<S> = S_C, the state at the chunk's end: the class's stage."""

@@ -110,7 +110,7 @@ STAGES = {
     "recurrent_fwd": "the recurrent forward: tokens in order, every state in registers",
     "recurrent_bwd": "the recurrent backward: chunks of CK tokens from last to first, recomputed from checkpoints",
     "chunk_fwd": "the chunked forward: per chunk of C tokens the readouts by matmuls and the state advance "
-                 "(PHASE 0 one walk; 1 the states; 2 the outputs)",
+                 "(PHASE 0 one walk; 1 the checkpoints; 2 the outputs; 3 the state at every chunk start)",
     "chunk_bwd": "the chunked backward: chunks from last to first, dL/dS carried back (PHASE 0 one walk; 1 dL/dS; "
                  "2 the gradients)",
 }

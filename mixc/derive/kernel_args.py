@@ -41,6 +41,8 @@ ROLES: dict[str, Role] = {
     "init": Role("p_init_{}", "pointer", "fp32", "a state's initial value [N, H, *dims]"),
     "final": Role("p_final_{}", "pointer", "fp32", "a state's final value [N, H, *dims]"),
     "ckpt": Role("p_ckpt_{}", "pointer", "fp32", "a state at each chunk start [slots, H, *dims]"),
+    "dense": Role("p_dense_{}", "pointer", "fp32",
+                  "the chunked forward's PHASE 3: the state at every chunk start [slots, H, *dims]"),
     "scratch": Role("p_scratch_{}", "pointer", "fp32", "CK recomputed states per program"),
     "dfinal": Role("p_dfinal_{}", "pointer", "fp32", "the final state's gradient [N, H, *dims]"),
     "dinit": Role("p_dinit_{}", "pointer", "fp32", "the initial state's gradient (per tile or split block)"),
@@ -66,6 +68,7 @@ ROLES: dict[str, Role] = {
     "chunk": Role("_BLOCK__T", "constexpr", None, "the chunk size C"),
     "unit": Role("_BLOCK__1", "constexpr", None, "the unit axis of a state without key or value dims"),
     "ck": Role("CK", "constexpr", None, "tokens between checkpoints (recurrent kernels)"),
+    "ckpt_every": Role("CKPT_EVERY", "constexpr", None, "chunks between checkpoints (chunked forward)"),
     # constexpr switches
     "use_initial": Role("USE_INITIAL_STATE", "constexpr", None, "read the initial states"),
     "store_final": Role("STORE_FINAL_STATE", "constexpr", None, "write the final states"),
@@ -74,7 +77,7 @@ ROLES: dict[str, Role] = {
     "use_dfinal": Role("USE_FINAL_STATE_GRAD", "constexpr", None, "read the final states' gradient"),
     "use_indices": Role("USE_STATE_INDICES", "constexpr", None, "states live in a cache of slots"),
     "dot": Role("DOT", "constexpr", None, "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16"),
-    "phase": Role("PHASE", "constexpr", None, "0: one walk; 1 and 2: the two launches"),
+    "phase": Role("PHASE", "constexpr", None, "0: one walk; 1 and 2: the two launches; 3: every chunk's state"),
 }
 
 
@@ -220,9 +223,9 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(inputs, "input"), *_each(params, "param"),
         *_comment("option values (runtime scalars)"),
         *_each(options, "option"),
-        *_comment("states: initial in, final out [N, H, *state dims]; checkpoints at chunk starts "
-                  "[slots, H, *state dims]"),
-        *_each(states, "init", "final", "ckpt"),
+        *_comment("states: initial in, final out [N, H, *state dims]; checkpoints at the start of every",
+                  "CKPT_EVERY-th chunk [slots, H, *state dims]; PHASE 3 writes every chunk's start into dense"),
+        *_each(states, "init", "final", "ckpt", "dense"),
         Line((Arg("out"), Arg("cu_seqlens"))),
         Line((Arg("T"), Arg("H"))),
         *_comment("grouped heads: head i_h reads head i_h // _group_x of input x"),
@@ -230,8 +233,10 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "fsize"), *after_fsize,
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_initial"), *_one("store_final"), *_one("varlen"), *_one("store_ckpt"),
+        *_one("ckpt_every", "chunks per checkpoint (PHASE 2 and 3: chunks per program)"),
         *_one("dot", "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16"),
-        *_one("phase", "0: all in one pass; 1: the states (checkpoints) only; 2: the output"),
+        *_one("phase", "0: all in one pass; 1: the states (checkpoints) only; 2: the output; "
+                       "3: the state at every chunk start from the checkpoints (the backward's)"),
     ]
 
 

@@ -71,6 +71,7 @@ KERNEL_ARGUMENTS = {
     "param": (("p_", "param '{}'"), ("p_dp_", "the gradient of param '{}'")),
     "state": (("p_init_", "the initial value of state '{}'"), ("p_final_", "the final value of state '{}'"),
               ("p_ckpt_", "the checkpoints of state '{}'"), ("p_scratch_", "the scratch copy of state '{}'"),
+              ("p_dense_", "the state '{}' at every chunk start"),
               ("p_dinit_", "the gradient of the initial value of state '{}'"),
               ("p_dfinal_", "the gradient of the final value of state '{}'"),
               ("p_dh_", "the gradient of state '{}' at each chunk's end")),

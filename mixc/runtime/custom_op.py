@@ -15,8 +15,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..derive.plan import Plan
-from .launch import (checkpoint_dtype, checkpoint_slots, chunk_backward, chunk_forward, recurrent_backward,
-                     recurrent_forward)
+from .launch import (checkpoint_dtype, checkpoint_every, checkpoint_slots, chunk_backward, chunk_forward,
+                     recurrent_backward, recurrent_forward)
 from .signature import Bound, head_groups
 
 _OPS: dict[tuple, object] = {}
@@ -96,7 +96,8 @@ def kernel_ops(plan: Plan) -> KernelOps:
         n = bound.n_seqs
         finals = [x.new_empty(((n, bound.H) + state_shape(bound, s)) if output_final_state else (0,),
                               dtype=torch.float32) for s in m.states]
-        slots = checkpoint_slots(bound, CK)
+        # the chunked forward keeps every checkpoint_every-th chunk start (launch.chunk_forward)
+        slots = checkpoint_slots(bound, CK * checkpoint_every(plan, bound, CK) if chunked else CK)
         ckpts = [x.new_empty(((slots, bound.H) + state_shape(bound, s)) if save_for_backward else (0,),
                              dtype=checkpoint_dtype(chunked, x.dtype, s.name) if save_for_backward else torch.float32)
                  for s in m.states]

@@ -161,10 +161,12 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
             if role == "cu_seqlens" and packed:
                 return source(t, ("cu",))
             if role == "chunk_seq" and packed:
-                return source(t, ("chunk_seq", values["chunk"], values["n_seqs"], t.shape[0]))
+                # slots of CKPT_EVERY chunks each (launch._chunk_launch)
+                return source(t, ("chunk_seq", values["chunk"] * values.get("ckpt_every", 1), values["n_seqs"],
+                                  t.shape[0]))
             if role == "ckpt" and reads_ckpts:
                 return None                         # PHASE 2 reads checkpoints this call did not write
-            if role in ("out", "final", "ckpt", "init", "cu_seqlens"):
+            if role in ("out", "final", "ckpt", "dense", "init", "cu_seqlens"):
                 zeros = role == "init" and values["use_initial"]       # a state not given: 0
                 return source(t, ("buf", tuple(t.shape), t.dtype, zeros), unique=True)
             return None

@@ -101,7 +101,7 @@ def settings() -> tuple:
     CPU tensors, KernelUnavailable without it). Part of a replayed launch's key
     (runtime/fastpath.py), so changing one takes the bound path again."""
     return (CHUNK_PHASES, CHUNK_TILE, RECURRENT_TILE, RECURRENT_SPLIT, _tuned, interpreting(),
-            os.environ.get("MIXC_AUTOTUNE"), FP32_CHECKPOINTS)
+            os.environ.get("MIXC_AUTOTUNE"), FP32_CHECKPOINTS, CHECKPOINT_EVERY)
 
 
 # A decode step's fast path (runtime/fastpath.py) replays the launch a first step made: while
@@ -130,13 +130,14 @@ def checkpoint_slots(bound: Bound, CK: int) -> int:
 
 def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, checkpoints: bool,
              chunk_tokens: int, launch: dict, out_dtype=None, ckpts_in: dict | None = None, write_out: bool = True,
-             grid0: int | None = None, finals_into: dict | None = None):
+             grid0: int | None = None, finals_into: dict | None = None, dense_into: dict | None = None):
     """Launch a forward kernel: its arguments (plan.layout.kernel_args[form]) keyed by role,
     `launch` the sizes, blocks and constexprs the caller chose and Triton's options.
-    ckpts_in: checkpoints to read (the chunked PHASE 2: its start states); write_out=False: the
-    launch writes no output (PHASE 1), None is returned for it; grid0: programs along axis 0
-    (default: sequences x heads); finals_into: the final states' buffers (float32, contiguous;
-    the initial ones for a step in place)."""
+    chunk_tokens: tokens per checkpoint; ckpts_in: checkpoints to read (the chunked PHASE 2 and
+    3: their start states); write_out=False: the launch writes no output (PHASE 1 and 3), None
+    is returned for it; grid0: programs along axis 0 (default: sequences x heads); finals_into:
+    the final states' buffers (float32, contiguous; the initial ones for a step in place);
+    dense_into: PHASE 3's buffers for the state at every chunk start."""
     m = plan.ir
     x0 = next(iter(bound.inputs.values()))
     device = x0.device
@@ -167,6 +168,7 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
         if checkpoints:
             ckpts[s.name] = _empty((slots, H) + shape, checkpoint_dtype(form == "chunk_fwd", x0.dtype, s.name), device)
         v["init", s.name], v["final", s.name], v["ckpt", s.name] = init, finals.get(s.name, out), ckpts.get(s.name, out)
+        v["dense", s.name] = (dense_into or {}).get(s.name, out)
     v["out"] = out
     v["cu_seqlens"] = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out
     v["T"], v["H"] = T, H
@@ -409,20 +411,51 @@ def _one_stage(kw: dict) -> dict:
     return kw | {"num_stages": 1} if "num_stages" in kw else kw
 
 
-def _chunk_launch(plan: Plan, bound: Bound, C: int) -> tuple[int, dict]:
-    """(chunk programs per head of a PHASE 2 launch, the chunked kernels' launch arguments).
-    Packed sequences take one program per checkpoint slot, each told its sequence by a table:
-    sequence i's chunks have the slots bos_i // C + i, ... (codegen.recurrent.state_base), so
-    a slot's sequence is the last whose first slot is at most the slot (no host sync)."""
+def _chunk_launch(plan: Plan, bound: Bound, C: int, every: int = 1) -> tuple[int, dict]:
+    """(programs per head of a PHASE 2 launch, the chunked kernels' launch arguments), each
+    program taking `every` chunks (one checkpoint's: the forward's CKPT_EVERY; the backward's
+    PHASE 2 one chunk). Packed sequences take one program per checkpoint slot, each told its
+    sequence by a table: sequence i's checkpoints have the slots bos_i // (C every) + i, ...
+    (codegen.recurrent.state_base), so a slot's sequence is the last whose first slot is at
+    most the slot (no host sync)."""
     x0 = next(iter(bound.inputs.values()))
-    device, n = x0.device, bound.n_seqs
+    device, n, span = x0.device, bound.n_seqs, C * every
     if bound.cu_seqlens is None:
-        programs, chunk_seq = n * (-(-bound.T // C)), x0
+        programs, chunk_seq = n * (-(-bound.T // span)), x0
     else:
-        programs = checkpoint_slots(bound, C)
-        chunk_seq = chunk_seqs(bound.cu_seqlens, C, n, programs, device)
+        programs = checkpoint_slots(bound, span)
+        chunk_seq = chunk_seqs(bound.cu_seqlens, span, n, programs, device)
     return programs, chunk_blocks(plan, bound) | dict(chunk=C, unit=16, dot=_dot_code(x0.dtype), n_seqs=n,
-                                                      chunk_seq=chunk_seq)
+                                                      chunk_seq=chunk_seq, ckpt_every=every)
+
+
+# Chunks between the chunked forward's checkpoints (CKPT_EVERY = R): PHASE 1 stores the state at
+# every R-th chunk start only and PHASE 2 walks each checkpoint's R chunks from it (one program
+# per checkpoint, the state advanced in registers between its chunks), so the checkpoints that
+# PHASE 1 writes and PHASE 2 reads (and the training forward keeps for the backward) are 1/R of
+# the dense ones: at K = V = 128 bf16 and C = 64, 512 of simple_gla's 2.6 KB per token-head
+# forward are the checkpoints (bench/traffic_report). The backward, which reads a state per
+# chunk, first refills them (chunk_states: PHASE 3, every checkpoint's R chunks at once), as fla's
+# backward recomputes its h. None: the policy below on a GPU (and the sm_90 stand-in), 1 under
+# the interpreter (the tests force other values); an int forces it everywhere.
+CHECKPOINT_EVERY: int | None = None
+CHECKPOINT_TOKENS = 256         # tokens per checkpoint the policy aims at
+MIN_PROGRAMS = 512              # ... unless PHASE 2 would have fewer programs than this (132 SMs x ~4)
+
+
+def checkpoint_every(plan: Plan, bound: Bound, C: int) -> int:
+    """R for chunks of C tokens on these shapes (a shape-only rule: torch.compile's fake
+    checkpoints take the same): CHECKPOINT_TOKENS // C, halved while PHASE 2's programs (one per
+    checkpoint, head and tile block) would number fewer than MIN_PROGRAMS."""
+    if CHECKPOINT_EVERY:
+        return CHECKPOINT_EVERY
+    if interpreting():
+        return 1
+    every = max(1, CHECKPOINT_TOKENS // C)
+    programs = bound.H * n_tiles(plan, bound, chunk_blocks(plan, bound))
+    while every > 1 and programs * (bound.B * bound.T // (C * every)) < MIN_PROGRAMS:
+        every //= 2
+    return every
 
 
 def chunk_seqs(cu_seqlens: torch.Tensor, C: int, n: int, programs: int, device) -> torch.Tensor:
@@ -441,10 +474,11 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
     and the recurrent one with CK = C."""
     C = C or plan.layout.chunk_size
     x0 = next(iter(bound.inputs.values()))
-    programs, common = _chunk_launch(plan, bound, C)
+    every = checkpoint_every(plan, bound, C)
+    programs, common = _chunk_launch(plan, bound, C, every)
 
     def run(cfg):
-        kw = dict(output_final_state=output_final_state, chunk_tokens=C, out_dtype=out_dtype)
+        kw = dict(output_final_state=output_final_state, chunk_tokens=C * every, out_dtype=out_dtype)
         launch = common | (cfg.launch() if cfg is not None else {})
         if _phases(cfg, x0.device) == 1:
             return _forward(plan, bound, "chunk_fwd", checkpoints=checkpoints, launch=launch | {"phase": 0}, **kw)
@@ -456,6 +490,28 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
                            launch=_one_stage(launch) | {"phase": 2}, **kw)
         return o, finals, (ckpts if checkpoints else None)
     return run(_tuned(plan, bound, "chunk_fwd", run, C))
+
+
+def chunk_states(plan: Plan, bound: Bound, ckpts: dict, C: int) -> dict:
+    """The state at every chunk start (what the chunked backward reads) from the chunked
+    forward's checkpoints, which hold every CKPT_EVERY-th (checkpoint_every): PHASE 3 of the
+    forward kernel, one program per checkpoint walking its chunks (no output). The checkpoints
+    themselves where they are dense already."""
+    every = checkpoint_every(plan, bound, C)
+    if every == 1:
+        return ckpts
+    x0 = next(iter(bound.inputs.values()))
+    programs, common = _chunk_launch(plan, bound, C, every)
+    slots = checkpoint_slots(bound, C)
+    dense = {s.name: _empty((slots, bound.H) + tuple(bound.sizes[d] for d in s.shape), ckpts[s.name].dtype,
+                            x0.device) for s in plan.kernel_ir.states}
+
+    def run(cfg):
+        _forward(plan, bound, "chunk_fwd", output_final_state=False, checkpoints=False, chunk_tokens=C * every,
+                 ckpts_in=ckpts, write_out=False, grid0=programs * bound.H, dense_into=dense,
+                 launch=_one_stage(common | (cfg.launch() if cfg is not None else {})) | {"phase": 3})
+    run(_tuned(plan, bound, "chunk_fwd", run, C))
+    return dense
 
 
 def tile_loop(plan: Plan) -> bool:
@@ -475,6 +531,7 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
     recurrent_backward, from the chunked forward's checkpoints (chunks of C tokens)."""
     x0 = next(iter(bound.inputs.values()))
     H = bound.H
+    ckpts = chunk_states(plan, bound, ckpts, C)
     slots = checkpoint_slots(bound, C)
     chunk_programs, launch_kw = _chunk_launch(plan, bound, C)
     tiles = n_tiles(plan, bound, launch_kw)

@@ -214,7 +214,8 @@ class CompiledOp:
             x0 = next(iter(b.inputs.values()))
             dot = 0 if (x0.dtype == torch.bfloat16 and _interpreting()) else {torch.bfloat16: 1, torch.float16: 2}.get(
                 x0.dtype, 0)
-            kw.update(chunk=C, unit=16, dot=dot, n_seqs=b.n, chunk_seq=x0, phase=0)
+            # one walk (PHASE 0) with a checkpoint at every chunk start (what the backward reads)
+            kw.update(chunk=C, unit=16, dot=dot, n_seqs=b.n, chunk_seq=x0, phase=0, ckpt_every=1)
         else:
             kw.update(ck=C)
         return kw, tiles, splits
@@ -264,6 +265,7 @@ class CompiledOp:
                         and os.environ.get("MIXC_FP32_CHECKPOINTS") != "1")
                 ckpts[name] = _empty((slots, b.H) + shape, x0.dtype if half else torch.float32, device)
             v["init", name], v["final", name], v["ckpt", name] = init, finals.get(name, out), ckpts.get(name, out)
+            v["dense", name] = out          # PHASE 3's (launch.chunk_states): not launched here
         v["out"] = out
         v["cu_seqlens"] = b.cu.to(device) if b.cu is not None else out
         v.update(use_initial=b.init is not None, store_final=output_final_state, store_ckpt=checkpoints)

@@ -25,7 +25,7 @@ from .. import pipeline
 from ..codegen.module import kernel_name
 from ..derive.plan import Plan
 from ..runtime.cache import interpreting
-from ..runtime.launch import block
+from ..runtime.launch import CHECKPOINT_TOKENS, block
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # constexpr values of the switches of every template, by role (derive/kernel_args.py)
@@ -67,6 +67,8 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             const[a.name] = plan.layout.chunk_size
         elif a.role == "dot":
             const[a.name] = _DOT[dtype]
+        elif a.role == "ckpt_every":        # the policy's at long sequences (launch.checkpoint_every)
+            const[a.name] = max(1, CHECKPOINT_TOKENS // plan.layout.chunk_size)
         else:
             const[a.name] = _SWITCHES[a.role]
     return sig, const
@@ -81,9 +83,10 @@ def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warp
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16", phases=(0, 1, 2)) -> list[dict]:
+def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16", phases=(0, 1, 2, 3)) -> list[dict]:
     """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel,
-    the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches)."""
+    the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches;
+    3: the forward's refill of every chunk's state, which the backward launches first)."""
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs compiled kernels: unset TRITON_INTERPRET")
     plan = pipeline.compile(name)
@@ -95,7 +98,7 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
     for form, kname in mod.METADATA["kernels"].items():
         kernel = getattr(mod, kname)
         sig, const = signature(kernel, plan, sizes, dtype)
-        for phase in (phases if "PHASE" in const else (None,)):
+        for phase in ([p for p in phases if p < 3 or form == "chunk_fwd"] if "PHASE" in const else (None,)):
             for arch in archs:
                 t0 = time.perf_counter()
                 ck = compile_kernel(kernel, sig, const | ({"PHASE": phase} if phase is not None else {}), arch=arch)
@@ -145,8 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, action="append")
     p.add_argument("--size", type=int, default=16)
     p.add_argument("--table", action="store_true", help="a table instead of JSON")
-    p.add_argument("--phases", default="0,1,2",
-                   help="PHASEs of the chunked kernels to compile (0: the walk alone; 1,2: the two launches)")
+    p.add_argument("--phases", default="0,1,2,3",
+                   help="PHASEs of the chunked kernels to compile (0: the walk alone; 1,2: the two launches; "
+                        "3: the forward's refill of every chunk's state for the backward)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)
