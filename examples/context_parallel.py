@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,11 @@ def main() -> None:
     err = (o - o_ref[:, start:end]).abs().max().item() / o_ref.abs().max().item()
     grad_err = max((mine[k].grad - whole[k].grad[:, start:end]).abs().max().item()
                    / whole[k].grad.abs().max().item() for k in per_token)
-    print(f"rank {rank}/{world}: tokens {start}..{end}, output error {err:.2e}, input gradient error {grad_err:.2e}",
-          flush=True)
+    # one write per line: with PYTHONUNBUFFERED, print writes the text and the newline apart,
+    # and the other rank's line could land between them
+    sys.stdout.write(f"rank {rank}/{world}: tokens {start}..{end}, output error {err:.2e}, "
+                     f"input gradient error {grad_err:.2e}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
