@@ -313,27 +313,33 @@ def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_repla
     assert len(op._fast) == n + 3
 
 
-@pytest.mark.parametrize("name,packed,with_state,dtype,mode", [
-    ("gla", False, False, torch.float32, "auto"), ("gla", False, True, torch.float32, "auto"),
-    ("gla", True, False, torch.float32, "auto"), ("gla", True, True, torch.float32, "auto"),
-    ("mlstm", False, False, torch.float32, "auto"), ("mlstm", True, True, torch.float32, "auto"),
-    ("gla", True, True, torch.bfloat16, "auto"), ("gla", True, True, torch.float32, "recurrent")],
+@pytest.mark.parametrize("name,packed,with_state,dtype,mode,every", [
+    ("gla", False, False, torch.float32, "auto", 1), ("gla", False, True, torch.float32, "auto", 1),
+    ("gla", True, False, torch.float32, "auto", 1), ("gla", True, True, torch.float32, "auto", 1),
+    ("mlstm", False, False, torch.float32, "auto", 1), ("mlstm", True, True, torch.float32, "auto", 1),
+    ("gla", True, True, torch.bfloat16, "auto", 1), ("gla", True, True, torch.float32, "recurrent", 1),
+    ("simple_gla", True, True, torch.float32, "auto", 2)],
     ids=["gla", "gla-state", "gla-packed", "gla-packed-state", "mlstm", "mlstm-packed-state", "gla-packed-state-bf16",
-         "gla-packed-state-recurrent"])
-def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, with_state, dtype, mode, monkeypatch):
+         "gla-packed-state-recurrent", "simple_gla-packed-state-R2"])
+def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, with_state, dtype, mode, every,
+                                                                 monkeypatch):
     """The chunked forward in two launches (CUDA's: PHASE 1 checkpoints and final states,
     PHASE 2 the outputs; forced here under the interpreter) replays both: outputs and final
     states bit for bit as bound calls, with and without an initial state and final state, fixed
     length and packed, no launch bound (launch._forward unused); mlstm's stabilizer state starts
-    at 0 per call; bf16 (its checkpoints in bf16); the packed recurrent forward (one launch) too.
+    at 0 per call; bf16 (its checkpoints in bf16); the packed recurrent forward (one launch) too;
+    a checkpoint every two chunks (the replay's PHASE 2 slot table spans two chunks per slot).
     The replayed output against float64."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", every)
     op = mixc.load(name)
     sizes = {d: 4 for d in op.ir.dim_names}
-    B, T = (1, 20) if packed else (2, 20)
+    B, T = (1, 20 if every == 1 else 100) if packed else (2, 20)
     args, _ = random_args(op.ir, B=B, T=T, H=2, sizes=sizes, dtype=dtype, seed=12)
     launches = 1 if mode == "recurrent" else 2
-    cu = torch.tensor([0, 5, 20]) if packed else None      # the second sequence across a chunk boundary (C = 16)
+    # the second sequence across a chunk boundary (C = 16); with R = 2 lengths 40 and 60, whose
+    # slot table (first slots bos // 32 + i: 0, 2) differs from one chunk per slot's (0, 3)
+    cu = (torch.tensor([0, 5, 20]) if every == 1 else torch.tensor([0, 40, 100])) if packed else None
     st = op(**args, output_final_state=True, cu_seqlens=cu, mode="recurrent")[1] if with_state else None
     op._fast.clear()
     bound_launches = []
