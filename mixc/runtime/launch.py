@@ -405,9 +405,10 @@ def _phases(cfg: autotune.Config | None, device: torch.device) -> int:
 
 
 def _one_stage(kw: dict) -> dict:
-    """A PHASE 2 launch's arguments: one stage where stages are set (its chunk loop has one
-    iteration, so pipelining would only take shared memory; the backward's loop over the tile
-    blocks has a few, left unpipelined for the same shared memory: not measured on a GPU)."""
+    """A PHASE 2 (or 3) launch's arguments: one stage where stages are set (the forward's chunk
+    loop has one iteration per program, or CKPT_EVERY (4-8 on a GPU), the backward's loop over
+    the tile blocks a few: left unpipelined, as pipelining would hold the next chunk's inputs
+    or block's state slices in shared memory; not measured on a GPU)."""
     return kw | {"num_stages": 1} if "num_stages" in kw else kw
 
 
