@@ -434,8 +434,9 @@ def _chunk_launch(plan: Plan, bound: Bound, C: int, every: int = 1) -> tuple[int
 # every R-th chunk start only and PHASE 2 walks each checkpoint's R chunks from it (one program
 # per checkpoint, the state advanced in registers between its chunks), so the checkpoints that
 # PHASE 1 writes and PHASE 2 reads (and the training forward keeps for the backward) are 1/R of
-# the dense ones: at K = V = 128 bf16 and C = 64, 512 of simple_gla's 2.6 KB per token-head
-# forward are the checkpoints (bench/traffic_report). The backward, which reads a state per
+# the dense ones: at K = V = 128 bf16 and C = 64, 1 KB of simple_gla's 2.6 KB per token-head
+# forward were the checkpoints (written and read; bench/traffic_report). A forward and its
+# backward must see the same R: chunk_states checks the checkpoints' size. The backward, which reads a state per
 # chunk, first refills them (chunk_states: PHASE 3, every checkpoint's R chunks at once), as fla's
 # backward recomputes its h. None: the policy below on a GPU (and the sm_90 stand-in), 1 under
 # the interpreter (the tests force other values); an int forces it everywhere.
@@ -499,6 +500,11 @@ def chunk_states(plan: Plan, bound: Bound, ckpts: dict, C: int) -> dict:
     forward kernel, one program per checkpoint walking its chunks (no output). The checkpoints
     themselves where they are dense already."""
     every = checkpoint_every(plan, bound, C)
+    have, want = next(iter(ckpts.values())).shape[0], checkpoint_slots(bound, C * every)
+    if have != want:
+        raise ValueError(f"chunked backward: the forward's checkpoints have {have} slots, {want} expected for a "
+                         f"checkpoint every {every} chunks of {C} tokens: launch.CHECKPOINT_EVERY (or the chunk "
+                         "size) changed between the forward and its backward")
     if every == 1:
         return ckpts
     x0 = next(iter(bound.inputs.values()))

@@ -109,3 +109,17 @@ def test_policy_on_gpu_shapes(monkeypatch):
     assert every(2, 2048, 16, 64) == 4            # 16 x 32 = 512
     assert every(1, 2048, 16, 64) == 2            # R = 4: 8 x 32 = 256 < 512; R = 2: 16 x 32 = 512
     assert every(1, 512, 4, 64) == 1              # 8 programs per checkpoint: 8 x 8 = 64 even at R = 1
+
+
+def test_a_changed_checkpoint_count_between_forward_and_backward_is_an_error(monkeypatch):
+    """The backward reads the checkpoints at the forward's R: R changed in between (the
+    knob set between the two) is a ValueError naming it, not states read from wrong slots."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
+    op = mixc.load("simple_gla")
+    args, _ = random_args(op.ir, B=1, T=80, H=1, sizes={"K": 4, "V": 4}, dtype=torch.float32, requires_grad=True,
+                          seed=8)
+    o, _ = op(**args, mode="chunk", chunk=16)
+    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 1)
+    with pytest.raises(ValueError, match="CHECKPOINT_EVERY .* changed between the forward and its backward"):
+        o.sum().backward()
