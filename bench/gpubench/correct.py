@@ -6,8 +6,9 @@ candidates after the default), in one launch per direction as well as two (mode 
 launch.CHUNK_PHASES = 1), with the tile dim in blocks of 16 (mode "chunk tile16": two blocks
 at D = 32, the partial gradients summed) and with a checkpoint every two chunks (mode "chunk
 ckpt2": at T = 130, three chunks of 64 or five of 32, the last checkpoint's partial; the
-policy of launch.checkpoint_every keeps one per chunk at so few programs); warps and stages
-do not change the arithmetic."""
+policy of launch.checkpoint_every keeps one per chunk at so few programs) and, where the
+spec stages its intra-chunk matrices (PHASE 4: gla, rwkv6, hgrn2, s4d), without them (mode
+"chunk unstaged": launch.STAGE_INTRA = False); warps and stages do not change the arithmetic."""
 from __future__ import annotations
 
 import time
@@ -34,6 +35,8 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
         modes += [("chunk", None, "chunk walk", {"CHUNK_PHASES": 1}),
                   ("chunk", None, "chunk tile16", {"CHUNK_TILE": 16, "CHUNK_PHASES": 2}),
                   ("chunk", None, "chunk ckpt2", {"CHECKPOINT_EVERY": 2, "CHUNK_PHASES": 2})]
+        if op.plan().layout.intra_matrices:     # PHASE 2 computing its intra-chunk matrices itself
+            modes += [("chunk", None, "chunk unstaged", {"STAGE_INTRA": False, "CHUNK_PHASES": 2})]
     rows = []
     for mode, C, label, knobs in modes:
         saved = {k: getattr(launch, k) for k in knobs}

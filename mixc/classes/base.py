@@ -89,6 +89,11 @@ class TransitionClass:
     # [C, KF], [C, VF], its log decay and its flat key and value axes. The defaults are the
     # diagonal decays' (key- and value-diagonal): the others override what differs.
     compensated_sum: bool = False          # its macros take b as hi + lo (ChunkCode.compensated)
+    # its readout's intra-chunk matrix [C, C] is staged: the forward's PHASE 4 computes it once
+    # per chunk into p_intra, PHASE 2 (every tile block) reads it (ChunkCode.intra_slot)
+    stages_intra: bool = False
+    # the forward PHASE 2's block of the tile dim (None: launch.CHUNK_TILE, the other launches')
+    output_tile: int | None = None
 
     def decay_is_vector(self, st) -> bool:
         """The chunk's log decay is one number per token, a [C] vector (else [C, axes])."""

@@ -13,6 +13,10 @@ class KeyDiagonal(TransitionClass):
     conv_form = True
     template = "key_diag.j2"
     compensated_sum = True          # key_diag.j2's pair log weights: (hi_i - hi_j) + (lo_i - lo_j)
+    # the sub-chunk loops that make A (16 diagonal steps of [C, K] exps) run once per chunk in
+    # PHASE 4, not once per tile block in PHASE 2, whose registers they took (sm_90, K = V = 128:
+    # gla's PHASE 2 spilled 32 B, rwkv6's 148 B with them; bench/README.md)
+    stages_intra = True
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections and set(u.decay_dims) <= set(u.key_dims)
@@ -45,7 +49,7 @@ class KeyDiagonal(TransitionClass):
     # a readout of S_{t-1} moves the keys' rows (the macros' `moved`) instead of the queries' b,
     # and its b gradient comes out whole (no query_side step)
     def chunk_readout(self, code, st, R, Q, K, V, prev):
-        return self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev)
+        return self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev, slot=code.intra_slot())
 
     def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G):
         dK, dV, dS0, db = code.grad_names(G, "t", with_db=True)

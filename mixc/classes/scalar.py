@@ -13,6 +13,11 @@ class ScalarDecay(TransitionClass):
     conv_form = True
     stabilizable = True
     template = "scalar.j2"
+    # PHASE 2 (the outputs) in tile blocks of 32: at 64, with the state carried over CKPT_EVERY
+    # chunks, Mamba-2's [C, 64] skip-term operand (D * x beside V = dt x) spilled 128 B on sm_90
+    # (K = V = 128, bf16); at 32 no scalar spec's does (simple_gla, retention, mamba2). Each tile
+    # block recomputes Q K^T, tensor-core work: bench/README.md has the FLOPs.
+    output_tile = 32
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections and not u.decay_dims

@@ -22,6 +22,7 @@ stores."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from .. import classes
 from ..derive import plan as P
@@ -39,6 +40,13 @@ def _axes(st: P.StatePlan, order) -> tuple[tuple[str, ...], tuple[str, ...]]:
     kd = canon(order, st.key_dims) or (UNIT,)
     vd = canon(order, st.value_dims) or (UNIT,)
     return kd, vd
+
+
+class IntraSlot(NamedTuple):
+    """A staged intra-chunk matrix's place: p_intra holds `count` [C, C] matrices per chunk,
+    row-major per token row ([rows, H, count, C]); this one is `index`."""
+    index: int
+    count: int
 
 
 def _block(dims) -> str:
@@ -61,6 +69,10 @@ class ChunkCode:
         self.states = tuple(self._stabilized(st) for st in plan.states)
         self.extra: dict[str, dict[str, str]] = {}      # state -> its class's own matrices (rank-1: L, R)
         self.tile = plan.layout.tile
+        # the forward stages its intra-chunk matrices (PHASE 4 -> PHASE 2: hooks sets it; the
+        # backward, which reuses forward_body, computes them): intra_slot hands out their places
+        self.staged = False
+        self.n_intra = 0
 
     def _stabilized(self, st: P.StatePlan) -> P.StatePlan:
         """A state of the stabilizer's group as the kernels see it: its key and value without
@@ -74,6 +86,14 @@ class ChunkCode:
     def macros(self, unit: classes.TransitionClass):
         """The unit's kernel macros (mixc/classes/<unit.template>)."""
         return macros(unit)
+
+    def intra_slot(self) -> IntraSlot | None:
+        """The place of the next staged intra-chunk matrix in p_intra's rows (index of count);
+        None where the kernel computes it (the backward, or a class that does not stage)."""
+        if not self.staged:
+            return None
+        self.n_intra += 1
+        return IntraSlot(self.n_intra - 1, self.plan.layout.intra_matrices)
 
     def state(self, name: str) -> P.StatePlan:
         return next(s for s in self.states if s.name == name)
@@ -256,7 +276,11 @@ class ChunkCode:
         m, order = self.m, self.order
         I3 = I2 + "    "
         I4 = I3 + "    "
+        self.staged = self.plan.layout.intra_matrices > 0
         fb = self.forward_body(advance_first=True)
+        if self.n_intra != self.plan.layout.intra_matrices:
+            raise AssertionError(f"staged {self.n_intra} intra-chunk matrices, the layout counts "
+                                 f"{self.plan.layout.intra_matrices}")
         loads, body, per_state = fb["loads"], fb["body"], fb["per_state"]
         o_var, o_dims = fb["o"]
         o_shape = canon(order, m.output.expr.shape)
@@ -324,7 +348,17 @@ class ChunkCode:
         n, I = st.name, I2
         parts = [(role, x) for role, x in [("K", K), ("V", V)] + list(self.extra[n].items()) if x is not None]
         checks = [f"tl.max(tl.where(tl.abs({x}) < float('inf'), 0, 1), axis=1)" for _, x in parts]
-        lines = [f"{I}_bad_{n} = {' | '.join(checks)}"]
+        if self.staged and any(role == "V" for role, _ in parts) and len(parts) > 1:
+            # PHASE 4 (the intra-chunk matrices of every tile block at once) zeroes the keys
+            # that are not finite only: one tile block's values must not zero another's keys
+            # (key_diag.j2's staged_pairs)
+            keys = [c for c, (role, _) in zip(checks, parts) if role != "V"]
+            values = [c for c, (role, _) in zip(checks, parts) if role == "V"]
+            lines = [f"{I}_bad_{n} = {' | '.join(keys)}",
+                     f"{I}if PHASE != 4:",
+                     f"{I}    _bad_{n} = _bad_{n} | {' | '.join(values)}"]
+        else:
+            lines = [f"{I}_bad_{n} = {' | '.join(checks)}"]
         clean = {}
         for role, x in parts:
             clean[role] = f"_{role}c_{n}"
@@ -513,8 +547,12 @@ class ChunkCode:
         for st in self.states:
             n = st.name
             body.append(f"{I2}_s0_{n} = s_{n}")
-            body += self.advance(st, per_state[n])
-            body.append(f"{I2}_snew_{n} = tl.where(tl.max(_bad_{n}, axis=0) > 0, float('nan'), s_{n})")
+            advance = self.advance(st, per_state[n]) + [
+                f"{I2}_snew_{n} = tl.where(tl.max(_bad_{n}, axis=0) > 0, float('nan'), s_{n})"]
+            if self.staged:     # PHASE 4 has no state (its loop-carried advance is not compiled away)
+                body += [f"{I2}if PHASE == 4:", f"{I2}    _snew_{n} = s_{n}", f"{I2}else:"]
+                advance = ["    " + line for line in advance]
+            body += advance
             body.append(f"{I2}s_{n} = _s0_{n}")
         return body
 

@@ -43,6 +43,9 @@ ROLES: dict[str, Role] = {
     "ckpt": Role("p_ckpt_{}", "pointer", "fp32", "a state at each chunk start [slots, H, *dims]"),
     "dense": Role("p_dense_{}", "pointer", "fp32",
                   "the chunked forward's PHASE 3: the state at every chunk start [slots, H, *dims]"),
+    "intra": Role("p_intra", "pointer", "io",
+                  "the chunked forward's intra-chunk matrices in the matmuls' dtype: PHASE 4 writes them, "
+                  "PHASE 2 reads them [rows, H, n, C]"),
     "scratch": Role("p_scratch_{}", "pointer", "fp32", "CK recomputed states per program"),
     "dfinal": Role("p_dfinal_{}", "pointer", "fp32", "the final state's gradient [N, H, *dims]"),
     "dinit": Role("p_dinit_{}", "pointer", "fp32", "the initial state's gradient (per tile or split block)"),
@@ -77,7 +80,9 @@ ROLES: dict[str, Role] = {
     "use_dfinal": Role("USE_FINAL_STATE_GRAD", "constexpr", None, "read the final states' gradient"),
     "use_indices": Role("USE_STATE_INDICES", "constexpr", None, "states live in a cache of slots"),
     "dot": Role("DOT", "constexpr", None, "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16"),
-    "phase": Role("PHASE", "constexpr", None, "0: one walk; 1 and 2: the two launches; 3: every chunk's state"),
+    "staged_intra": Role("STAGED_INTRA", "constexpr", None, "PHASE 2 reads the intra-chunk matrices PHASE 4 wrote"),
+    "phase": Role("PHASE", "constexpr", None, "0: one walk; 1 and 2: the two launches; 3: every chunk's state; "
+                                              "4: the intra-chunk matrices"),
 }
 
 
@@ -226,6 +231,7 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_comment("states: initial in, final out [N, H, *state dims]; checkpoints at the start of every",
                   "CKPT_EVERY-th chunk [slots, H, *state dims]; PHASE 3 writes every chunk's start into dense"),
         *_each(states, "init", "final", "ckpt", "dense"),
+        *_one("intra", "PHASE 4 writes each chunk's intra-chunk matrices [rows, H, n, C], PHASE 2 reads them"),
         Line((Arg("out"), Arg("cu_seqlens"))),
         Line((Arg("T"), Arg("H"))),
         *_comment("grouped heads: head i_h reads head i_h // _group_x of input x"),
@@ -233,10 +239,12 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "fsize"), *after_fsize,
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_initial"), *_one("store_final"), *_one("varlen"), *_one("store_ckpt"),
-        *_one("ckpt_every", "chunks per checkpoint (PHASE 2 and 3: chunks per program)"),
+        *_one("ckpt_every", "chunks per checkpoint (PHASE 2, 3 and 4: chunks per program)"),
+        *_one("staged_intra", "PHASE 2 reads the intra-chunk matrices PHASE 4 wrote (else computes them)"),
         *_one("dot", "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16"),
         *_one("phase", "0: all in one pass; 1: the states (checkpoints) only; 2: the output; "
-                       "3: the state at every chunk start from the checkpoints (the backward's)"),
+                       "3: the state at every chunk start from the checkpoints (the backward's); "
+                       "4: the intra-chunk matrices (before 2)"),
     ]
 
 

@@ -7,6 +7,9 @@ it without asking the code generator (the generated module's METADATA carries th
 - tile, split: the dims the recurrent kernels split into blocks, one program each (grid axes
   1 and 2; fla's BV and BK blocks);
 - chunk_size: the default chunk C of the chunked kernels and of the torch backend's form;
+- intra_matrices: how many intra-chunk matrices [C, C] the chunked forward's PHASE 4 stores for
+  its PHASE 2 to read (one per readout term of a class that stages them: classes/<unit>.py
+  stages_intra); 0: PHASE 2 computes every one itself;
 - kernel_args: each kernel form's argument list (derive/kernel_args.py), from which the
   template signature, the launch call and the ahead-of-time signature are made."""
 from __future__ import annotations
@@ -18,7 +21,7 @@ from .. import classes
 from .decay_sign import negative_decay
 from .kernel_args import KernelArgs, plan_kernel_args
 
-__all__ = ["KernelLayout", "kernel_layout", "chunk_supported", "torch_chunk_supported", "chunk_size",
+__all__ = ["KernelLayout", "kernel_layout", "chunk_supported", "torch_chunk_supported", "chunk_size", "intra_matrices",
            "tile_dim", "split_dim"]
 
 
@@ -29,6 +32,7 @@ class KernelLayout:
     tile: str | None
     split: str | None
     chunk_size: int
+    intra_matrices: int = 0
     kernel_args: dict[str, KernelArgs] = field(default_factory=dict, compare=False)
 
     @property
@@ -47,7 +51,8 @@ def kernel_layout(plan) -> KernelLayout:
     chunked = chunk_supported(plan)
     forms = ("recurrent_fwd", "recurrent_bwd") + (("chunk_fwd", "chunk_bwd") if chunked is None else ())
     return KernelLayout(chunked, torch_chunk_supported(plan), tile_dim(plan.kernel_ir),
-                        split_dim(plan), chunk_size(plan), plan_kernel_args(plan, forms))
+                        split_dim(plan), chunk_size(plan), intra_matrices(plan) if chunked is None else 0,
+                        plan_kernel_args(plan, forms))
 
 
 def chunk_supported(plan) -> str | None:
@@ -91,6 +96,17 @@ def torch_chunk_supported(plan) -> str | None:
             if t.proj is None or set(t.over) != set(plan.state(r.state).key_dims):
                 return f"readout {r.name} does not contract the key dims of {r.state}"
     return negative_decay(plan)
+
+
+def intra_matrices(plan) -> int:
+    """The intra-chunk matrices the chunked forward stages (KernelLayout.intra_matrices): one per
+    term of each readout of a state whose class computes its [C, C] matrix apart from the state
+    (stages_intra: the key-diagonal decay's, whose sub-chunk loops cost a PHASE 2 program more
+    registers and exps than its matmuls do). A stabilized state is a scalar decay in the kernels
+    (codegen/chunk.py): none."""
+    stabilized = set(plan.stabilizer.states) if plan.stabilizer is not None else set()
+    return sum(len(r.terms_ir) for r in plan.output.readouts
+               if r.state not in stabilized and classes.unit(plan.state(r.state).transition).stages_intra)
 
 
 def chunk_size(plan) -> int:

@@ -79,6 +79,7 @@ KERNEL_ARGUMENTS = {
 FIXED_KERNEL_ARGUMENTS = {"p_out": "the output", "p_do": "the gradient of the output",
                           "p_cu_seqlens": "the sequence starts (cu_seqlens)",
                           "p_chunk_seq": "the sequence of each chunk slot",
+                          "p_intra": "the chunked forward's intra-chunk matrices",
                           "p_state_indices": "each sequence's slot of a decode cache (step's state_indices)"}
 # The max-stabilizer's extra state (derive/stabilize.M): its arguments are a state's
 # (p_ckpt__m, ...), and an input named ckpt__m would take one of them.

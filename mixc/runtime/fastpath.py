@@ -104,14 +104,16 @@ def step_key(mode, kwargs: dict, state) -> tuple | None:
 
 def _call_launches(log: list) -> list | None:
     """The launches of the call a log ends with (tuning runs come first): its last, and PHASE 1
-    before a PHASE 2."""
+    (and the PHASE 4 of staged intra-chunk matrices) before a PHASE 2."""
     if not log or log[-1] is None:
         return None
     if log[-1]["values"].get("phase") != 2:
         return log[-1:]
-    if len(log) < 2 or log[-2] is None or log[-2]["values"].get("phase") != 1:
+    n = 3 if log[-1]["values"].get("staged_intra") else 2
+    if len(log) < n or any(r is None for r in log[-n:]) or \
+            [r["values"].get("phase") for r in log[-n:-1]] != [1, 4][:n - 1]:
         return None
-    return log[-2:]
+    return log[-n:]
 
 
 def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, rows=None,
@@ -166,7 +168,7 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
                                   t.shape[0]))
             if role == "ckpt" and reads_ckpts:
                 return None                         # PHASE 2 reads checkpoints this call did not write
-            if role in ("out", "final", "ckpt", "dense", "init", "cu_seqlens"):
+            if role in ("out", "final", "ckpt", "dense", "intra", "init", "cu_seqlens"):
                 zeros = role == "init" and values["use_initial"]       # a state not given: 0
                 return source(t, ("buf", tuple(t.shape), t.dtype, zeros), unique=True)
             return None

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .. import classes
 from ..derive.plan import Plan
 from ..derive.stabilize import M as STABILIZER_M
 from . import autotune
@@ -101,7 +102,7 @@ def settings() -> tuple:
     CPU tensors, KernelUnavailable without it). Part of a replayed launch's key
     (runtime/fastpath.py), so changing one takes the bound path again."""
     return (CHUNK_PHASES, CHUNK_TILE, RECURRENT_TILE, RECURRENT_SPLIT, _tuned, interpreting(),
-            os.environ.get("MIXC_AUTOTUNE"), FP32_CHECKPOINTS, CHECKPOINT_EVERY)
+            os.environ.get("MIXC_AUTOTUNE"), FP32_CHECKPOINTS, CHECKPOINT_EVERY, STAGE_INTRA)
 
 
 # A decode step's fast path (runtime/fastpath.py) replays the launch a first step made: while
@@ -130,14 +131,17 @@ def checkpoint_slots(bound: Bound, CK: int) -> int:
 
 def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, checkpoints: bool,
              chunk_tokens: int, launch: dict, out_dtype=None, ckpts_in: dict | None = None, write_out: bool = True,
-             grid0: int | None = None, finals_into: dict | None = None, dense_into: dict | None = None):
+             grid0: int | None = None, finals_into: dict | None = None, dense_into: dict | None = None,
+             tiles: int | None = None, intra: torch.Tensor | None = None, staged: bool = False):
     """Launch a forward kernel: its arguments (plan.layout.kernel_args[form]) keyed by role,
     `launch` the sizes, blocks and constexprs the caller chose and Triton's options.
     chunk_tokens: tokens per checkpoint; ckpts_in: checkpoints to read (the chunked PHASE 2 and
     3: their start states); write_out=False: the launch writes no output (PHASE 1 and 3), None
     is returned for it; grid0: programs along axis 0 (default: sequences x heads); finals_into:
     the final states' buffers (float32, contiguous; the initial ones for a step in place);
-    dense_into: PHASE 3's buffers for the state at every chunk start."""
+    dense_into: PHASE 3's buffers for the state at every chunk start; tiles: programs along axis 1
+    (default: the tile dim's blocks); intra: the intra-chunk matrices PHASE 4 writes and PHASE 2
+    reads where staged."""
     m = plan.ir
     x0 = next(iter(bound.inputs.values()))
     device = x0.device
@@ -145,7 +149,7 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
     n, H, T = bound.n_seqs, bound.H, bound.T
     slots = checkpoint_slots(bound, chunk_tokens)
     opts = _options(m, bound)
-    tiles, splits = n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
+    tiles, splits = tiles or n_tiles(plan, bound, launch), n_splits(plan, bound, launch)
     o_shape = (bound.B, T, H) + tuple(bound.sizes[d] for d in m.output.expr.shape)
     # split blocks write partial outputs (float32, summed below)
     out = _empty(((splits,) if splits > 1 else ()) + o_shape if write_out else (1,),
@@ -170,6 +174,7 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
         v["init", s.name], v["final", s.name], v["ckpt", s.name] = init, finals.get(s.name, out), ckpts.get(s.name, out)
         v["dense", s.name] = (dense_into or {}).get(s.name, out)
     v["out"] = out
+    v["intra"], v["staged_intra"] = (intra if intra is not None else out), staged
     v["cu_seqlens"] = bound.cu_seqlens.to(device) if bound.cu_seqlens is not None else out
     v["T"], v["H"] = T, H
     v.update({("fsize", d): float(bound.sizes[d]) for d in m.dim_names})
@@ -372,6 +377,16 @@ def _dot_code(dtype: torch.dtype) -> int:
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
 
 
+def output_blocks(plan: Plan, bound: Bound) -> dict:
+    """The forward PHASE 2's block of the tile dim where its class sets one (classes/<unit>.py
+    output_tile: the scalar decay's 32), else nothing (chunk_blocks'): PHASE 2 reads the
+    checkpoints by element, so its tile blocks need not be PHASE 1's."""
+    tile, size = plan.layout.tile, classes.unit(plan.transition).output_tile
+    if tile is None or size is None:
+        return {}
+    return {("block", tile): max(16, min(block(bound.sizes[tile]), size, CHUNK_TILE))}
+
+
 def chunk_blocks(plan: Plan, bound: Bound) -> dict:
     """Sizes and blocks of the chunked kernels (keyed as dim_kwargs'): each dim whole (at least
     16: tl.dot's minimum), but the tile dim (V, Mamba-2's P) in blocks of up to CHUNK_TILE, one
@@ -392,6 +407,11 @@ def chunk_blocks(plan: Plan, bound: Bound) -> dict:
 # choice on CUDA (two without tuning), one under the interpreter; 1 or 2 forces it everywhere
 # (the tests run both; gpu_check's correctness section checks both on the GPU).
 CHUNK_PHASES: int | None = None
+# The forward in two launches stages the intra-chunk matrices of the classes that stage them
+# (plan.layout.intra_matrices: the key-diagonal decay's): PHASE 4 computes each chunk's once and
+# PHASE 2, every tile block, reads them. False: PHASE 2 computes them per tile block (the tests
+# compare the two bit for bit; gpu_check can time both).
+STAGE_INTRA = True
 
 
 def _phases(cfg: autotune.Config | None, device: torch.device) -> int:
@@ -488,8 +508,16 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
         _, finals, ckpts = _forward(plan, bound, "chunk_fwd", checkpoints=True, write_out=False,
                                     launch=launch | {"phase": 1}, **kw)
         kw["output_final_state"] = False
+        intra = None
+        if plan.layout.intra_matrices and STAGE_INTRA:      # PHASE 4: the intra-chunk matrices, once per chunk
+            # in the dtype PHASE 2's matmul takes A in (_dot_code: so the same bits as computed)
+            dot_dtype = {1: torch.bfloat16, 2: torch.float16}.get(common["dot"], torch.float32)
+            intra = _empty((x0.shape[0] * x0.shape[1], bound.H, plan.layout.intra_matrices, C), dot_dtype, x0.device)
+            _forward(plan, bound, "chunk_fwd", checkpoints=False, ckpts_in={}, write_out=False,
+                     grid0=programs * bound.H, tiles=1, intra=intra, launch=_one_stage(launch) | {"phase": 4}, **kw)
         o, _, _ = _forward(plan, bound, "chunk_fwd", checkpoints=False, ckpts_in=ckpts, grid0=programs * bound.H,
-                           launch=_one_stage(launch) | {"phase": 2}, **kw)
+                           intra=intra, staged=intra is not None,
+                           launch=_one_stage(launch) | {"phase": 2} | output_blocks(plan, bound), **kw)
         return o, finals, (ckpts if checkpoints else None)
     return run(_tuned(plan, bound, "chunk_fwd", run, C))
 

@@ -266,6 +266,7 @@ class CompiledOp:
                 ckpts[name] = _empty((slots, b.H) + shape, x0.dtype if half else torch.float32, device)
             v["init", name], v["final", name], v["ckpt", name] = init, finals.get(name, out), ckpts.get(name, out)
             v["dense", name] = out          # PHASE 3's (launch.chunk_states): not launched here
+        v["intra"], v["staged_intra"] = out, False      # PHASE 4's: not launched here (PHASE 0 computes them)
         v["out"] = out
         v["cu_seqlens"] = b.cu.to(device) if b.cu is not None else out
         v.update(use_initial=b.init is not None, store_final=output_final_state, store_ckpt=checkpoints)

@@ -30,7 +30,7 @@ from ..runtime.launch import CHECKPOINT_TOKENS, block
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # constexpr values of the switches of every template, by role (derive/kernel_args.py)
 _SWITCHES = {"use_initial": True, "store_final": True, "varlen": False, "store_ckpt": True, "use_dfinal": True,
-             "use_indices": False, "ck": 32, "unit": 16, "phase": 0}
+             "use_indices": False, "ck": 32, "unit": 16, "phase": 0, "staged_intra": True}
 _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}
 
 
@@ -83,10 +83,12 @@ def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warp
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16", phases=(0, 1, 2, 3)) -> list[dict]:
+def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16",
+                 phases=(0, 1, 2, 3, 4)) -> list[dict]:
     """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel,
     the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches;
-    3: the forward's refill of every chunk's state, which the backward launches first)."""
+    3: the forward's refill of every chunk's state, which the backward launches first; 4: the
+    forward's intra-chunk matrices, where the plan stages them)."""
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs compiled kernels: unset TRITON_INTERPRET")
     plan = pipeline.compile(name)
@@ -98,7 +100,9 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
     for form, kname in mod.METADATA["kernels"].items():
         kernel = getattr(mod, kname)
         sig, const = signature(kernel, plan, sizes, dtype)
-        for phase in ([p for p in phases if p < 3 or form == "chunk_fwd"] if "PHASE" in const else (None,)):
+        forward = form == "chunk_fwd"
+        staged = [p for p in phases if p < 3 or (forward and p == 3) or (forward and p == 4 and plan.layout.intra_matrices)]
+        for phase in (staged if "PHASE" in const else (None,)):
             for arch in archs:
                 t0 = time.perf_counter()
                 ck = compile_kernel(kernel, sig, const | ({"PHASE": phase} if phase is not None else {}), arch=arch)
@@ -148,9 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, action="append")
     p.add_argument("--size", type=int, default=16)
     p.add_argument("--table", action="store_true", help="a table instead of JSON")
-    p.add_argument("--phases", default="0,1,2,3",
+    p.add_argument("--phases", default="0,1,2,3,4",
                    help="PHASEs of the chunked kernels to compile (0: the walk alone; 1,2: the two launches; "
-                        "3: the forward's refill of every chunk's state for the backward)")
+                        "3: the forward's refill of every chunk's state for the backward; 4: the forward's "
+                        "intra-chunk matrices, where staged)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)

@@ -12,14 +12,15 @@ from mixc.derive.layout import chunk_supported
 from mixc.dsl import library_names
 
 
-ARCHS = [pytest.param(("sm_90",), (1, 2), id="sm90"),
-         pytest.param(("sm_90", "sm_80"), (0, 1, 2, 3), id="sm90-sm80-every-phase", marks=pytest.mark.slow)]
+ARCHS = [pytest.param(("sm_90",), (1, 2, 4), id="sm90"),
+         pytest.param(("sm_90", "sm_80"), (0, 1, 2, 3, 4), id="sm90-sm80-every-phase", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("archs,phases", ARCHS)
 def test_every_kernel_compiles(tmp_path, archs, phases):
     """The default run: sm_90 (the H100/H200 we benchmark on), the chunked kernels at PHASE 1
-    and 2 (the two launches each direction takes on CUDA by default). Behind -m slow: sm_80
+    and 2 (the two launches each direction takes on CUDA by default) and the forward's PHASE 4
+    where the spec stages its intra-chunk matrices (the key-diagonal ones). Behind -m slow: sm_80
     too, PHASE 0 (the walk alone, the tuner's other choice) and the forward's PHASE 3 (the
     backward's refill of the states between checkpoints: PHASE 2's code storing states instead
     of outputs; simple_gla's compiles in the default run, tests/cli/test_cli.py); about 6
@@ -39,8 +40,10 @@ def test_every_kernel_compiles(tmp_path, archs, phases):
     recurrent = library_names("recurrent")
     chunked = {n for n in recurrent if chunk_supported(mixc.load(n).plan()) is None}
     want = {(n, k, a) for n in recurrent for k in ("recurrent_fwd", "recurrent_bwd") for a in archs}
+    staged = {n for n in chunked if mixc.load(n).plan().layout.intra_matrices}
+    assert staged == {"gla", "hgrn2", "rwkv6", "s4d"}
     want |= {(n, f"chunk_{d}[{i}]", a) for n in chunked for d in ("fwd", "bwd") for i in phases for a in archs
-             if i < 3 or d == "fwd"}
+             if i < 3 or (d == "fwd" and (i == 3 or n in staged))}
     assert got == want
     # every class but the elementwise one (mamba); rank-r (gated_delta_product) is chunked too
     assert set(recurrent) - chunked == {"mamba"}

@@ -324,7 +324,8 @@ def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_repla
 def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, with_state, dtype, mode, every,
                                                                  monkeypatch):
     """The chunked forward in two launches (CUDA's: PHASE 1 checkpoints and final states,
-    PHASE 2 the outputs; forced here under the interpreter) replays both: outputs and final
+    PHASE 2 the outputs, and gla's PHASE 4 between them, its intra-chunk matrices; forced here
+    under the interpreter) replays them all: outputs and final
     states bit for bit as bound calls, with and without an initial state and final state, fixed
     length and packed, no launch bound (launch._forward unused); mlstm's stabilizer state starts
     at 0 per call; bf16 (its checkpoints in bf16); the packed recurrent forward (one launch) too;
@@ -336,7 +337,8 @@ def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, w
     sizes = {d: 4 for d in op.ir.dim_names}
     B, T = (1, 20 if every == 1 else 100) if packed else (2, 20)
     args, _ = random_args(op.ir, B=B, T=T, H=2, sizes=sizes, dtype=dtype, seed=12)
-    launches = 1 if mode == "recurrent" else 2
+    # gla stages its intra-chunk matrices: PHASE 1, 4 and 2
+    launches = 1 if mode == "recurrent" else 3 if op.plan().layout.intra_matrices else 2
     # the second sequence across a chunk boundary (C = 16); with R = 2 lengths 40 and 60, whose
     # slot table (first slots bos // 32 + i: 0, 2) differs from one chunk per slot's (0, 3)
     cu = (torch.tensor([0, 5, 20]) if every == 1 else torch.tensor([0, 40, 100])) if packed else None
@@ -386,5 +388,5 @@ def test_a_launch_setting_changed_after_a_call_is_not_replayed_past(monkeypatch)
                         lambda *a, **kw: (phases.append(kw["launch"].get("phase")), real(*a, **kw))[1])
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     o2, _ = op(**args)
-    assert phases == [1, 2]
+    assert phases == [1, 4, 2]              # gla stages its intra-chunk matrices (PHASE 4)
     torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
