@@ -1,11 +1,14 @@
-"""The chunked forward's staged intra-chunk matrices (plan.layout.intra_matrices, the key-diagonal
-decay's): in two launches, PHASE 4 computes each chunk's [C, C] matrix A once and PHASE 2, every
-tile block, reads it back instead of computing it (launch.STAGE_INTRA). A is stored in the
-dtype PHASE 2's matmul takes it in (bf16 inputs: bf16 on a GPU, fp32 under the interpreter,
-whose bf16 tl.dot is wrong), so the staged forward equals the computing one bit for bit: checked with two tile blocks, fp32 and bf16, a readout of S_t (gla)
-and of S_{t-1} (rwkv6), a value that is not finite in one tile block only and a key that is not
-finite; packed sequences against the float64 reference (every chunked spec's two-launch test in
-tests/ops/test_kernels.py runs the staged path too)."""
+"""The chunked forward's stages beside PHASE 1 and 2 (docs/kernels.md). The staged intra-chunk
+matrices (plan.layout.intra_matrices, the key-diagonal decay's): in two launches PHASE 4 computes
+each chunk's [C, C] matrix A once and PHASE 2, every tile block, reads it back instead of
+computing it (launch.STAGE_INTRA). A is stored in the dtype PHASE 2's matmul takes it in (bf16
+inputs: bf16 on a GPU, fp32 under the interpreter, whose bf16 tl.dot is wrong), so the staged
+forward equals the computing one bit for bit: checked with two tile blocks, fp32 and bf16, a
+readout of S_t (gla) and of S_{t-1} (rwkv6), a value that is not finite in one tile block only
+and a key that is not finite; A itself against float64 pairs. Packed sequences:
+test_sparse_checkpoints.py's packed test runs gla too; every chunked spec's two-launch test in
+tests/ops/test_kernels.py runs the staged path. The scalar decay's PHASE 2 tile blocks (32,
+narrower than PHASE 1's) against the float64 reference."""
 import pytest
 import torch
 
@@ -66,21 +69,6 @@ def test_staged_forward_equals_the_computing_one(name, dtype, monkeypatch):
         else:       # not finite from the bad token on: in its value's column (tile block 1), or everywhere
             assert not torch.isfinite(o1[0, 21:, 1, 5]).any() and torch.isfinite(o1[0, :, 1, 16:]).all()
             assert not torch.isfinite(o1[0, 51:, 0]).any() and torch.isfinite(o1[0, :50, 0]).all()
-
-
-def test_staged_intra_matrices_of_packed_sequences(monkeypatch):
-    """gla, packed lengths 40, 0, 75, 17, 1 at C = 16, R = 2: PHASE 4's programs take PHASE 2's
-    slot table and write A by token row; forward, final state and every gradient against the
-    float64 reference."""
-    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
-    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
-    op = mixc.load("gla")
-    lens = [40, 0, 75, 17, 1]
-    args, sizes = random_args(op.ir, B=1, T=sum(lens), H=1, sizes={"K": 5, "V": 6}, dtype=torch.float32,
-                              requires_grad=True, seed=43)
-    st = random_state(op.ir, len(lens), 1, sizes, requires_grad=True)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    check_against_reference(op, {}, args, st, torch.float32, cu_seqlens=cu, mode="chunk", chunk=16)
 
 
 def test_intra_buffer_holds_each_chunks_matrix_by_token_row(monkeypatch):

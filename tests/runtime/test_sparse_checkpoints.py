@@ -42,10 +42,12 @@ def test_sparse_checkpoints_match_reference(name, sizes, phases, every, monkeypa
     check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
 
 
-@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
+@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule", "gla"])
 def test_sparse_checkpoints_packed_sequences(name, monkeypatch):
     """Packed lengths 40, 0, 75, 17, 1 at C = 16, R = 2: the PHASE 2 and 3 programs find their
-    sequence from a table of checkpoint slots (bos_i // 32 + i, ...)."""
+    sequence from a table of checkpoint slots (bos_i // 32 + i, ...); gla's PHASE 4 (its staged
+    intra-chunk matrices, tests/runtime/test_forward_stages.py) takes PHASE 2's table and writes
+    A by token row."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
     op = mixc.load(name)
