@@ -109,9 +109,9 @@ def _call_launches(log: list) -> list | None:
         return None
     if log[-1]["values"].get("phase") != 2:
         return log[-1:]
-    n = 3 if log[-1]["values"].get("staged_intra") else 2
-    if len(log) < n or any(r is None for r in log[-n:]) or \
-            [r["values"].get("phase") for r in log[-n:-1]] != [1, 4][:n - 1]:
+    before = [1, 4] if log[-1]["values"].get("staged_intra") else [1]      # launch.chunk_forward's order
+    n = len(before) + 1
+    if len(log) < n or any(r is None for r in log[-n:]) or [r["values"].get("phase") for r in log[-n:-1]] != before:
         return None
     return log[-n:]
 
