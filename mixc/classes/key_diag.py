@@ -23,11 +23,12 @@ class KeyDiagonal(TransitionClass):
 
     def chunk_size(self, st) -> int:
         # the intra-chunk term runs on sub-chunks of 16 (key_diag.j2), so any C is a matter of
-        # registers: on sm_90 at K = V = 128 (bf16, 8 warps) C = 32 keeps the forward's PHASE 2
-        # within them (gla 0 B of spills, rwkv6 104 B; the backward's 2.4 KB), where C = 64's
-        # [64, K] fp32 operands (Q, K, hi and lo of b, z and one key row of each sub-chunk)
-        # exceed the register file (forward 2.2-3.5 KB, backward 9.5 KB). C = 32 halves C = 16's
-        # checkpoint bytes; the tuner also times 64 (wgmma) and 16 on the GPU.
+        # registers: on sm_90 at K = V = 128 (bf16, 8 warps) C = 32 keeps the forward within
+        # them (PHASE 2 and 4: 0 B of spills for gla and rwkv6; the backward's PHASE 2 1.1 and
+        # 2.1 KB), where C = 64's [64, K] fp32 operands (Q, K, hi and lo of b, z) exceed the
+        # register file even with A staged (PHASE 2 0.4-1.0 KB, PHASE 4 0.4-0.8 KB; backward
+        # 7-8 KB): K blocks of 64 would be needed. The tuner also times 64 (wgmma) and 16 on
+        # the GPU.
         return 32
 
     def chunk_candidates(self, C: int) -> list[int]:
