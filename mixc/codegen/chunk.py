@@ -73,6 +73,11 @@ class ChunkCode:
         # backward, which reuses forward_body, computes them): intra_slot hands out their places
         self.staged = False
         self.n_intra = 0
+        # the backward tests values apart from keys (_badv_<S>) in PHASE 2, whose tile loop
+        # is split (codegen/tile_split.py): a key zeroed by one block's values would differ
+        # between the blocks that the statements after the loop read once (ChunkBackward)
+        self.values_apart = False
+        self.badv: set[str] = set()          # the states given a _badv_<S>
 
     def _stabilized(self, st: P.StatePlan) -> P.StatePlan:
         """A state of the stabilizer's group as the kernels see it: its key and value without
@@ -357,15 +362,31 @@ class ChunkCode:
             lines = [f"{I}_bad_{n} = {' | '.join(keys)}",
                      f"{I}if PHASE != 4:",
                      f"{I}    _bad_{n} = _bad_{n} | {' | '.join(values)}"]
+        elif self.values_apart and self._value_side(parts, vd) and len(parts) > 1:
+            # PHASE 2 of the backward: keys zeroed by their own entries only, the block's
+            # values by both (a value's gradient is zeroed alike: ChunkBackward); PHASE 0 and
+            # 1 zero keys by the block's values too, as the forward does
+            keys = [c for c, (role, _) in zip(checks, parts) if role != "V"]
+            values = [c for c, (role, _) in zip(checks, parts) if role == "V"]
+            lines = [f"{I}_bad_{n} = {' | '.join(keys)}",
+                     f"{I}_badv_{n} = _bad_{n} | {' | '.join(values)}",
+                     f"{I}if PHASE != 2:",
+                     f"{I}    _bad_{n} = _badv_{n}"]
+            self.badv.add(n)
         else:
             lines = [f"{I}_bad_{n} = {' | '.join(checks)}"]
         clean = {}
         for role, x in parts:
             clean[role] = f"_{role}c_{n}"
-            lines.append(f"{I}{clean[role]} = tl.where(_bad_{n}[:, None] > 0, 0.0, {x})")
+            bad = f"_badv_{n}" if role == "V" and n in self.badv else f"_bad_{n}"
+            lines.append(f"{I}{clean[role]} = tl.where({bad}[:, None] > 0, 0.0, {x})")
         per_state[n] = (clean.get("K"), clean.get("V"), g, kd, vd)
         self.extra[n] = {role: clean[role] for role in self.extra[n]}
         return lines
+
+    def _value_side(self, parts, vd) -> bool:
+        """Whether the values carry the tile dim (the blocks of a split loop) and keys do not."""
+        return self.tile is not None and self.tile in vd and any(role == "V" for role, _ in parts)
 
     def cumulative_decay(self, st: P.StatePlan, g: str) -> list[str]:
         """_b_<S>: the cumulative log decay in the chunk, with a log decay of -inf (a decay of 0:

@@ -19,12 +19,14 @@ from ..derive.plan import Plan
 from .adjoint import Adjoint, combine
 from .chunk import ChunkCode, g_is_vector
 from .recurrent import I1, I2, I3, common_hooks, numel, zeros
+from .tile_split import split_phase2
 from .triton_expr import Emitter, canon, expand
 
 
 class ChunkBackward(ChunkCode):
     def hooks(self) -> dict:
         m, order = self.m, self.order
+        self.values_apart = True
         fb = self.forward_body()
         em, per_state, readouts, oem = fb["em"], fb["per_state"], fb["readouts"], fb["oem"]
         body = list(fb["body"])
@@ -96,7 +98,11 @@ class ChunkBackward(ChunkCode):
                 seeds.append((st.ir_pieces.log_decay, self.unflat(f"_dg_{n}", gdims), gdims))
             seeds.append((st.ir_pieces.key, self.unflat(" + ".join(G["dK"]), ("_T",) + kd), ("_T",) + kd))
             if st.ir_pieces.value is not None:
-                seeds.append((st.ir_pieces.value, self.unflat(" + ".join(G["dV"]), ("_T",) + vd), ("_T",) + vd))
+                dV = " + ".join(G["dV"])
+                if n in self.badv:      # a value zeroed in this block: its gradient too (sanitize)
+                    dV = self.fresh("dVz")
+                    L(f"{I2}{dV} = tl.where(_badv_{n}[:, None] > 0, 0.0, {' + '.join(G['dV'])})")
+                seeds.append((st.ir_pieces.value, self.unflat(dV, ("_T",) + vd), ("_T",) + vd))
 
         if self.stab is not None:     # the gate's exponent: its key-side log weights
             di = [x for n in self.stab.states for x in grads[n]["di"]]
@@ -273,3 +279,12 @@ class ChunkBackward(ChunkCode):
 
 def chunk_bwd_hooks(plan: Plan) -> dict:
     return ChunkBackward(plan).hooks()
+
+
+def split_backward(plan: Plan, source: str) -> str:
+    """The rendered backward with PHASE 2's tile loop split (codegen/tile_split.py). Its
+    cotangents: the output's gradient and each state's dL/dS."""
+    code = ChunkBackward(plan)
+    cotangents = {"_do"} | {f"d_{st.name}" for st in code.states}
+    aliases = {d.name: plan.ir.root_dim(d.name) for d in plan.ir.dims if d.alias_of}
+    return split_phase2(source, f"{plan.name}_chunk_bwd", plan.layout.tile, cotangents, aliases)

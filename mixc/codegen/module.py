@@ -15,7 +15,7 @@ from ..derive.plan import Plan
 from ..dsl import ir
 from ..dsl.functions import FUNCTIONS
 from .chunk import chunk_fwd_hooks
-from .chunk_bwd import chunk_bwd_hooks
+from .chunk_bwd import chunk_bwd_hooks, split_backward
 from .header import docstring_safe
 from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
 from .sequence_module import generate_sequence
@@ -154,7 +154,7 @@ def generate(plan: Plan) -> str:
             + _render_kernel(plan, "recurrent_bwd", recurrent_bwd_hooks(plan)))
     if plan.layout.chunked:
         body += "\n\n" + _render_kernel(plan, "chunk_fwd", chunk_fwd_hooks(plan))
-        body += "\n\n" + _render_kernel(plan, "chunk_bwd", chunk_bwd_hooks(plan))
+        body += "\n\n" + split_backward(plan, _render_kernel(plan, "chunk_bwd", chunk_bwd_hooks(plan)))
 
     if plan.layout.torch_chunked:
         body += "\n\n" + _env().get_template("torch_chunk.py.j2").render(**torch_hooks(plan))

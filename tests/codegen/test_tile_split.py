@@ -1,0 +1,148 @@
+"""The backward PHASE 2's tile loop split (mixc/codegen/tile_split.py): where it applies, what
+lands inside and outside the loop, and its refusals. The split kernels' numbers are checked
+against float64 by every chunked spec's two-launch tests (tests/ops/test_kernel_shapes.py runs
+PHASE 2 over three tile blocks) and tests/runtime/test_backward_split.py (non-finite values)."""
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import pytest
+
+from mixc import pipeline
+from mixc.codegen.module import generate, metadata
+from mixc.dsl import library_names
+from mixc.codegen.block_shapes import Shapes, UnknownShape
+from mixc.codegen.tile_split import _block, split_iteration, split_phase2
+
+SPLIT_NOTE = "# the tile loop split (codegen/tile_split.py)"
+KEPT_NOTE = "# PHASE 2 keeps the walk's tile loop"
+
+
+def _chunked_library_specs():
+    out = []
+    for name in library_names():
+        plan = pipeline.compile(name)
+        if plan.sequence is None and "chunk_bwd" in metadata(plan)["kernels"] and plan.layout.tile is not None:
+            out.append(name)
+    return out
+
+
+def _kernel(source: str, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _split_branch(fn: ast.FunctionDef) -> ast.If:
+    chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
+    branch = chunk_loop.body[0]
+    assert isinstance(branch, ast.If) and ast.unparse(branch.test) == "PHASE == 2"
+    return branch
+
+
+def test_every_chunked_library_spec_is_split():
+    """Every library spec with a chunked backward and a tile dim gets the split PHASE 2 (none
+    keeps the rendered loop): the eight issue 16 measures among them."""
+    names = _chunked_library_specs()
+    assert {"simple_gla", "gla", "rwkv6", "delta_rule", "gated_delta_rule", "mamba2", "retention",
+            "linear_attn"} <= set(names)
+    sources = {n: generate(pipeline.compile(n)) for n in names}
+    assert [n for n, s in sources.items() if SPLIT_NOTE not in s or KEPT_NOTE in s] == []
+
+
+def test_simple_gla_loop_holds_only_what_carries_the_block():
+    """simple_gla: q, k and g are loaded before and after the loop, never in it; the loop loads
+    V's block, dO's, S0's and dL/dS's, adds the four contractions over V (dO V^T, dO S0^T,
+    V dh^T, sum(S0 * dh)) and stores dv; dq, dk, dg are stored once, after the loop."""
+    fn = _kernel(generate(pipeline.compile("simple_gla")), "simple_gla_chunk_bwd")
+    branch = _split_branch(fn)
+    loop = next(n for n in branch.body if isinstance(n, ast.For) and n.target.id == "_tv")
+    before = branch.body[:branch.body.index(loop)]
+    after = branch.body[branch.body.index(loop) + 1:]
+    loop_text = "\n".join(ast.unparse(s) for s in loop.body)
+    for x in ("p_q", "p_k", "p_g", "p_dq", "p_dk", "p_dg"):
+        assert x not in loop_text, x
+    for x in ("p_v", "p_do", "p_ckpt_S", "p_dh_S", "p_dv"):
+        assert x in loop_text, x
+    sums = [ast.unparse(s.target) for s in loop.body if isinstance(s, ast.AugAssign)]
+    assert sorted(sums) == ["_dA_sum", "_Gq_sum", "_dKw_sum", "_dbl_S_sum"] or len(sums) == 4
+    after_text = "\n".join(ast.unparse(s) for s in after)
+    for x in ("p_dq", "p_dk", "p_dg", "p_q", "p_k"):
+        assert x in after_text, x
+    assert any(isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "_dA_sum" for s in before)
+    # PHASE 0 and 1 keep the rendered loop
+    assert isinstance(branch.orelse[0], ast.Assign) and any(
+        isinstance(s, ast.For) and s.target.id == "_tv" for s in branch.orelse)
+
+
+def _iteration(text: str):
+    return _block(textwrap.dedent(text))
+
+
+def test_split_iteration_sums_a_contraction_and_finishes_after():
+    """A toy iteration: g lacks the block, the product with dO contracts it; the scale by a
+    block-free value happens once after the loop."""
+    body = _iteration("""
+        _offs_V = _tv * _BLOCK_V + tl.arange(0, _BLOCK_V)
+        a = tl.load(p_a + _offs__T)
+        x = tl.load(p_x + _offs__T[:, None] * 8 + _offs_V[None, :])
+        _do = tl.load(p_do + _offs__T[:, None] * 8 + _offs_V[None, :])
+        c = tl.sum(_do * x, axis=1) * tl.exp(a)
+        _sum_dx = _sum_dx + c
+        tl.store(p_dx + _offs__T[:, None] * 8 + _offs_V[None, :], _do * a[:, None])
+        tl.store(p_da + _offs__T, _sum_dx)
+    """)
+    shapes = Shapes({"_offs__T": ("_BLOCK__T",), "_sum_dx": ("_BLOCK__T",), "_tv": (), "_BLOCK_V": (), "p_a": (), "p_x": (),
+                     "p_do": (), "p_dx": (), "p_da": ()})
+    sp = split_iteration(body, tile="V", shapes=shapes, outer=set(shapes.env), cotangents={"_do"})
+    assert "a = tl.load(p_a + _offs__T)" in sp.before
+    assert any(x.startswith("c_sum += tl.sum(_do * x, axis=1)") for x in sp.loop)
+    assert "c = c_sum * tl.exp(a)" in sp.after
+    assert sp.after[-1].startswith("tl.store(p_da")
+    assert any(x.startswith("tl.store(p_dx") for x in sp.loop)
+
+
+def test_a_forward_reduction_over_the_block_stays_per_block():
+    """A max over the block (a forward value, no cotangent): what reads it is added per block
+    in the loop, as rendered (the sum over blocks of per-block terms), never hoisted."""
+    body = _iteration("""
+        _offs_V = _tv * _BLOCK_V + tl.arange(0, _BLOCK_V)
+        x = tl.load(p_x + _offs__T[:, None] * 8 + _offs_V[None, :])
+        _do = tl.load(p_do + _offs__T[:, None] * 8 + _offs_V[None, :])
+        m = tl.max(x, axis=1)
+        c = tl.sum(_do * x, axis=1) * m
+        _sum_dx = _sum_dx + c
+        tl.store(p_da + _offs__T, _sum_dx)
+    """)
+    shapes = Shapes({"_offs__T": ("_BLOCK__T",), "_sum_dx": ("_BLOCK__T",), "_tv": (), "_BLOCK_V": (), "p_x": (), "p_do": (),
+                     "p_da": ()})
+    sp = split_iteration(body, tile="V", shapes=shapes, outer=set(shapes.env), cotangents={"_do"})
+    assert "_sum_dx = _sum_dx + c" in sp.loop and "c = tl.sum(_do * x, axis=1) * m" in sp.loop
+    assert not any("_sum +=" in x for x in sp.loop)
+
+
+def test_an_unknown_construct_keeps_the_rendered_loop():
+    """Where the pass cannot read a statement's shape, the kernel keeps its loop and says why."""
+    src = textwrap.dedent("""
+        @triton.jit
+        def k_chunk_bwd(p_x, p_dx, _BLOCK_V: tl.constexpr, PHASE: tl.constexpr):
+            _offs__T = tl.arange(0, 16)
+            for _cc in range(0, 2):
+                _rows = _offs__T + _cc
+                for _tv in range(0, 2):
+                    _offs_V = _tv * _BLOCK_V + tl.arange(0, _BLOCK_V)
+                    x = tl.load(p_x + _rows[:, None] * 8 + _offs_V[None, :])
+                    y = tl.mystery(x)
+                    tl.store(p_dx + _rows[:, None] * 8 + _offs_V[None, :], y)
+    """)
+    out = split_phase2(src, "k_chunk_bwd", "V", {"_do"})
+    assert KEPT_NOTE in out and "no shape rule for tl.mystery" in out
+    assert out.replace(next(ln for ln in out.splitlines() if KEPT_NOTE in ln) + "\n", "") == src
+
+
+def test_shapes_refuse_blocks_that_do_not_broadcast():
+    shapes = Shapes({"a": ("_BLOCK_K",), "b": ("_BLOCK_V",)})
+    with pytest.raises(UnknownShape):
+        shapes.of(ast.parse("a + b", mode="eval").body)
+    aliased = Shapes({"a": ("_BLOCK_K",), "b": ("_BLOCK_J",)}, {"J": "K"})
+    aliased.env["b"] = (aliased.canon("_BLOCK_J"),)
+    assert aliased.of(ast.parse("a + b", mode="eval").body) == ("_BLOCK_K",)
