@@ -174,10 +174,11 @@ def _ssa(stmts: list[Stmt], outer: set[str]) -> list[Stmt]:
             if node.lineno != node.end_lineno:
                 raise NoSplit(f"an assignment over lines: {x}")
             rhs = s.src[s.src.index("=") + 1:].lstrip()
-            if x in s.uses and (x not in current or x in accumulators or x in zeros):
+            cur = current.get(x)
+            if x in s.uses and (cur is None or cur in accumulators or cur in zeros):
                 acc = True                # adds to a sum begun before the loop body or with zeros
-                accumulators.add(x)
-                new = x
+                new = cur or x
+                accumulators.add(new)
             elif x in current:
                 new = fresh(x)
             else:
@@ -484,7 +485,9 @@ def split_phase2(source: str, kernel: str, tile: str | None, cotangents: set[str
         raise AssertionError(f"{kernel}: no chunk loop")
     # the split takes the chunk's whole body: what precedes the tile loop (the rows, the sums'
     # zeros), the loop's body as one iteration, and what follows it (the sums' stores)
-    tv = next(i for i, st in enumerate(chunk_loop.body) if isinstance(st, ast.For) and st.target.id == "_tv")
+    tv = next((i for i, st in enumerate(chunk_loop.body) if isinstance(st, ast.For) and st.target.id == "_tv"), None)
+    if tv is None:
+        return source
     shapes.env[chunk_loop.target.id] = ()
     shapes.env["_tv"] = ()
     head, loop, rest = chunk_loop.body[:tv], chunk_loop.body[tv], chunk_loop.body[tv + 1:]

@@ -146,3 +146,21 @@ def test_shapes_refuse_blocks_that_do_not_broadcast():
     aliased = Shapes({"a": ("_BLOCK_K",), "b": ("_BLOCK_J",)}, {"J": "K"})
     aliased.env["b"] = (aliased.canon("_BLOCK_J"),)
     assert aliased.of(ast.parse("a + b", mode="eval").body) == ("_BLOCK_K",)
+
+
+def test_ssa_gives_each_assignment_its_own_name_and_keeps_sums():
+    """A name assigned twice gets a fresh name for the second (and the reads after it follow);
+    `x = x + ...` adds to the sum the latest tl.zeros began, and to one from outside the body."""
+    from mixc.codegen.tile_split import _ssa
+    stmts = _ssa(_iteration("""
+        a = tl.zeros([_BLOCK__T], dtype=tl.float32)
+        a = tl.zeros([_BLOCK__T], dtype=tl.float32)
+        a = a + b
+        c = a * 2.0
+        c = c + 1.0
+        dp_x = dp_x + c
+    """), {"b", "dp_x"})
+    assert [s.src for s in stmts] == [
+        "a = tl.zeros([_BLOCK__T], dtype=tl.float32)", "a__2 = tl.zeros([_BLOCK__T], dtype=tl.float32)",
+        "a__2 = a__2 + b", "c = a__2 * 2.0", "c__2 = c + 1.0", "dp_x = dp_x + c__2"]
+    assert [s.kind for s in stmts] == ["", "", "ACC", "", "", "ACC"]
