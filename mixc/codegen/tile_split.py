@@ -314,11 +314,14 @@ def _rematerialize(items):
     items = list(items)
     defined_in_loop = {d for reg, _, s in items if reg == "loop" for d in s.defs}
     pre = [(idx, s) for reg, idx, s in items if reg == "pre"]
+    # a loop statement's results (the key-diagonal's sub-chunk A) stay live instead: computed
+    # twice they cost more than their registers (and the interpreter's time)
+    kept = {d for _, s in pre if isinstance(s.node, ast.For) for d in s.defs}
     need = {u for reg, _, s in items if reg == "post" for u in s.uses}
     copied = set()
     while True:
         new = [(idx, s) for idx, s in pre if id(s) not in copied and s.defs & need
-               and not (s.defs & defined_in_loop) and s.kind in ("F", "") and not s.effect]
+               and not (s.defs & (defined_in_loop | kept)) and s.kind in ("F", "") and not s.effect]
         if not new:
             break
         for idx, s in new:
