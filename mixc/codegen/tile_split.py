@@ -34,6 +34,7 @@ import ast
 import re
 import textwrap
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .block_shapes import Shapes, UnknownShape, call_name, rename
 
@@ -473,6 +474,12 @@ def split_phase2(source: str, kernel: str, tile: str | None, cotangents: set[str
     aliases: dim -> the dim it aliases (same block)."""
     if tile is None:
         return source
+    return _split_phase2(source, kernel, tile, frozenset(cotangents), tuple(sorted((aliases or {}).items())))
+
+
+@lru_cache(maxsize=256)         # a process generates a spec's module again per cache folder (tests)
+def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, alias_items: tuple) -> str:
+    aliases = dict(alias_items)
     tree = ast.parse(source)
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == kernel)
     lines = source.split("\n")
