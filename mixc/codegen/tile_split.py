@@ -121,11 +121,36 @@ def _flow(stmts, written: set[str]) -> tuple[set[str], set[str]]:
     return exposed, written
 
 
+_COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
+            ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b}
+
+
 def _phase_test(test, phase: int):
-    """The value of an if's test that reads only PHASE, else None."""
-    if _names(test) != {"PHASE"} or any(isinstance(n, ast.Call) for n in ast.walk(test)):
+    """The value of an if's test that reads only PHASE and integers (comparisons, and, or,
+    not), else None. Evaluated here node by node: nothing of the kernel's text is run."""
+    def value(e):
+        if isinstance(e, ast.Name) and e.id == "PHASE":
+            return phase
+        if isinstance(e, ast.Constant) and type(e.value) is int:
+            return e.value
+        if isinstance(e, ast.Compare) and all(type(o) in _COMPARE for o in e.ops):
+            left, ok = value(e.left), True
+            for op, right in zip(e.ops, e.comparators):
+                r = value(right)
+                ok, left = ok and _COMPARE[type(op)](left, r), r
+            return ok
+        if isinstance(e, ast.BoolOp):
+            vals = [value(v) for v in e.values]
+            return all(vals) if isinstance(e.op, ast.And) else any(vals)
+        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
+            return not value(e.operand)
+        raise LookupError
+    if "PHASE" not in _names(test):
         return None
-    return bool(eval(compile(ast.Expression(test), "<phase>", "eval"), {"__builtins__": {}}, {"PHASE": phase}))
+    try:
+        return bool(value(test))
+    except LookupError:
+        return None
 
 
 def _fold(stmts: list[Stmt], phase: int) -> list[Stmt]:
@@ -315,8 +340,9 @@ def _rematerialize(items):
     items = list(items)
     defined_in_loop = {d for reg, _, s in items if reg == "loop" for d in s.defs}
     pre = [(idx, s) for reg, idx, s in items if reg == "pre"]
-    # a loop statement's results (the key-diagonal's sub-chunk A) stay live instead: computed
-    # twice they cost more than their registers (and the interpreter's time)
+    # a loop statement's results stay live instead: computing them again costs a loop, not a
+    # load (no library spec's statements after the loop read one: the key-diagonal's
+    # sub-chunk A feeds only dv, in the loop)
     kept = {d for _, s in pre if isinstance(s.node, ast.For) for d in s.defs}
     need = {u for reg, _, s in items if reg == "post" for u in s.uses}
     copied = set()

@@ -164,3 +164,12 @@ def test_ssa_gives_each_assignment_its_own_name_and_keeps_sums():
         "a = tl.zeros([_BLOCK__T], dtype=tl.float32)", "a__2 = tl.zeros([_BLOCK__T], dtype=tl.float32)",
         "a__2 = a__2 + b", "c = a__2 * 2.0", "c__2 = c + 1.0", "dp_x = dp_x + c__2"]
     assert [s.kind for s in stmts] == ["", "", "ACC", "", "", "ACC"]
+
+
+@pytest.mark.parametrize("test,want", [("PHASE == 2", True), ("PHASE != 1", True), ("PHASE < 2", False),
+                                       ("PHASE >= 2 and PHASE != 4", True), ("not PHASE == 2", False),
+                                       ("PHASE == 2 or IS_VARLEN", None), ("PHASE.bit_length() == 2", None)])
+def test_phase_tests_fold_without_running_the_kernels_text(test, want):
+    """`if PHASE ...:` folds to PHASE 2's branch only where the test is PHASE against integers."""
+    from mixc.codegen.tile_split import _phase_test
+    assert _phase_test(ast.parse(test, mode="eval").body, 2) is want
