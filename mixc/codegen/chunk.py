@@ -385,7 +385,7 @@ class ChunkCode:
         return lines
 
     def _value_side(self, parts, vd) -> bool:
-        """Whether the values carry the tile dim (the blocks of a split loop) and keys do not."""
+        """Whether the state has values and they carry the tile dim (the blocks of a split loop)."""
         return self.tile is not None and self.tile in vd and any(role == "V" for role, _ in parts)
 
     def cumulative_decay(self, st: P.StatePlan, g: str) -> list[str]:

@@ -65,7 +65,7 @@ class Stmt:
 def _parse(src: str) -> Stmt:
     node = ast.parse(src).body[0]
     s = Stmt(src=src, node=node)
-    s.uses, written = _flow([node], set())
+    s.uses = _flow([node], set())[0]
     s.defs = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     if isinstance(node, ast.For):
         s.defs.discard(node.target.id)
