@@ -18,10 +18,11 @@ def _loss(o, st, op, weights):
 
 
 def check_against_reference(op, flags, args, st, dtype, CK=4, factor=4.0, cu_seqlens=None, mode="recurrent",
-                            chunk=None, formula=None):
+                            chunk=None, formula=None, grads=True):
     """Forward, final states and every gradient of the kernels vs the float64 reference (or
     vs formula(args, state) -> (o, states), an independent float64 formula), within `factor`
-    times the torch backend's error (plus a floor for exact cases)."""
+    times the torch backend's error (plus a floor for exact cases). grads=False: forward and
+    final states only (a check of forward kernels whose backward is checked elsewhere)."""
     leaves = list(args.values()) + (list(st.values()) if st is not None else [])
     kw = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}
     if formula is None:
@@ -35,6 +36,13 @@ def check_against_reference(op, flags, args, st, dtype, CK=4, factor=4.0, cu_seq
     state_dtype = torch.float64 if mode in ("torch", "conv") and dtype == torch.float64 else torch.float32
     assert ker_o.dtype == dtype and all(v.dtype == state_dtype for v in ker_st.values())
     assert torch.isfinite(ker_o).all(), "the kernel left NaN (poison) or produced inf"
+    if not grads:
+        floor = {torch.float32: 1e-6, torch.float64: 1e-10, torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
+        for what, ker, eag, ref in [("o", ker_o, eag_o, ref_o)] + [(f"final {k}", ker_st[k], eag_st[k], ref_st[k])
+                                                                   for k in ref_st]:
+            allowed = factor * _err(eag, ref) + floor * max(1.0, ref.abs().max().item())
+            assert _err(ker, ref) <= allowed, f"{what}: kernel error {_err(ker, ref):.3g} > {allowed:.3g}"
+        return
     gen = torch.Generator().manual_seed(11)
     weights = (torch.randn(ref_o.shape, generator=gen, dtype=torch.float64),
                [torch.randn(ref_st[s.name].shape, generator=gen, dtype=torch.float64) for s in op.ir.states])

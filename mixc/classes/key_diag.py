@@ -23,12 +23,13 @@ class KeyDiagonal(TransitionClass):
 
     def chunk_size(self, st) -> int:
         # the intra-chunk term runs on sub-chunks of 16 (key_diag.j2), so any C is a matter of
-        # registers: on sm_90 at K = V = 128 (bf16, 8 warps) C = 32 keeps the forward within
-        # them (PHASE 2 and 4: 0 B of spills for gla and rwkv6; the backward's PHASE 2 1.1 and
-        # 2.1 KB), where C = 64's [64, K] fp32 operands (Q, K, hi and lo of b, z) exceed the
-        # register file even with A staged (PHASE 2 0.4-1.0 KB, PHASE 4 0.4-0.8 KB; backward
-        # 7-8 KB): K blocks of 64 would be needed. The tuner also times 64 (wgmma) and 16 on
-        # the GPU.
+        # registers. On sm_90 at K = V = 128 (bf16, 8 warps) C = 32 keeps every forward kernel
+        # and the backward within them (backward PHASE 2: 268 B for gla, 816 for rwkv6, below
+        # fla's). At C = 64 the forward fits with its loop over key blocks of 64 (codegen/
+        # key_split.py: PHASE 4 0 and 32 B, PHASE 2 with a program per chunk 0 B; bench/results/
+        # static-sm90-c64), but the backward's PHASE 2 holds [64, K] fp32 values (Q, K, hi and
+        # lo of b, z, dq, dk, db) whole: 5.5 and 15.5 KB of spills until it loops over key
+        # blocks too. The tuner also times 64 (wgmma) and 16 on the GPU.
         return 32
 
     def chunk_candidates(self, C: int) -> list[int]:

@@ -23,7 +23,10 @@ class Rank1(TransitionClass):
 
     def chunk_size(self, st) -> int:
         # a per-key decay makes the A blocks [C, C, K]; otherwise U, the [C, C] solve and its
-        # adjoint stay live, and 64 spills on sm_90
+        # adjoint stay live: at C = 64 on sm_90 (K = V = 128) the forward's PHASE 2 fits with its
+        # loop over key blocks (codegen/key_split.py: 20-24 B with a program per chunk), but the
+        # walk (PHASE 1: 104-228 B) and the backward (PHASE 2: 2.7-3.8 KB) spill (bench/results/
+        # static-sm90-c64)
         return 16 if st.decay_dims else 32
 
     def explain_chunk(self, st, s) -> list[str]:

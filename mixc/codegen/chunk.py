@@ -344,37 +344,38 @@ class ChunkCode:
         }
 
     def sanitize(self, st: P.StatePlan, per_state: dict) -> list[str]:
-        """_bad_<S> [C]: 1 at the tokens whose key-side values (key, value, the rank-1 vectors)
-        hold an inf or a NaN; those rows are zeroed before any matmul (a 0/1 mask after a
+        """_bad_<S> [C]: nonzero at the tokens whose key-side values (key, value, the rank-1
+        vectors) hold an inf or a NaN (the count of such entries); those rows are zeroed before any matmul (a 0/1 mask after a
         matmul is too late: 0 * inf is NaN in every row the matmul mixes them into, earlier
         tokens included). The readouts from such a token on are NaN (hooks: the store), the
         state after its chunk too, as the recurrence would give."""
         K, V, g, kd, vd = per_state[st.name]
         n, I = st.name, I2
         parts = [(role, x) for role, x in [("K", K), ("V", V)] + list(self.extra[n].items()) if x is not None]
-        checks = [f"tl.max(tl.where(tl.abs({x}) < float('inf'), 0, 1), axis=1)" for _, x in parts]
+        # counts, not 0/1: a count sums over the key dim's blocks (codegen/key_split.py)
+        checks = [f"tl.sum(tl.where(tl.abs({x}) < float('inf'), 0.0, 1.0), axis=1)" for _, x in parts]
         if self.staged and any(role == "V" for role, _ in parts) and len(parts) > 1:
             # PHASE 4 (the intra-chunk matrices of every tile block at once) zeroes the keys
             # that are not finite only: one tile block's values must not zero another's keys
             # (key_diag.j2's staged_pairs)
             keys = [c for c, (role, _) in zip(checks, parts) if role != "V"]
             values = [c for c, (role, _) in zip(checks, parts) if role == "V"]
-            lines = [f"{I}_bad_{n} = {' | '.join(keys)}",
+            lines = [f"{I}_bad_{n} = {' + '.join(keys)}",
                      f"{I}if PHASE != 4:",
-                     f"{I}    _bad_{n} = _bad_{n} | {' | '.join(values)}"]
+                     f"{I}    _bad_{n} = _bad_{n} + {' + '.join(values)}"]
         elif self.values_apart and self._value_side(parts, vd) and len(parts) > 1:
             # PHASE 2 of the backward: keys zeroed by their own entries only, the block's
             # values by both (a value's gradient is zeroed alike: ChunkBackward); PHASE 0 and
             # 1 zero keys by the block's values too, as the forward does
             keys = [c for c, (role, _) in zip(checks, parts) if role != "V"]
             values = [c for c, (role, _) in zip(checks, parts) if role == "V"]
-            lines = [f"{I}_bad_{n} = {' | '.join(keys)}",
-                     f"{I}_badv_{n} = _bad_{n} | {' | '.join(values)}",
+            lines = [f"{I}_bad_{n} = {' + '.join(keys)}",
+                     f"{I}_badv_{n} = _bad_{n} + {' + '.join(values)}",
                      f"{I}if PHASE != 2:",
                      f"{I}    _bad_{n} = _badv_{n}"]
             self.badv.add(n)
         else:
-            lines = [f"{I}_bad_{n} = {' | '.join(checks)}"]
+            lines = [f"{I}_bad_{n} = {' + '.join(checks)}"]
         clean = {}
         for role, x in parts:
             clean[role] = f"_{role}c_{n}"
@@ -512,7 +513,7 @@ class ChunkCode:
         start = len(em.lines)
         gv = em(self.stab.log_gate)
         causal = f"(_offs__T[:, None] >= _offs__T[None, :]) & _mask__T[None, :] & (_z_{n}[:, None] == _z_{n}[None, :])"
-        gbad = [f"{I2}_bad_{x} = _bad_{x} | tl.where(tl.abs(_gi) < float('inf'), 0, 1)" for x in self.stab.states]
+        gbad = [f"{I2}_bad_{x} = _bad_{x} + tl.where(tl.abs(_gi) < float('inf'), 0.0, 1.0)" for x in self.stab.states]
         return em.lines[start:] + [
             f"{I2}_gi = tl.where(_mask__T, {expand(gv[0], gv[1], ('_T',))} + tl.zeros([_BLOCK__T], dtype=tl.float32), "
             "0.0)"] + gbad + [f"{I2}_gi = tl.where(tl.abs(_gi) < float('inf'), _gi, 0.0)",

@@ -15,6 +15,7 @@ from ..derive.plan import Plan
 from ..dsl import ir
 from ..dsl.functions import FUNCTIONS
 from .chunk import chunk_fwd_hooks
+from .key_split import key_dim, split_keys
 from .chunk_bwd import chunk_bwd_hooks, split_backward
 from .header import docstring_safe
 from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
@@ -141,6 +142,17 @@ def _render_kernel(plan: Plan, form: str, hooks: dict) -> str:
         kernel=kernel_name(plan, form), arguments=plan.layout.kernel_args[form], **hooks)
 
 
+def split_forward(plan: Plan, source: str) -> str:
+    """The rendered forward with PHASE 4's and 2's chunk over the key dim's blocks (codegen/
+    key_split.py) where the states share one key dim (key_dim); a block
+    tests its own keys' non-finite entries (_bad_<S>)."""
+    key = key_dim(plan)
+    if key is None:
+        return source
+    flags = {f"_bad_{st.name}" for st in plan.states} | {f"_badv_{st.name}" for st in plan.states}
+    return split_keys(source, kernel_name(plan, "chunk_fwd"), key, flags, bool(plan.layout.intra_matrices))
+
+
 def generate(plan: Plan) -> str:
     if plan.sequence is not None:          # conv, mix, attend: a module without kernels
         return generate_sequence(plan)
@@ -153,7 +165,7 @@ def generate(plan: Plan) -> str:
     body = (_render_kernel(plan, "recurrent_fwd", recurrent_fwd_hooks(plan)) + "\n\n"
             + _render_kernel(plan, "recurrent_bwd", recurrent_bwd_hooks(plan)))
     if plan.layout.chunked:
-        body += "\n\n" + _render_kernel(plan, "chunk_fwd", chunk_fwd_hooks(plan))
+        body += "\n\n" + split_forward(plan, _render_kernel(plan, "chunk_fwd", chunk_fwd_hooks(plan)))
         body += "\n\n" + split_backward(plan, _render_kernel(plan, "chunk_bwd", chunk_bwd_hooks(plan)))
 
     if plan.layout.torch_chunked:

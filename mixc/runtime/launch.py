@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import classes
+from ..codegen.key_split import key_dim
 from ..derive.plan import Plan
 from ..derive.stabilize import M as STABILIZER_M
 from . import autotune
@@ -446,8 +447,32 @@ def _chunk_launch(plan: Plan, bound: Bound, C: int, every: int = 1) -> tuple[int
     else:
         programs = checkpoint_slots(bound, span)
         chunk_seq = chunk_seqs(bound.cu_seqlens, span, n, programs, device)
-    return programs, chunk_blocks(plan, bound) | dict(chunk=C, unit=16, dot=_dot_code(x0.dtype), n_seqs=n,
-                                                      chunk_seq=chunk_seq, ckpt_every=every)
+    blocks = chunk_blocks(plan, bound)
+    return programs, blocks | dict(chunk=C, unit=16, dot=_dot_code(x0.dtype), n_seqs=n, chunk_seq=chunk_seq,
+                                   ckpt_every=every, key_block=key_block(plan, blocks, C))
+
+
+# The key dim's block in the chunked forward's PHASE 4 and 2 (one chunk a program): where less
+# than the key dim's block, those launches loop over the key blocks (codegen/key_split.py). None:
+# KEY_BLOCK_AT where the chunk's [C, K] blocks exceed C * K = KEY_BLOCK_ELEMENTS (at C = 32 and
+# K = 128 the forward spills nothing whole on sm_90; at C = 64 the key-diagonal decay's PHASE 4
+# and 2 spill 0.4-1.0 KB whole: bench/README.md), else the whole dim; an int forces it (the
+# tests: several blocks at small K under the interpreter).
+KEY_BLOCK: int | None = None
+KEY_BLOCK_AT = 64
+KEY_BLOCK_ELEMENTS = 32 * 128
+
+
+def key_block(plan: Plan, blocks: dict, C: int) -> int:
+    """KEY_BLOCK for chunks of C tokens and these blocks (a key dim's block where the forward
+    keeps the whole dim, or the spec has no key loop: key_split.key_dim)."""
+    key = key_dim(plan)
+    whole = blocks["block", key] if key is not None else max(v for k, v in blocks.items() if k[0] == "block")
+    if key is None:
+        return whole
+    if KEY_BLOCK:
+        return min(KEY_BLOCK, whole)
+    return KEY_BLOCK_AT if C * whole > KEY_BLOCK_ELEMENTS and whole > KEY_BLOCK_AT else whole
 
 
 # Chunks between the chunked forward's checkpoints (CKPT_EVERY = R): PHASE 1 stores the state at

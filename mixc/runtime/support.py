@@ -216,6 +216,8 @@ class CompiledOp:
                 x0.dtype, 0)
             # one walk (PHASE 0) with a checkpoint at every chunk start (what the backward reads)
             kw.update(chunk=C, unit=16, dot=dot, n_seqs=b.n, chunk_seq=x0, phase=0, ckpt_every=1)
+            # PHASE 0 has no loop over key blocks: KEY_BLOCK no less than any dim's block
+            kw["key_block"] = max(kw["block", d] for d in meta["dims"])
         else:
             kw.update(ck=C)
         return kw, tiles, splits

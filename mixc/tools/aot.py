@@ -25,7 +25,7 @@ from .. import pipeline
 from ..codegen.module import kernel_name
 from ..derive.plan import Plan
 from ..runtime.cache import interpreting
-from ..runtime.launch import CHECKPOINT_TOKENS, block
+from ..runtime.launch import CHECKPOINT_TOKENS, block, key_block
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # constexpr values of the switches of every template, by role (derive/kernel_args.py)
@@ -69,6 +69,9 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             const[a.name] = _DOT[dtype]
         elif a.role == "ckpt_every":        # the policy's at long sequences (launch.checkpoint_every)
             const[a.name] = max(1, CHECKPOINT_TOKENS // plan.layout.chunk_size)
+        elif a.role == "key_block":         # the launch's policy (launch.key_block)
+            blocks = {("block", d): max(16, block(n)) for d, n in sizes.items()}
+            const[a.name] = key_block(plan, blocks, plan.layout.chunk_size)
         else:
             const[a.name] = _SWITCHES[a.role]
     return sig, const
@@ -84,11 +87,13 @@ def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warp
 
 
 def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16",
-                 phases=(0, 1, 2, 3, 4)) -> list[dict]:
+                 phases=(0, 1, 2, 3, 4), forms=None, key_block: int | None = None) -> list[dict]:
     """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel,
     the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches;
     3: the forward's refill of every chunk's state, which the backward launches first; 4: the
-    forward's intra-chunk matrices, where the plan stages them)."""
+    forward's intra-chunk matrices, where the plan stages them). forms: only these kernel forms;
+    key_block: the forward's KEY_BLOCK (and one chunk a program), so that PHASE 2 and 4 compile
+    their loop over the key dim's blocks (codegen/key_split.py)."""
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs compiled kernels: unset TRITON_INTERPRET")
     plan = pipeline.compile(name)
@@ -98,8 +103,12 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
     sizes = {d: size for d in plan.ir.dim_names}
     out = []
     for form, kname in mod.METADATA["kernels"].items():
+        if forms is not None and form not in forms:
+            continue
         kernel = getattr(mod, kname)
         sig, const = signature(kernel, plan, sizes, dtype)
+        if key_block is not None and "KEY_BLOCK" in const:
+            const.update(KEY_BLOCK=key_block, CKPT_EVERY=1)
         forward = form == "chunk_fwd"
         staged = [p for p in phases if p < 3 or (forward and p == 3) or (forward and p == 4 and plan.layout.intra_matrices)]
         for phase in (staged if "PHASE" in const else (None,)):
@@ -156,19 +165,25 @@ def main(argv=None) -> int:
                    help="PHASEs of the chunked kernels to compile (0: the walk alone; 1,2: the two launches; "
                         "3: the forward's refill of every chunk's state for the backward; 4: the forward's "
                         "intra-chunk matrices, where staged)")
+    p.add_argument("--forms", help="only these kernel forms (comma-separated: chunk_fwd, chunk_bwd, ...)")
+    p.add_argument("--key-block", type=int, help="the chunked forward's KEY_BLOCK (one chunk a program): PHASE 2 "
+                                                 "and 4 compile their loop over key blocks where it is less than "
+                                                 "the key dim's block")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)
     archs = tuple(args.arch or (90, 80))
     phases = tuple(int(x) for x in args.phases.split(",") if x)
+    forms = tuple(args.forms.split(",")) if args.forms else None
     n = len(args.specs)
     if args.jobs > 1 and n > 1:
         # the Triton compiler and ptxas are CPU-bound: processes, one spec each
         with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
             per_spec = list(pool.map(compile_spec, args.specs, [archs] * n, [args.size] * n, ["bfloat16"] * n,
-                                     [phases] * n))
+                                     [phases] * n, [forms] * n, [args.key_block] * n))
     else:
-        per_spec = [compile_spec(name, archs, args.size, phases=phases) for name in args.specs]
+        per_spec = [compile_spec(name, archs, args.size, phases=phases, forms=forms, key_block=args.key_block)
+                    for name in args.specs]
     reports = [r for rs in per_spec for r in rs]
     if args.table:
         print(report_table(reports))

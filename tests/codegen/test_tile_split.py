@@ -151,7 +151,7 @@ def test_shapes_refuse_blocks_that_do_not_broadcast():
 def test_ssa_gives_each_assignment_its_own_name_and_keeps_sums():
     """A name assigned twice gets a fresh name for the second (and the reads after it follow);
     `x = x + ...` adds to the sum the latest tl.zeros began, and to one from outside the body."""
-    from mixc.codegen.tile_split import _ssa
+    from mixc.codegen.block_split import _ssa
     stmts = _ssa(_iteration("""
         a = tl.zeros([_BLOCK__T], dtype=tl.float32)
         a = tl.zeros([_BLOCK__T], dtype=tl.float32)
@@ -168,8 +168,10 @@ def test_ssa_gives_each_assignment_its_own_name_and_keeps_sums():
 
 @pytest.mark.parametrize("test,want", [("PHASE == 2", True), ("PHASE != 1", True), ("PHASE < 2", False),
                                        ("PHASE >= 2 and PHASE != 4", True), ("not PHASE == 2", False),
-                                       ("PHASE == 2 or IS_VARLEN", None), ("PHASE.bit_length() == 2", None)])
+                                       ("PHASE == 2 or IS_VARLEN", True), ("PHASE == 4 and IS_VARLEN", False),
+                                       ("PHASE == 2 and IS_VARLEN", None), ("PHASE.bit_length() == 2", None)])
 def test_phase_tests_fold_without_running_the_kernels_text(test, want):
-    """`if PHASE ...:` folds to PHASE 2's branch only where the test is PHASE against integers."""
-    from mixc.codegen.tile_split import _phase_test
+    """`if PHASE ...:` folds to PHASE 2's branch only where the test is PHASE against integers
+    (an `and` / `or` that one such operand decides is decided)."""
+    from mixc.codegen.block_split import _phase_test
     assert _phase_test(ast.parse(test, mode="eval").body, 2) is want

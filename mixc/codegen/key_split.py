@@ -1,0 +1,143 @@
+"""The chunked forward's PHASE 4 and PHASE 2 over the key dim's blocks (fla's BK).
+
+A chunk's inputs and every value derived from them are blocks of [C, K] (q, k, the cumulative
+decays, their hi and lo parts, the resets ...): at C = 64 and K = 128 each is 32 fp32 registers
+a thread with 8 warps, and the intra-chunk matrix A of the key-diagonal decay reads five of
+them at once (bench/README.md: PHASE 4 and 2 spill at C = 64). Each of those values is local to
+its key rows, and what leaves the key dim is a contraction over it (A = Q K^T weighted, the
+readout's (Q * exp(b)) S0, the rank-1 setup's R L^T ...), so the chunk runs as
+
+    what lacks the key dim                  once, before the loop
+    for each block of KEY_BLOCK keys:
+        the block's loads, decays, keys ...  the top's key offsets and params, again per block
+        each contraction over the keys       added to its sum (A's sub-chunk loops add theirs)
+    the rest, from the sums                  the solve, A V, the output's store
+
+This pass rewrites the rendered chunk_fwd kernel so, for PHASE 4 (the intra-chunk matrices) and
+for PHASE 2 where a program takes one chunk and reads the staged matrices (CKPT_EVERY == 1: a
+state carried through several chunks would need every key block live), when KEY_BLOCK is less
+than the key dim's block (the launch's policy: launch.key_block). Every other launch runs the
+kernel as rendered, so C = 32 at K = 128 compiles as before. It is block_split.py's machinery,
+in its forward mode: a value that a key block's statements read must be whole in that block,
+so a contraction read within the loop (an l2 norm over K) keeps the rendered kernel, but for
+the non-finite tests (_bad_<S>): a block's keys are zeroed by its own entries, as the backward's
+tile blocks zero values by their own (ChunkCode.sanitize), and the output rows from such a
+token on are NaN by the whole test, after the loop.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from functools import lru_cache
+
+from .block_shapes import Shapes, UnknownShape
+from .block_split import NoSplit, _block, _fold, split_iteration
+
+INDENT = "    "
+# (the test that guards a split, the constexprs it folds): a spec with staged intra-chunk
+# matrices (plan.layout.intra_matrices) splits PHASE 4 and the PHASE 2 that reads them
+STAGED_SPLITS = (("PHASE == 4 and KEY_BLOCK < _BLOCK_{k}", {"PHASE": 4, "STAGED_INTRA": 1}),
+                 ("PHASE == 2 and CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}",
+                  {"PHASE": 2, "CKPT_EVERY": 1, "STAGED_INTRA": 1}))
+SPLITS = (("PHASE == 2 and CKPT_EVERY == 1 and KEY_BLOCK < _BLOCK_{k}", {"PHASE": 2, "CKPT_EVERY": 1}),)
+
+
+def key_dim(plan) -> str | None:
+    """The dim the forward loops over in key blocks: the one key dim every state shares, where
+    no dim aliases it (a feature map's J = K would block one side only); None: no key loop."""
+    keys = {st.key_dims for st in plan.states}
+    if len(keys) != 1:
+        return None
+    (dims,) = keys
+    aliased = {plan.ir.root_dim(d.name) for d in plan.ir.dims if d.alias_of}
+    return dims[0] if len(dims) == 1 and dims[0] not in aliased else None
+
+
+def split_keys(source: str, kernel: str, key: str | None, flags: set[str], staged: bool) -> str:
+    """The kernel `kernel` in `source` with PHASE 2's (and where staged, PHASE 4's) chunk body
+    in a loop over the key dim's blocks where it applies (flags: the base names a block may
+    test alone), else the source with a comment why."""
+    if key is None:
+        return source
+    return _split_keys(source, kernel, key, frozenset(flags), staged)
+
+
+@lru_cache(maxsize=256)         # a process generates a spec's module again per cache folder (tests)
+def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bool) -> str:
+    tree = ast.parse(source)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == kernel)
+    lines = source.split("\n")
+    at = next(i for i, st in enumerate(fn.body) if isinstance(st, ast.For) and st.target.id == "_chunk")
+    chunk_loop = fn.body[at]
+    first, last = chunk_loop.body[0].lineno, chunk_loop.body[-1].end_lineno
+    indent = lines[first - 1][:chunk_loop.body[0].col_offset]
+
+    def text(nodes):
+        return "\n".join(lines[nodes[0].lineno - 1:nodes[-1].end_lineno]) if nodes else ""
+    top, body = text(fn.body[:at]), text(chunk_loop.body)
+    branches, why = [], []
+    for test, env in STAGED_SPLITS if staged else SPLITS:
+        try:
+            branches.append((test.format(k=key), _split(top, body, fn, key, env, flags)))
+        except (NoSplit, UnknownShape) as e:
+            why.append(f"PHASE {env['PHASE']}: {e}")
+        except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
+            # a statement this pass misreads: keep the rendered chunk (the library specs' split
+            # is asserted by tests/codegen/test_key_split.py)
+            why.append(f"PHASE {env['PHASE']}: the pass could not read it: {type(e).__name__}: {e}")
+    inner = indent + INDENT
+    new = [f"{indent}# the whole key dim kept (codegen/key_split.py: {_one_line('; '.join(why))})"] if why else []
+    for i, (test, (before, loop, after)) in enumerate(branches):
+        new += [f"{indent}{'if' if i == 0 else 'elif'} {test}:",
+                f"{inner}# the key dim in blocks of KEY_BLOCK (codegen/key_split.py): what lacks it once, before",
+                f"{inner}# the loop; per block its rows and the contractions over it, summed; the rest after"]
+        new += [textwrap.indent(x, inner) for x in before]
+        new += [f"{inner}for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"]
+        new += [textwrap.indent(x, inner + INDENT) for x in loop] or [inner + INDENT + "pass"]
+        new += [textwrap.indent(x, inner) for x in after]
+    if not branches:
+        return "\n".join(lines[:first - 1] + new + lines[first - 1:])
+    new += [f"{indent}else:"]
+    new += [INDENT + ln if ln.strip() else ln for ln in lines[first - 1:last]]
+    return "\n".join(lines[:first - 1] + new + lines[last:])
+
+
+def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags) -> tuple:
+    """(before, loop, after) of one launch's chunk body over the key blocks. Raises NoSplit."""
+    whole = re.compile(rf"\b_BLOCK_{re.escape(key)}\b")
+    shapes = Shapes({a.arg: () for a in fn.args.args})
+    top_stmts = _fold(_block(top), env)
+    shapes.run([s.node for s in top_stmts])
+    # the top's values over the key dim (its offsets and mask, the states' key offsets, params
+    # over it) again per block, from the block's offsets
+    def keyed(s):
+        return {d for d in s.defs if any(whole.search(x) for x in shapes.env.get(d) or ())}
+    # a value assigned in a branch (a state's initial value) is not copied: read in the chunk,
+    # it keeps the whole dim (below)
+    stale = {d for s in top_stmts if not isinstance(s.node, ast.Assign) for d in keyed(s)}
+    origin = []
+    for s in top_stmts:
+        if isinstance(s.node, ast.Assign) and keyed(s) and not s.defs & stale:
+            origin.append(_blocked(s.src.replace(f"tl.arange(0, _BLOCK_{key})",
+                                                 f"(_kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK))"), whole))
+        elif keyed(s):
+            stale |= keyed(s)
+    items = _fold(_block("\n".join(origin + [_blocked(textwrap.dedent(body), whole)])), env)
+    shapes.env["_kb"] = ()
+    shapes.env["_chunk"] = ()
+    sp = split_iteration(items, shapes=shapes, outer=set(shapes.env), cotangents=None, block="KEY_BLOCK",
+                         block_var="_kb", flags=flags)
+    text = "\n".join(sp.before + sp.loop + sp.after)
+    read = {n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name)} & stale
+    if read:
+        raise NoSplit(f"{', '.join(sorted(read))} (the whole key dim, assigned in a branch) read in the chunk")
+    return sp.before, sp.loop, sp.after
+
+
+def _blocked(src: str, whole: re.Pattern) -> str:
+    return whole.sub("KEY_BLOCK", src)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:200]

@@ -1,0 +1,157 @@
+"""The chunked forward's PHASE 4 and 2 over the key dim's blocks (mixc/codegen/key_split.py):
+where it applies, what lands inside and outside the loop, and its refusals. The split kernels'
+numbers against float64: tests/runtime/test_key_split.py (three key blocks, five specs)."""
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import pytest
+
+from mixc import pipeline
+from mixc.codegen.block_shapes import Shapes
+from mixc.codegen.block_split import NoSplit, _block, split_iteration
+from mixc.codegen.key_split import key_dim
+from mixc.codegen.module import generate, metadata
+from mixc.dsl import library_names
+
+SPLIT = "# the key dim in blocks of KEY_BLOCK (codegen/key_split.py)"
+KEPT = "# the whole key dim kept (codegen/key_split.py"
+
+
+def _chunk_body(name: str) -> list[ast.stmt]:
+    src = generate(pipeline.compile(name))
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_fwd")
+    return next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_chunk").body
+
+
+def _branch(name: str, phase: int) -> ast.If:
+    node = next(n for n in _chunk_body(name) if isinstance(n, ast.If))
+    while not ast.unparse(node.test).startswith(f"PHASE == {phase}"):
+        node = node.orelse[0]
+    return node
+
+
+def _parts(branch: ast.If) -> tuple[str, str, str]:
+    loop = next(n for n in branch.body if isinstance(n, ast.For) and n.target.id == "_kb")
+    i = branch.body.index(loop)
+    return ("\n".join(map(ast.unparse, branch.body[:i])), "\n".join(map(ast.unparse, loop.body)),
+            "\n".join(map(ast.unparse, branch.body[i + 1:])))
+
+
+def test_every_library_spec_with_one_key_dim_is_split():
+    """Every chunked library spec whose states share one key dim gets PHASE 2's loop (and PHASE
+    4's where it stages A): the six issue 16 measures among them; gated_delta_product keeps the
+    whole dim (a reduction over its keys is read by each key row), and says so."""
+    split, kept = [], {}
+    for name in library_names():
+        plan = pipeline.compile(name)
+        if plan.sequence is not None or "chunk_fwd" not in metadata(plan)["kernels"] or key_dim(plan) is None:
+            continue
+        src = generate(plan)
+        n = src.count(SPLIT)
+        if n == (2 if plan.layout.intra_matrices else 1) and KEPT not in src:
+            split.append(name)
+        else:
+            kept[name] = next((ln.strip() for ln in src.splitlines() if KEPT in ln), "")
+    assert {"simple_gla", "gla", "rwkv6", "delta_rule", "gated_delta_rule", "mamba2"} <= set(split)
+    assert set(kept) == {"gated_delta_product"}
+    # Triton's loops keep a variable's type: nothing assigned in a key loop (a block) may rebind a
+    # name from before the chunk loop (the whole dim's _offs_K, the states)
+    for name in split:
+        src = generate(pipeline.compile(name))
+        fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_fwd")
+        at = next(i for i, n in enumerate(fn.body) if isinstance(n, ast.For) and n.target.id == "_chunk")
+        top = {t.id for n in fn.body[:at] for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+        loops = [n for n in ast.walk(fn.body[at]) if isinstance(n, ast.For) and n.target.id == "_kb"]
+        assigned = {t.id for lp in loops for t in ast.walk(lp) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+        assert not assigned & top, (name, assigned & top)
+    assert "reduces over the blocks but is read within the loop" in kept["gated_delta_product"]
+
+
+def test_gla_phase4_sums_A_over_the_key_blocks():
+    """gla's PHASE 4: q, k and g load per block, both sub-chunk loops add into A, zeroed before
+    the loop and stored once after it."""
+    before, loop, after = _parts(_branch("gla", 4))
+    assert "_A = tl.zeros([_BLOCK__T, _BLOCK__T]" in before
+    for x in ("v_q = tl.load(p_q", "v_k = tl.load(p_k", "v_g = tl.load(p_g", "for _I in tl.static_range",
+              "for _jj in range(16)", "_offs_K__2 = _kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK)"):
+        assert x in loop, x
+    assert "_A += tl.where(" in loop and "_A += _mixc_dot(" in loop
+    assert "tl.store(p_intra" not in loop and "tl.store(_pA, _A" in after
+    assert "_BLOCK_K" not in loop
+
+
+def test_gla_phase2_reads_the_state_by_key_block():
+    """gla's PHASE 2 (one chunk a program): the state's rows of the block and (Q * exp(b0)) S0
+    summed in the loop; A, V and the output after it, from the sum; the whole non-finite test
+    NaNs the rows (after), a block's own zeroes nothing here (no key enters PHASE 2's matmuls)."""
+    branch = _branch("gla", 2)
+    want = "PHASE == 2 and CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_K"
+    assert ast.unparse(branch.test) == ast.unparse(ast.parse(want, mode="eval"))
+    before, loop, after = _parts(branch)
+    assert "tl.load(p_ckpt_S" in loop and "_r1_sum += _mixc_dot(" in loop
+    assert "_bad_S_sum += tl.sum(" in loop
+    assert "v_v = tl.load(p_v" in after and "_A = tl.load(_pA" in after and "_r1 = _r1_sum + _mixc_dot(_A" in after
+    assert "tl.store(p_out" in after and "_bad_S = _bad_S_sum" in after
+    assert "tl.load(p_q" not in after and "tl.load(p_k" not in after
+
+
+def _iteration(text: str):
+    return _block(textwrap.dedent(text))
+
+
+SHAPES = {"_offs__T": ("_BLOCK__T",), "_kb": (), "p_x": (), "p_y": (), "p_o": (), "KEY_BLOCK": ()}
+
+
+def _forward(body):
+    shapes = Shapes(dict(SHAPES))
+    return split_iteration(body, shapes=shapes, outer=set(shapes.env), cotangents=None, block="KEY_BLOCK",
+                           block_var="_kb", flags=frozenset({"_bad"}))
+
+
+def test_a_norm_over_the_keys_read_per_key_is_refused():
+    """x / |x| over the keys: the norm is a sum over every block, but each block's rows read it
+    within the loop, where only the block's share exists: no split."""
+    body = _iteration("""
+        _offs_K = _kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+        x = tl.load(p_x + _offs__T[:, None] * 64 + _offs_K[None, :])
+        n = tl.sqrt(tl.sum(x * x, axis=1))
+        xn = x / n[:, None]
+        o = tl.sum(xn, axis=1)
+        tl.store(p_o + _offs__T, o)
+    """)
+    with pytest.raises(NoSplit, match="read within the loop"):
+        _forward(body)
+
+
+def test_a_flag_is_read_per_block_and_whole_after():
+    """A non-finite count (a flag): each block zeroes its rows by its own; after the loop the
+    whole count (the sum) NaNs the output rows."""
+    body = _iteration("""
+        _offs_K = _kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+        x = tl.load(p_x + _offs__T[:, None] * 64 + _offs_K[None, :])
+        _bad = tl.sum(tl.where(tl.abs(x) < float('inf'), 0.0, 1.0), axis=1)
+        xc = tl.where(_bad[:, None] > 0, 0.0, x)
+        o = tl.sum(xc * xc, axis=1)
+        tl.store(p_o + _offs__T, tl.where(_bad > 0, float('nan'), o))
+    """)
+    sp = _forward(body)
+    assert "xc = tl.where(_bad[:, None] > 0, 0.0, x)" in sp.loop
+    assert "_bad_sum += tl.sum(tl.where(tl.abs(x) < float('inf'), 0.0, 1.0), axis=1)" in sp.loop
+    assert "_bad = _bad_sum" in sp.after and "o = o_sum" in sp.after
+
+
+def test_a_loop_that_does_not_only_add_is_refused():
+    """A sub-chunk loop that scales its accumulator (not a sum of contractions) runs per block
+    only if nothing after reads it: here the store does, so no split."""
+    body = _iteration("""
+        _offs_K = _kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+        x = tl.load(p_x + _offs__T[:, None] * 64 + _offs_K[None, :])
+        a = tl.zeros([_BLOCK__T, _BLOCK__T], dtype=tl.float32)
+        for _i in range(2):
+            a = a * 0.5 + tl.dot(x, tl.trans(x))
+        tl.store(p_o + _offs__T[:, None] * 16 + _offs__T[None, :], a)
+    """)
+    with pytest.raises(NoSplit):
+        _forward(body)

@@ -1,0 +1,64 @@
+"""The chunked forward's PHASE 4 and PHASE 2 over the key dim's blocks (mixc/codegen/
+key_split.py): KEY_BLOCK = 16 at a key dim of 40 (three blocks, the last partial), two launches,
+one chunk a program (the interpreter's CKPT_EVERY), so PHASE 2 (and PHASE 4 where staged) run
+the loop; the output, final state and every gradient against the float64 reference (mutation:
+one block instead of three fails every spec). And a key
+that is not finite in one block: a block zeroes its keys by its own entries, the output is NaN
+from that token on by the whole test, and the earlier rows are those of a finite run."""
+import pytest
+import torch
+
+import mixc
+from mixc.codegen.key_split import key_dim
+from mixc.runtime import launch
+
+from helpers import random_args, random_state
+from kernel_checks import check_against_reference
+
+# every library spec the pass splits (tests/codegen/test_key_split.py): the key-diagonal decay
+# (staged A: PHASE 4 and 2; rwkv6's prev readout and bonus, s4d, hgrn2), the rank-1 class (a
+# scalar decay, a per-key one: kda, comba, rwkv7), the scalar and prefix-sum classes
+SPECS = ["gla", "rwkv6", "hgrn2", "s4d", "delta_rule", "gated_delta_rule", "kda", "comba", "rwkv7", "simple_gla",
+         "retention", "lightning_attn", "mamba2", "mlstm", "linear_transformer", "performer"]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_forward_over_key_blocks_matches_float64(name, monkeypatch):
+    """B1-T37-H2, the key dim 40 in blocks of 16, the others 8. Output and final state (the
+    backward, not split, reads the forward's checkpoints from PHASE 1, unchanged); gla's with
+    every gradient too, over a packed batch."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "KEY_BLOCK", 16)
+    op = mixc.load(name)
+    key = key_dim(op.plan())
+    sizes = {d.name: 8 for d in op.ir.dims if not d.alias_of} | {key: 40}
+    args, sizes = random_args(op.ir, B=1, T=37, H=2, sizes=sizes, dtype=torch.float32, requires_grad=True, seed=31)
+    st = random_state(op.ir, 3 if name == "gla" else 1, 2, sizes, requires_grad=True)
+    cu = torch.tensor([0, 5, 21, 37]) if name == "gla" else None
+    check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16, cu_seqlens=cu,
+                            grads=name == "gla")
+
+
+BAD, COLUMN = 21, 20            # token 21 (chunk 1 of 16), key entry 20 (key block 1 of 16)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's inf * 0
+@pytest.mark.parametrize("name", ["gla", "delta_rule"])
+def test_a_bad_key_in_one_block_leaves_the_earlier_rows_of_a_finite_run(name, monkeypatch):
+    """B1-T37-H1-K40-V8, KEY_BLOCK = 16, two launches: an inf in token 21's key, entry 20
+    (block 1 of three; block 0 and 2 of that key are finite and still enter their blocks'
+    sums). Rows 0..20 of the output equal those of the call with the entry finite; rows 21 on
+    are NaN, as the recurrence gives."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "KEY_BLOCK", 16)
+    op = mixc.load(name)
+    args, _ = random_args(op.ir, B=1, T=37, H=1, sizes={"K": 40, "V": 8}, dtype=torch.float32, seed=23)
+    outs = {}
+    for value in (float("inf"), 0.5):
+        inputs = {k: v.clone() for k, v in args.items()}
+        inputs["k"][0, BAD, 0, COLUMN] = value
+        outs[value], _ = op(**inputs, mode="chunk", chunk=16)
+    bad, good = outs[float("inf")], outs[0.5]
+    assert torch.isfinite(good).all()
+    torch.testing.assert_close(bad[0, :BAD], good[0, :BAD], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(bad[0, BAD:]).all()
