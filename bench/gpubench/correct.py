@@ -8,7 +8,10 @@ at D = 32, the partial gradients summed) and with a checkpoint every two chunks 
 ckpt2": at T = 130, three chunks of 64 or five of 32, the last checkpoint's partial; the
 policy of launch.checkpoint_every keeps one per chunk at so few programs) and, where the
 spec stages its intra-chunk matrices (PHASE 4: gla, rwkv6, hgrn2, s4d), without them (mode
-"chunk unstaged": launch.STAGE_INTRA = False); warps and stages do not change the arithmetic."""
+"chunk unstaged": launch.STAGE_INTRA = False), and with the forward's PHASE 4 and 2 looping
+over key blocks of 16 (mode "chunk keyblock16": launch.KEY_BLOCK = 16, a checkpoint per chunk,
+two blocks at D = 32; codegen/key_split.py, which the policy runs at C * K > 32 * 128 where a
+program takes one chunk); warps and stages do not change the arithmetic."""
 from __future__ import annotations
 
 import time
@@ -21,6 +24,7 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
     import torch
 
     import mixc
+    from mixc.codegen.key_split import key_dim
     from mixc.derive.layout import chunk_supported
     from mixc.runtime.autotune import chunk_candidates
     from mixc.runtime.inputs import random_args, random_state
@@ -35,6 +39,8 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
         modes += [("chunk", None, "chunk walk", {"CHUNK_PHASES": 1}),
                   ("chunk", None, "chunk tile16", {"CHUNK_TILE": 16, "CHUNK_PHASES": 2}),
                   ("chunk", None, "chunk ckpt2", {"CHECKPOINT_EVERY": 2, "CHUNK_PHASES": 2})]
+        if key_dim(op.plan()) is not None:      # PHASE 4 and 2 over key blocks (one chunk a program)
+            modes += [("chunk", None, "chunk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 1, "CHUNK_PHASES": 2})]
         if op.plan().layout.intra_matrices:     # PHASE 2 computing its intra-chunk matrices itself
             modes += [("chunk", None, "chunk unstaged", {"STAGE_INTRA": False, "CHUNK_PHASES": 2})]
     rows = []

@@ -33,7 +33,8 @@ def test_readme_main_job(tmp_path):
 def test_gpu_check_dry_run(tmp_path):
     """bench/gpu_check runs end to end on the CPU (interpreter, tiny shapes, two phase-1
     processes) and writes its JSON: correctness at every chunk size the autotuner may pick, in
-    one launch per direction and two, with tile blocks of 16, a checkpoint every two chunks, the
+    one launch per direction and two, with tile blocks of 16, a checkpoint every two chunks, key
+    blocks of 16 (one block at the dry run's D = 16: on a GPU, D = 32, two), the
     warm-up tasks, fla's shapes and the sweep (fla recorded as not run, with the reason), decode
     (eager, the reason recorded), the plots and the table."""
     import json
@@ -48,7 +49,8 @@ def test_gpu_check_dry_run(tmp_path):
         ("chunk C=32", "float32", True), ("chunk C=32", "bfloat16", True),
         ("chunk walk", "float32", True), ("chunk walk", "bfloat16", True),
         ("chunk tile16", "float32", True), ("chunk tile16", "bfloat16", True),
-        ("chunk ckpt2", "float32", True), ("chunk ckpt2", "bfloat16", True)]
+        ("chunk ckpt2", "float32", True), ("chunk ckpt2", "bfloat16", True),
+        ("chunk keyblock16", "float32", True), ("chunk keyblock16", "bfloat16", True)]
     assert res["warmup"] and not [w for w in res["warmup"] if "error" in w]
     assert {w["task"]["kind"] for w in res["warmup"]} == {"warm_mixc", "warm_decode"}
     timed = [r for r in res["timing"] if "ms" in r]
@@ -65,7 +67,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert {r["spec"] for r in dec if r["impl"] == "mixc"} == set(specs)
     assert sorted(r["context"] for r in dec if r["impl"] == "sdpa") == [16, 64]
     assert all(r["graph"] is False and "CUDA graphs" in r["note"] for r in dec)
-    assert "correctness: 12 passed, 0 failed" in p.stdout and "decode (one step" in p.stdout
+    assert "correctness: 14 passed, 0 failed" in p.stdout and "decode (one step" in p.stdout
     plots = {x.name for x in tmp_path.glob("*.png")}
     try:
         import matplotlib  # noqa: F401
