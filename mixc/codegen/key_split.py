@@ -3,9 +3,10 @@
 A chunk's inputs and every value derived from them are blocks of [C, K] (q, k, the cumulative
 decays, their hi and lo parts, the resets ...): at C = 64 and K = 128 each is 32 fp32 registers
 a thread with 8 warps, and the intra-chunk matrix A of the key-diagonal decay reads five of
-them at once (bench/README.md: PHASE 4 and 2 spill at C = 64). Each of those values is local to
-its key rows, and what leaves the key dim is a contraction over it (A = Q K^T weighted, the
-readout's (Q * exp(b)) S0, the rank-1 setup's R L^T ...), so the chunk runs as
+them at once (whole, PHASE 4 and 2 spill at C = 64: bench/results/static-sm90-c64). Each of
+those values is local to its key rows, and what leaves the key dim is a contraction over it
+(A = Q K^T weighted, the readout's (Q * exp(b)) S0, the rank-1 setup's R L^T ...), so the
+chunk runs as
 
     what lacks the key dim                  once, before the loop
     for each block of KEY_BLOCK keys:
@@ -13,16 +14,16 @@ readout's (Q * exp(b)) S0, the rank-1 setup's R L^T ...), so the chunk runs as
         each contraction over the keys       added to its sum (A's sub-chunk loops add theirs)
     the rest, from the sums                  the solve, A V, the output's store
 
-This pass rewrites the rendered chunk_fwd kernel so, for PHASE 4 (the intra-chunk matrices) and
-for PHASE 2 where a program takes one chunk and reads the staged matrices (CKPT_EVERY == 1: a
-state carried through several chunks would need every key block live), when KEY_BLOCK is less
-than the key dim's block (the launch's policy: launch.key_block). Every other launch runs the
-kernel as rendered, so C = 32 at K = 128 compiles as before. It is block_split.py's machinery,
-in its forward mode: a value that a key block's statements read must be whole in that block,
-so a contraction read within the loop (an l2 norm over K) keeps the rendered kernel, but for
-the non-finite tests (_bad_<S>): a block's keys are zeroed by its own entries, as the backward's
-tile blocks zero values by their own (ChunkCode.sanitize), and the output rows from such a
-token on are NaN by the whole test, after the loop.
+The pass wraps the rendered chunk body of PHASE 4 (the intra-chunk matrices) and of PHASE 2
+where a program takes one chunk (CKPT_EVERY == 1: a state carried through several chunks would
+need every key block live) in that loop, behind a constexpr test that KEY_BLOCK is less than
+the key dim's block (the launch's policy: launch.key_block); every other launch runs the chunk
+as rendered, so C = 32 at K = 128 compiles as before. It is block_split.py's machinery in its
+forward mode: what a key block's statements read must be whole, so a contraction read within
+the loop (an l2 norm over K) keeps the rendered chunk, but for the non-finite counts
+(_bad_<S>): a block's keys are zeroed by its own entries, as the backward's tile blocks zero
+values by their own (ChunkCode.sanitize), and the output rows from such a token on are NaN by
+the whole count, after the loop.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ import textwrap
 from functools import lru_cache
 
 from .block_shapes import Shapes, UnknownShape
-from .block_split import NoSplit, _block, _fold, split_iteration
+from .block_split import split_iteration
+from .block_statements import NoSplit, _block, _fold
 
 INDENT = "    "
 # (the test that guards a split, the constexprs it folds): a spec with staged intra-chunk

@@ -35,7 +35,8 @@ import textwrap
 from functools import lru_cache
 
 from .block_shapes import Shapes, UnknownShape, call_name
-from .block_split import NoSplit, _block, _fold, _phase_test, split_iteration
+from .block_split import split_iteration
+from .block_statements import NoSplit, _block, _fold, _phase_test
 
 PHASE = 2                          # the launch whose tile loop is split
 INDENT = "    "

@@ -10,7 +10,8 @@ import pytest
 
 from mixc import pipeline
 from mixc.codegen.block_shapes import Shapes
-from mixc.codegen.block_split import NoSplit, _block, split_iteration
+from mixc.codegen.block_split import split_iteration
+from mixc.codegen.block_statements import NoSplit, _block
 from mixc.codegen.key_split import key_dim
 from mixc.codegen.module import generate, metadata
 from mixc.dsl import library_names

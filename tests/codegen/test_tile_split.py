@@ -13,7 +13,9 @@ from mixc import pipeline
 from mixc.codegen.module import generate, metadata
 from mixc.dsl import library_names
 from mixc.codegen.block_shapes import Shapes, UnknownShape
-from mixc.codegen.tile_split import _block, split_iteration, split_phase2
+from mixc.codegen.block_split import split_iteration
+from mixc.codegen.block_statements import _block
+from mixc.codegen.tile_split import split_phase2
 
 SPLIT_NOTE = "# the tile loop split (codegen/tile_split.py)"
 KEPT_NOTE = "# PHASE 2 keeps the walk's tile loop"
@@ -173,5 +175,5 @@ def test_ssa_gives_each_assignment_its_own_name_and_keeps_sums():
 def test_phase_tests_fold_without_running_the_kernels_text(test, want):
     """`if PHASE ...:` folds to PHASE 2's branch only where the test is PHASE against integers
     (an `and` / `or` that one such operand decides is decided)."""
-    from mixc.codegen.block_split import _phase_test
+    from mixc.codegen.block_statements import _phase_test
     assert _phase_test(ast.parse(test, mode="eval").body, 2) is want
