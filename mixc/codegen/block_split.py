@@ -125,6 +125,8 @@ def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes
         if isinstance(s.node, ast.Assign) and isinstance(s.node.value, ast.Call) \
                 and call_name(s.node.value.func) == "tl.zeros":
             zeroed |= s.defs
+        if forward and s.kind == "ACC" and s.defs <= zeroed and any(has_tile(shapes.env.get(d) or ()) for d in s.defs):
+            s.kind = ""                   # a sum of the block's own rows (dq's terms): per block, in place
         if forward and looped and (s.kind == "ACC" or isinstance(s.node, ast.For)):
             variant = {n for n, k in kind.items() if k in ("T", "LP", "DUAL", "ACC")}
             acc = _accumulation(s, shapes, has_tile, variant, zeroed)
@@ -136,7 +138,9 @@ def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes
             if s.kind == "ACC":
                 raise NoSplit(f"{sorted(s.defs)} adds what is not a sum over the blocks")
         if s.kind == "ACC":
-            s.place = {"loop"} if looped or not dep else {"post"}
+            # the backward's body was the tile loop's: a sum it adds to per block stays there; the
+            # forward's runs once, after the loop
+            s.place = {"loop"} if looped or (not dep and not forward) else {"post"}
         elif s.effect:
             s.kind = "EFF"
             s.place = {"loop"} if looped else {"post"}

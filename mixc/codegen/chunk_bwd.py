@@ -19,6 +19,7 @@ from ..derive.plan import Plan
 from .adjoint import Adjoint, combine
 from .chunk import ChunkCode, g_is_vector
 from .recurrent import I1, I2, I3, common_hooks, numel, zeros
+from .key_split import key_dim
 from .tile_split import split_phase2
 from .triton_expr import Emitter, canon, expand
 
@@ -287,4 +288,5 @@ def split_backward(plan: Plan, source: str) -> str:
     code = ChunkBackward(plan)
     cotangents = {"_do"} | {f"d_{st.name}" for st in code.states}
     aliases = {d.name: plan.ir.root_dim(d.name) for d in plan.ir.dims if d.alias_of}
-    return split_phase2(source, f"{plan.name}_chunk_bwd", plan.layout.tile, cotangents, aliases)
+    flags = {f"_bad_{st.name}" for st in code.states} | {f"_badv_{st.name}" for st in code.states}
+    return split_phase2(source, f"{plan.name}_chunk_bwd", plan.layout.tile, cotangents, aliases, key_dim(plan), flags)

@@ -24,6 +24,10 @@ the loop (an l2 norm over K) keeps the rendered chunk, but for the non-finite co
 (_bad_<S>): a block's keys are zeroed by its own entries, as the backward's tile blocks zero
 values by their own (ChunkCode.sanitize), and the output rows from such a token on are NaN by
 the whole count, after the loop.
+
+The backward's PHASE 2 (split_after_tiles, called by tile_split.py) runs what follows its tile
+loop the same way: the tile loop's sums that carry the key dim move into a tile loop of each
+key block's own, as fla's dq/dk kernel loops over V blocks per K block.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import re
 import textwrap
 from functools import lru_cache
 
-from .block_shapes import Shapes, UnknownShape
+from .block_shapes import Shapes, UnknownShape, rename
 from .block_split import split_iteration
 from .block_statements import NoSplit, _block, _fold
 
@@ -105,19 +109,26 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
     return "\n".join(lines[:first - 1] + new + lines[last:])
 
 
-def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags) -> tuple:
-    """(before, loop, after) of one launch's chunk body over the key blocks. Raises NoSplit."""
+def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags, prefix: str = "") -> tuple:
+    """(before, loop, after) of one launch's chunk body over the key blocks (prefix: what the
+    chunk runs before it, whole). Raises NoSplit."""
     whole = re.compile(rf"\b_BLOCK_{re.escape(key)}\b")
     shapes = Shapes({a.arg: () for a in fn.args.args})
     top_stmts = _fold(_block(top), env)
     shapes.run([s.node for s in top_stmts])
+    shapes.env.update({i: () for i in ("_chunk", "_cc", "_tv", "_tvk", "_kb")})     # the loops' indices
+    if prefix:
+        shapes.run([s.node for s in _block(prefix)])
     # the top's values over the key dim (its offsets and mask, the states' key offsets, params
     # over it) again per block, from the block's offsets
     def keyed(s):
         return {d for d in s.defs if any(whole.search(x) for x in shapes.env.get(d) or ())}
-    # a value assigned in a branch (a state's initial value) is not copied: read in the chunk,
-    # it keeps the whole dim (below)
+    # a value assigned in a branch (a state's initial value) is not copied: read in a key
+    # block, it keeps the whole dim (below)
     stale = {d for s in top_stmts if not isinstance(s.node, ast.Assign) for d in keyed(s)}
+    # ... nor one the chunks update (a param's gradient summed over them, a state)
+    stale |= {n.id for n in ast.walk(ast.parse(textwrap.dedent(body)))
+              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} & {d for s in top_stmts for d in keyed(s)}
     origin = []
     for s in top_stmts:
         if isinstance(s.node, ast.Assign) and keyed(s) and not s.defs & stale:
@@ -125,15 +136,14 @@ def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags)
                                                  f"(_kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK))"), whole))
         elif keyed(s):
             stale |= keyed(s)
+    # values of the whole key dim from before the chunk: a key block must not read one
+    stale |= {d for d, sh in shapes.env.items() if sh and any(whole.search(x) for x in sh)}
     items = _fold(_block("\n".join(origin + [_blocked(textwrap.dedent(body), whole)])), env)
-    shapes.env["_kb"] = ()
-    shapes.env["_chunk"] = ()
     sp = split_iteration(items, shapes=shapes, outer=set(shapes.env), cotangents=None, block="KEY_BLOCK",
                          block_var="_kb", flags=flags)
-    text = "\n".join(sp.before + sp.loop + sp.after)
-    read = {n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name)} & stale
+    read = {n.id for n in ast.walk(ast.parse("\n".join(sp.loop))) if isinstance(n, ast.Name)} & stale
     if read:
-        raise NoSplit(f"{', '.join(sorted(read))} (the whole key dim, assigned in a branch) read in the chunk")
+        raise NoSplit(f"{', '.join(sorted(read))} (the whole key dim) read in a key block")
     return sp.before, sp.loop, sp.after
 
 
@@ -143,3 +153,46 @@ def _blocked(src: str, whole: re.Pattern) -> str:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())[:200]
+
+
+def split_after_tiles(top: str, fn: ast.FunctionDef, key: str, before: tuple, loop: tuple, after: tuple,
+                      header: str, flags) -> tuple:
+    """The backward PHASE 2's chunk as tile_split.py splits it (before, the tile loop's body,
+    after; header: the tile loop's `for`), with what follows the tile loop over the key dim's
+    blocks: (before, loop, the key loop's before, its body, after). The sums over the tile
+    blocks that carry the key dim (dO S0^T, V dh^T, sum(S0 * dh): [C, K] and [K]) leave the
+    tile loop; each key block sums its rows of them in a tile loop of its own (fla's dq/dk
+    kernel: a program per K block, V blocks inside), then its rows of dq, dk, dg. Raises
+    NoSplit."""
+    whole = re.compile(rf"\b_BLOCK_{re.escape(key)}\b")
+    pre, body = _block("\n".join(before)), _block("\n".join(loop))
+
+    def zeroed(s):
+        v = getattr(s.node, "value", None)
+        return isinstance(s.node, ast.Assign) and isinstance(v, ast.Call) and ast.unparse(v.func) == "tl.zeros"
+    keyed = {d for s in pre if zeroed(s) and whole.search(s.src) for d in s.defs}
+    updates = [s for s in body if isinstance(s.node, ast.AugAssign) and s.node.target.id in keyed]
+    if not updates:
+        raise NoSplit("no sum over the tile blocks carries the key dim")
+    # what the moved sums read, in the tile loop's order
+    need, moved = set(), []
+    for s in reversed(body):
+        if s in updates or (s.defs & need and not s.effect):
+            moved.append(s)
+            need |= s.uses
+    moved.reverse()
+    # the tile loop without them: what a store, another sum or an in-place update still reads
+    live, kept = set(), []
+    for s in reversed([s for s in body if s not in updates]):
+        if s.effect or s.defs & s.uses or s.defs & live:
+            kept.append(s)
+            live = (live - (s.defs - s.uses)) | s.uses
+    kept.reverse()
+    head = header.replace("for _tv in", "for _tvk in", 1)
+    nested = head + "\n" + textwrap.indent("\n".join(rename(s.src, {"_tv": "_tvk"}) for s in moved), INDENT)
+    zeros = [s.src for s in pre if s.defs & keyed]
+    pre_src = [x for s in pre if not s.defs & keyed for x in s.comments + [s.src]]
+    kept_src = [x for s in kept for x in s.comments + [s.src]]
+    prefix = "\n".join(pre_src + [header] + [textwrap.indent(x, INDENT) for x in kept_src or ["pass"]])
+    kb, kl, ka = _split(top, "\n".join(zeros + [nested] + list(after)), fn, key, {"PHASE": 2}, flags, prefix=prefix)
+    return tuple(pre_src), tuple(kept_src), kb, kl, ka

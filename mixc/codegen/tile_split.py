@@ -37,6 +37,7 @@ from functools import lru_cache
 from .block_shapes import Shapes, UnknownShape, call_name
 from .block_split import split_iteration
 from .block_statements import NoSplit, _block, _fold, _phase_test
+from .key_split import split_after_tiles
 
 PHASE = 2                          # the launch whose tile loop is split
 INDENT = "    "
@@ -45,17 +46,19 @@ INDENT = "    "
 # ---- the kernel -------------------------------------------------------------------------
 
 def split_phase2(source: str, kernel: str, tile: str | None, cotangents: set[str],
-                 aliases: dict[str, str] | None = None) -> str:
+                 aliases: dict[str, str] | None = None, key: str | None = None, flags: set[str] = frozenset()) -> str:
     """The kernel `kernel` in `source` with PHASE 2's tile loop split (the rendered loop kept
     for PHASE 0 and 1); where the split does not apply, the source with a comment why.
     aliases: dim -> the dim it aliases (same block)."""
     if tile is None:
         return source
-    return _split_phase2(source, kernel, tile, frozenset(cotangents), tuple(sorted((aliases or {}).items())))
+    return _split_phase2(source, kernel, tile, frozenset(cotangents), tuple(sorted((aliases or {}).items())), key,
+                         frozenset(flags))
 
 
 @lru_cache(maxsize=256)         # a process generates a spec's module again per cache folder (tests)
-def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, alias_items: tuple) -> str:
+def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, alias_items: tuple,
+                  key: str | None = None, flags: frozenset = frozenset()) -> str:
     aliases = dict(alias_items)
     tree = ast.parse(source)
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == kernel)
@@ -95,7 +98,29 @@ def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, al
         return _kept(lines, first, indent, f"the pass could not read it: {type(e).__name__}: {e}")
     header = lines[loop.lineno - 1].strip()
     inner = indent + INDENT
-    new = [f"{indent}if PHASE == 2:",
+    new = []
+    if key is not None:
+        # what follows the tile loop over the key dim's blocks (codegen/key_split.py)
+        top = text(fn.body[:fn.body.index(chunk_loop)])
+        try:
+            pre, kept, kb, kl, ka = split_after_tiles(top, fn, key, sp.before, sp.loop, sp.after, header, flags)
+            new += [f"{indent}if PHASE == 2 and KEY_BLOCK < _BLOCK_{key}:",
+                    f"{inner}# the tile loop split (codegen/tile_split.py), then the key dim in blocks of KEY_BLOCK",
+                    f"{inner}# (codegen/key_split.py): each block sums its rows of the tile blocks' contractions",
+                    f"{inner}# that carry the key dim in a tile loop of its own, then its rows of the rest"]
+            new += [textwrap.indent(x, inner) for x in pre]
+            new += [inner + header]
+            new += [textwrap.indent(x, inner + INDENT) for x in kept] or [inner + INDENT + "pass"]
+            new += [textwrap.indent(x, inner) for x in kb]
+            new += [f"{inner}for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"]
+            new += [textwrap.indent(x, inner + INDENT) for x in kl] or [inner + INDENT + "pass"]
+            new += [textwrap.indent(x, inner) for x in ka]
+        except (NoSplit, UnknownShape) as e:
+            new += [f"{indent}# the whole key dim after the tile loop (codegen/key_split.py: {_one_line(str(e))})"]
+        except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
+            new += [f"{indent}# the whole key dim after the tile loop (codegen/key_split.py: the pass could not "
+                    f"read it: {_one_line(f'{type(e).__name__}: {e}')})"]
+    new += [f"{indent}{'elif' if new and new[0].lstrip().startswith('if ') else 'if'} PHASE == 2:",
            f"{inner}# the tile loop split (codegen/tile_split.py): what no block changes once, before the",
            f"{inner}# loop; per block what carries it and the contractions over it, summed; the rest once,",
            f"{inner}# after the loop, from the sums"]

@@ -269,6 +269,8 @@ def _chunk_bwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "fsize"), *after_fsize,
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_dfinal"), *_one("varlen"), *_one("dot"),
+        *_one("key_block", "PHASE 2 loops over the key dim in blocks of this after its tile loop, where less "
+                           "than its block (codegen/key_split.py)"),
         *_one("phase", "0: all in one pass; 1: dL/dS per chunk; 2: the rest per chunk"),
     ]
 

@@ -108,7 +108,9 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
         kernel = getattr(mod, kname)
         sig, const = signature(kernel, plan, sizes, dtype)
         if key_block is not None and "KEY_BLOCK" in const:
-            const.update(KEY_BLOCK=key_block, CKPT_EVERY=1)
+            const["KEY_BLOCK"] = key_block
+            if "CKPT_EVERY" in const:
+                const["CKPT_EVERY"] = 1
         forward = form == "chunk_fwd"
         staged = [p for p in phases if p < 3 or (forward and p == 3) or (forward and p == 4 and plan.layout.intra_matrices)]
         for phase in (staged if "PHASE" in const else (None,)):

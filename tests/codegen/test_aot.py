@@ -61,26 +61,31 @@ KEY_SPLIT_REST = ["hgrn2", "s4d", "delta_rule", "comba", "rwkv7", "retention", "
                   "linear_transformer", "performer"]
 
 
-@pytest.mark.parametrize("specs", [pytest.param(KEY_SPLIT, id="classes"),
-                                   pytest.param(KEY_SPLIT_REST, id="the-rest", marks=pytest.mark.slow)])
-def test_the_forward_key_loop_compiles(tmp_path, specs):
-    """The chunked forward's PHASE 2 and 4 with their loop over key blocks (codegen/key_split.py:
-    KEY_BLOCK 16 of a key dim of 64, one chunk a program) compile for sm_90 with the real Triton
+@pytest.mark.parametrize("specs,forms", [
+    pytest.param(KEY_SPLIT, ("fwd", "bwd"), id="classes"),
+    pytest.param(KEY_SPLIT_REST, ("fwd",), id="the-rest", marks=pytest.mark.slow),
+    pytest.param(["hgrn2", "retention", "lightning_attn"], ("bwd",), id="the-rest-bwd", marks=pytest.mark.slow)])
+def test_the_forward_key_loop_compiles(tmp_path, specs, forms):
+    """The chunked forward's PHASE 2 and 4 and the backward's PHASE 2 with their loops over key
+    blocks (codegen/key_split.py: KEY_BLOCK 16 of a key dim of 64, one chunk a program) compile
+    for sm_90 with the real Triton
     compiler, whose loops keep a variable's type (the interpreter does not check it), on tensor
     cores, within shared memory. Every library spec the pass splits (tests/codegen/
     test_key_split.py), as the launch policy runs them on a GPU where a program takes one chunk:
     one of each class in the default run (a staged key-diagonal A: gla; its prev readout: rwkv6;
-    rank-1 with a scalar and a per-key decay; the scalar decay, Mamba-2's), the rest behind -m
-    slow (30 s)."""
+    rank-1 with a scalar and a per-key decay; the scalar decay, Mamba-2's; their backwards, split
+    or not), the rest behind -m slow (30 s; performer's backward at 64 compiles for minutes
+    with or without the loop, left out)."""
     env = dict(os.environ, TRITON_INTERPRET="0", MIXC_CACHE_DIR=str(tmp_path))
     p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.tools.aot", "--arch", "90", "--size", "64",
-                        "--forms", "chunk_fwd", "--phases", "2,4", "--key-block", "16", *specs],
+                        "--forms", ",".join(f"chunk_{d}" for d in forms), "--phases", "2,4", "--key-block", "16",
+                        *specs],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     reports = json.loads(p.stdout)
     staged = {"gla", "rwkv6", "hgrn2", "s4d"} & set(specs)
     assert {(r["spec"], r["kernel"]) for r in reports} == \
-        {(n, "chunk_fwd[2]") for n in specs} | {(n, "chunk_fwd[4]") for n in staged}
+        {(n, f"chunk_{d}[2]") for n in specs for d in forms} | {(n, "chunk_fwd[4]") for n in staged if "fwd" in forms}
     for r in reports:
         assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= 227 * 1024, r
         assert r["tensor_cores"] in ("wgmma", "mma.sync"), r

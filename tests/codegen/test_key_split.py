@@ -156,3 +156,26 @@ def test_a_loop_that_does_not_only_add_is_refused():
     """)
     with pytest.raises(NoSplit):
         _forward(body)
+
+
+def test_gla_backward_sums_its_key_rows_in_a_tile_loop_of_their_own():
+    """gla's backward PHASE 2 where KEY_BLOCK is less than K: the tile loop keeps dv and the
+    [C, C] sum dO V^T, not the sums that carry the key dim (dO S0^T, V dh^T, sum(S0 * dh));
+    each key block sums its rows of those in a tile loop of its own, then stores its rows of
+    dq, dk, dg; the tile split alone stays for other launches (elif)."""
+    src = generate(pipeline.compile("gla"))
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "gla_chunk_bwd")
+    chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
+    branch = chunk_loop.body[0]
+    assert ast.unparse(branch.test) == ast.unparse(ast.parse("PHASE == 2 and KEY_BLOCK < _BLOCK_K", mode="eval"))
+    assert ast.unparse(branch.orelse[0].test) == "PHASE == 2"
+    tiles = next(n for n in branch.body if isinstance(n, ast.For) and n.target.id == "_tv")
+    keys = next(n for n in branch.body if isinstance(n, ast.For) and n.target.id == "_kb")
+    tile_src, key_src = ast.unparse(tiles), ast.unparse(keys)
+    assert "_dA_sum += " in tile_src and "tl.store(p_dv" in tile_src
+    for x in ("_Gq_sum", "_dKw_sum", "_dbl_S_sum", "p_ckpt_S"):
+        assert x not in tile_src, x
+    inner = next(n for n in keys.body if isinstance(n, ast.For) and n.target.id == "_tvk")
+    assert {"_Gq_sum", "_dKw_sum", "_dbl_S_sum"} <= {t.target.id for t in inner.body if isinstance(t, ast.AugAssign)}
+    for x in ("tl.store(p_dq", "tl.store(p_dk", "tl.store(p_dg", "_Gq_sum = tl.zeros([_BLOCK__T, KEY_BLOCK]"):
+        assert x in key_src, x

@@ -22,11 +22,16 @@ SPECS = ["gla", "rwkv6", "hgrn2", "s4d", "delta_rule", "gated_delta_rule", "kda"
          "retention", "lightning_attn", "mamba2", "mlstm", "linear_transformer", "performer"]
 
 
+# ... and whose backward PHASE 2 also loops over key blocks after its tile loop
+BACKWARD = {"gla", "hgrn2", "simple_gla", "retention", "lightning_attn", "mamba2"}
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_forward_over_key_blocks_matches_float64(name, monkeypatch):
-    """B1-T37-H2, the key dim 40 in blocks of 16, the others 8. Output and final state (the
-    backward, not split, reads the forward's checkpoints from PHASE 1, unchanged); gla's with
-    every gradient too, over a packed batch."""
+    """B1-T37-H2, the key dim 40 in blocks of 16, the others 8 (a packed batch for gla). Output
+    and final state; every gradient too where the backward's PHASE 2 loops over key blocks
+    (elsewhere the backward is unchanged and reads the forward's checkpoints from PHASE 1,
+    which has no key loop)."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "KEY_BLOCK", 16)
     op = mixc.load(name)
@@ -36,7 +41,7 @@ def test_forward_over_key_blocks_matches_float64(name, monkeypatch):
     st = random_state(op.ir, 3 if name == "gla" else 1, 2, sizes, requires_grad=True)
     cu = torch.tensor([0, 5, 21, 37]) if name == "gla" else None
     check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16, cu_seqlens=cu,
-                            grads=name == "gla")
+                            grads=name in BACKWARD)
 
 
 BAD, COLUMN = 21, 20            # token 21 (chunk 1 of 16), key entry 20 (key block 1 of 16)
@@ -62,3 +67,28 @@ def test_a_bad_key_in_one_block_leaves_the_earlier_rows_of_a_finite_run(name, mo
     assert torch.isfinite(good).all()
     torch.testing.assert_close(bad[0, :BAD], good[0, :BAD], rtol=1e-5, atol=1e-5)
     assert torch.isnan(bad[0, BAD:]).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's inf * 0
+def test_a_bad_key_leaves_the_earlier_gradients_of_a_finite_run(monkeypatch):
+    """gla (whose backward PHASE 2 loops over key blocks too), as above with dO zero from token
+    21 on (a padded batch): every gradient's rows 0..20 equal those of the finite call, and are
+    finite."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "KEY_BLOCK", 16)
+    op = mixc.load("gla")
+    args, _ = random_args(op.ir, B=1, T=37, H=1, sizes={"K": 40, "V": 8}, dtype=torch.float32, seed=23)
+    names = [d.name for d in op.ir.inputs]
+    dout = torch.randn(1, 37, 1, 8, generator=torch.Generator().manual_seed(5))
+    dout[:, BAD:] = 0.0
+    grads = {}
+    for value in (float("inf"), 0.5):
+        inputs = {k: v.detach().clone().requires_grad_(True) for k, v in args.items()}
+        with torch.no_grad():
+            inputs["k"][0, BAD, 0, COLUMN] = value
+        o, _ = op(**inputs, mode="chunk", chunk=16)
+        grads[value] = dict(zip(names, torch.autograd.grad(o, [inputs[k] for k in names], dout)))
+    for k in names:
+        assert torch.isfinite(grads[float("inf")][k][0, :BAD]).all(), k
+        torch.testing.assert_close(grads[float("inf")][k][0, :BAD], grads[0.5][k][0, :BAD], rtol=1e-5, atol=1e-5,
+                                   msg=k)
