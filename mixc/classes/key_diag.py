@@ -27,9 +27,10 @@ class KeyDiagonal(TransitionClass):
         # and the backward within them (backward PHASE 2: 268 B for gla, 816 for rwkv6, below
         # fla's). At C = 64 the forward fits with its loop over key blocks of 64 (codegen/
         # key_split.py: PHASE 4 0 and 32 B, PHASE 2 with a program per chunk 0 B; bench/results/
-        # static-sm90-c64), but the backward's PHASE 2 holds [64, K] fp32 values (Q, K, hi and
-        # lo of b, z, dq, dk, db) whole: 5.5 and 15.5 KB of spills until it loops over key
-        # blocks too. The tuner also times 64 (wgmma) and 16 on the GPU.
+        # static-sm90-c64), but the backward's PHASE 2 does not: after its tile loop gla's runs
+        # over key blocks (5.5 -> 3.5 KB), yet A and K * exp(kw) for dv before it are whole in K,
+        # and rwkv6's (its param u) is not split (15.5 KB). The tuner also times 64 (wgmma) and
+        # 16 on the GPU.
         return 32
 
     def chunk_candidates(self, C: int) -> list[int]:
