@@ -149,6 +149,8 @@ class Shapes:
             return (a[0], b[1])
         if f in ("_mixc_solve_lower", "_mixc_solve_upper_t"):
             return self.of(e.args[1])
+        if f == "_mixc_key_rows":                      # a key block's entries at their rows of the whole dim
+            return (ast.unparse(e.args[2]),)
         if f == "tl.gather":
             return self.of(e.args[1])
         if f == "tl.load":

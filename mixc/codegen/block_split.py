@@ -18,14 +18,15 @@ from .block_shapes import Shapes, call_name, rename
 from .block_statements import NoSplit, Stmt, _names, _parse
 
 
-def _ssa(stmts: list[Stmt], outer: set[str], fresh_outer: bool = False) -> list[Stmt]:
+def _ssa(stmts: list[Stmt], outer: set[str], fresh_outer: bool = False, final: dict | None = None) -> list[Stmt]:
     """Each name written once: a later assignment to a name gets a fresh name (and the reads
     after it follow). A statement that reads and writes a name (a loop's `+=`) updates the
     current one; `x = x + ...` where x comes from outside the loop body (`dp_x = dp_x + ...`)
     or from tl.zeros (`_sum_dq`) is an accumulator (ACC) and keeps it. fresh_outer: a name from
     outside gets a fresh name at its first assignment too (Triton's loops keep a variable's
-    type: `_offs_K` of a key block must not rebind the whole dim's)."""
-    current: dict[str, str] = {}
+    type: `_offs_K` of a key block must not rebind the whole dim's). final: filled with each
+    name's last SSA name."""
+    current: dict[str, str] = {} if final is None else final
     accumulators: set[str] = set()
     zeros: set[str] = set()               # names assigned tl.zeros(...)
     taken = set(outer)
@@ -90,11 +91,12 @@ class Split:
     before: tuple[str, ...]          # statements, dedented; comments as lines
     loop: tuple[str, ...]
     after: tuple[str, ...]
+    whole: frozenset[str] = frozenset()   # of live_out: the names whole after the loop
 
 
 def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes, outer: set[str],
                     cotangents: set[str] | None, block: str | None = None, block_var: str = "_tv",
-                    flags: frozenset[str] = frozenset()) -> Split:
+                    flags: frozenset[str] = frozenset(), live_out: frozenset[str] = frozenset()) -> Split:
     """Split one iteration of a loop over a dim's blocks (`body`, constexprs already folded;
     `block_var` the block's index) followed by what runs after the loop. Raises NoSplit.
 
@@ -104,10 +106,16 @@ def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes
     block is summed, a loop (`for`) that adds contractions into a zeroed name accumulates
     across blocks, and nothing in the loop may read a value that is a sum over the blocks or
     a reduction over one block, but for `flags` (base names: the non-finite tests, whose
-    per-block value zeroes that block's rows)."""
+    per-block value zeroes that block's rows).
+
+    live_out: names that code after the split reads (the backward's tile loop reads what its
+    key-blocked prefix computes): each one the loop leaves whole (what lacks the block, a sum
+    over the blocks) is kept under its own name; Split.whole says which. The rest are per
+    block: the reader computes them again."""
     forward = cotangents is None
     cotangents = cotangents or set()
-    stmts = _ssa(body, outer, fresh_outer=forward)
+    final: dict[str, str] = {}
+    stmts = _ssa(body, outer, fresh_outer=forward, final=final)
     shapes.run([s.node for s in stmts])
     tile_dim = re.compile(rf"\b{re.escape(block or f'_BLOCK_{tile}')}\b")
 
@@ -129,7 +137,8 @@ def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes
             s.kind = ""                   # a sum of the block's own rows (dq's terms): per block, in place
         if forward and looped and (s.kind == "ACC" or isinstance(s.node, ast.For)):
             variant = {n for n, k in kind.items() if k in ("T", "LP", "DUAL", "ACC")}
-            acc = _accumulation(s, shapes, has_tile, variant, zeroed)
+            # a sum begun before the body (zeros before the tile loop) adds the blocks' shares too
+            acc = _accumulation(s, shapes, has_tile, variant, zeroed | (outer & s.defs))
             if acc is not None:
                 s.kind, s.place = "ACC", {"loop"}
                 for d in s.defs:
@@ -207,12 +216,17 @@ def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes
             post = _parse(s.post_src) if s.post_src else s
             post.comments, post.kind = s.comments, s.kind
             items.append(("post", i, post))
-    items = _schedule(_sink(_live(_rematerialize(_live(items)))))
+    # of live_out: what is whole after the loop (not per block); read under its own name
+    last = {x: final.get(x, x) for x in live_out}
+    whole = {x for x, c in last.items() if kind.get(c, "F") not in ("T", "LP")}
+    keep = frozenset(last[x] for x in whole)
+    items = _schedule(_sink(_live(_rematerialize(_live(items, keep)), keep)))
     if forward:
         _check_loop_reads(items, kind, flags)
+    items += [("post", len(stmts), _parse(f"{x} = {last[x]}")) for x in sorted(whole) if last[x] != x]
     text = {r: tuple(line for reg, _, s in items if reg == r for line in s.comments + [s.src])
             for r in ("pre", "loop", "post")}
-    return Split(before=text["pre"], loop=text["loop"], after=text["post"])
+    return Split(before=text["pre"], loop=text["loop"], after=text["post"], whole=frozenset(whole))
 
 
 def _base(name: str) -> str:
@@ -297,6 +311,10 @@ def _linear(e, shapes: Shapes, has_tile, variant: set[str]) -> bool:
         f = call_name(e.func)
         if f in ("_mixc_dot", "tl.dot"):
             return has_tile((shapes.of(e.args[0])[-1],))
+        if f == "_mixc_key_rows":
+            # a block's entries placed at their rows of the whole dim (zero elsewhere): summed
+            # over the blocks, every entry once
+            return has_tile(shapes.of(e.args[0]))
         if f == "tl.sum":
             axis = {k.arg: k.value for k in e.keywords}.get("axis", e.args[1] if len(e.args) > 1 else None)
             inner = shapes.of(e.args[0])
@@ -464,12 +482,12 @@ def _extract(s: Stmt, shapes: Shapes, has_tile, kind: dict, cot: set, forward: b
     return post, sums[::-1]
 
 
-def _live(items):
+def _live(items, live_out: frozenset = frozenset()):
     """Drop what nothing after it reads (the per-block copies no loop statement needs, the
     forward's readouts no adjoint reads); stores and accumulators stay. One backward pass over
     before + loop + after: after the SSA only in-place updates carry a name across blocks, and
     they read what they write."""
-    live: set[str] = set()
+    live: set[str] = set(live_out)
     keep = []
     for reg, idx, s in reversed(items):
         if not (s.effect or s.kind == "ACC" or s.defs & live):

@@ -38,7 +38,7 @@ from functools import lru_cache
 
 from .block_shapes import Shapes, UnknownShape, rename
 from .block_split import split_iteration
-from .block_statements import NoSplit, _block, _fold
+from .block_statements import NoSplit, _block, _flow, _fold, _parse
 
 INDENT = "    "
 # (the test that guards a split, the constexprs it folds): a spec with staged intra-chunk
@@ -85,7 +85,8 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
     branches, why = [], []
     for test, env in STAGED_SPLITS if staged else SPLITS:
         try:
-            branches.append((test.format(k=key), _split(top, body, fn, key, env, flags)))
+            sp = _split(top, body, fn, key, env, flags)
+            branches.append((test.format(k=key), (sp.before, sp.loop, sp.after)))
         except (NoSplit, UnknownShape) as e:
             why.append(f"PHASE {env['PHASE']}: {e}")
         except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
@@ -109,9 +110,10 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
     return "\n".join(lines[:first - 1] + new + lines[last:])
 
 
-def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags, prefix: str = "") -> tuple:
-    """(before, loop, after) of one launch's chunk body over the key blocks (prefix: what the
-    chunk runs before it, whole). Raises NoSplit."""
+def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags, prefix: str = "",
+           live_out: frozenset = frozenset()):
+    """The Split (before, loop, after) of one launch's chunk body over the key blocks (prefix:
+    what the chunk runs before it; live_out: what code after it reads). Raises NoSplit."""
     whole = re.compile(rf"\b_BLOCK_{re.escape(key)}\b")
     shapes = Shapes({a.arg: () for a in fn.args.args})
     top_stmts = _fold(_block(top), env)
@@ -139,12 +141,42 @@ def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags,
     # values of the whole key dim from before the chunk: a key block must not read one
     stale |= {d for d, sh in shapes.env.items() if sh and any(whole.search(x) for x in sh)}
     items = _fold(_block("\n".join(origin + [_blocked(textwrap.dedent(body), whole)])), env)
+    # a sum over the chunks of what is over the key dim (a param's gradient [K], whole from
+    # before): each block adds its entries at its rows (_mixc_key_rows)
+    rows = {x for x in stale if shapes.env.get(x) == (f"_BLOCK_{key}",)}
+    items = [_key_rows(s, rows, key) for s in items]
     sp = split_iteration(items, shapes=shapes, outer=set(shapes.env), cotangents=None, block="KEY_BLOCK",
-                         block_var="_kb", flags=flags)
-    read = {n.id for n in ast.walk(ast.parse("\n".join(sp.loop))) if isinstance(n, ast.Name)} & stale
+                         block_var="_kb", flags=flags, live_out=live_out)
+    read = set()
+    for st in ast.parse("\n".join(sp.loop)).body:
+        names = {n.id for n in ast.walk(st) if isinstance(n, ast.Name)}
+        if _adds_key_rows(st):
+            names.discard(st.targets[0].id)
+        read |= names & stale
     if read:
         raise NoSplit(f"{', '.join(sorted(read))} (the whole key dim) read in a key block")
-    return sp.before, sp.loop, sp.after
+    return sp
+
+
+def _key_rows(s, rows: set, key: str):
+    """`x = x + e` into a name of `rows` (whole over the key dim) as the block's entries of e
+    added at their rows: `x = x + _mixc_key_rows(e, <the block's offsets>, _BLOCK_<key>)`."""
+    node = s.node
+    if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id in rows and isinstance(node.value, ast.BinOp) and isinstance(node.value.op, ast.Add)
+            and isinstance(node.value.left, ast.Name) and node.value.left.id == node.targets[0].id):
+        return s
+    x = node.targets[0].id
+    t = _parse(f"{x} = {x} + _mixc_key_rows({ast.unparse(node.value.right)}, "
+               f"(_kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK)), _BLOCK_{key})")
+    t.comments = s.comments
+    return t
+
+
+def _adds_key_rows(st) -> bool:
+    v = getattr(st, "value", None)
+    return isinstance(st, ast.Assign) and isinstance(v, ast.BinOp) and isinstance(v.right, ast.Call) \
+        and ast.unparse(v.right.func) == "_mixc_key_rows"
 
 
 def _blocked(src: str, whole: re.Pattern) -> str:
@@ -193,6 +225,66 @@ def split_after_tiles(top: str, fn: ast.FunctionDef, key: str, before: tuple, lo
     zeros = [s.src for s in pre if s.defs & keyed]
     pre_src = [x for s in pre if not s.defs & keyed for x in s.comments + [s.src]]
     kept_src = [x for s in kept for x in s.comments + [s.src]]
+    rest = zeros + [nested] + list(after)
+    try:
+        pre_src, kept_src = _split_before_tiles(top, fn, key, pre_src, kept_src, rest, header, flags)
+    except (NoSplit, UnknownShape) as e:
+        pre_src = [f"# the whole key dim before the tile loop (codegen/key_split.py: {_one_line(str(e))})"] + pre_src
     prefix = "\n".join(pre_src + [header] + [textwrap.indent(x, INDENT) for x in kept_src or ["pass"]])
-    kb, kl, ka = _split(top, "\n".join(zeros + [nested] + list(after)), fn, key, {"PHASE": 2}, flags, prefix=prefix)
-    return tuple(pre_src), tuple(kept_src), kb, kl, ka
+    sp = _split(top, "\n".join(rest), fn, key, {"PHASE": 2}, flags, prefix=prefix)
+    return tuple(pre_src), tuple(kept_src), sp.before, sp.loop, sp.after
+
+
+def _split_before_tiles(top: str, fn: ast.FunctionDef, key: str, pre_src: list, kept_src: list, rest: list,
+                        header: str, flags) -> tuple[list, list]:
+    """What precedes the tile loop over the key blocks (the intra-chunk matrix A: a sum of
+    the blocks' contractions; the non-finite counts), and the tile loop's body with the
+    contractions over the keys that it reads per tile (dv's (K * exp(kw)) dL/dS) summed in a
+    key loop of its own, from the block's keys and decays computed again (fla's dv kernel: a
+    program per V block, K blocks inside). (before the tile loop, the tile loop's body); raises
+    NoSplit where what follows would read a per-block value."""
+    pre = _block("\n".join(pre_src))
+    defs = {d for s in pre for d in s.defs}
+    tile_reads = _exposed(kept_src) & defs
+    rest_reads = _exposed(rest) & defs
+    # what the tile loop computes again per key block reads what lacks the key dim whole
+    again_reads = {u for s in pre for u in s.uses} & defs
+    sp = _split(top, "\n".join(pre_src), fn, key, {"PHASE": 2}, flags,
+                live_out=frozenset(tile_reads | rest_reads | again_reads))
+    if rest_reads - sp.whole:
+        raise NoSplit(f"{', '.join(sorted(rest_reads - sp.whole))} (per key block) read after the tile loop")
+    before = list(sp.before) + [f"for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"] + \
+        [textwrap.indent(x, INDENT) for x in sp.loop or ("pass",)] + list(sp.after)
+    if not tile_reads - sp.whole:
+        return before, kept_src
+    # the tile loop's body: the per-block values it reads computed again, per key block
+    again = [x for s in pre if not s.defs & sp.whole and not s.effect for x in s.comments + [s.src]]
+    tile = _block("\n".join(kept_src))
+    body = again + [_as_assign(s) for s in tile]
+    tp = _split(top, "\n".join(body), fn, key, {"PHASE": 2}, flags, prefix="\n".join(before))
+    kept = [_as_aug(x) for x in tp.before] + [f"for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"] + \
+        [textwrap.indent(_as_aug(x), INDENT) for x in tp.loop or ("pass",)] + [_as_aug(x) for x in tp.after]
+    return before, kept
+
+
+def _as_aug(line: str) -> str:
+    """_as_assign's form back as written: `x = x + (e)` -> `x += e`."""
+    m = re.fullmatch(r"(\w+) = \1 \+ \((.*)\)", line)
+    return f"{m[1]} += {m[2]}" if m else line
+
+
+def _exposed(src: list) -> set[str]:
+    """The names a block of statements reads before it writes them."""
+    return _flow([s.node for s in _block("\n".join(src))], set())[0]
+
+
+def _as_assign(s) -> str:
+    """`x += e` as `x = x + e` (a sum into a name from before the loop body: the split's
+    accumulator form), comments kept."""
+    node = s.node
+    src = s.src
+    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name) \
+            and "\n" not in src:
+        x = node.target.id
+        src = f"{x} = {x} + ({src[src.index('+=') + 2:].strip()})"
+    return "\n".join(s.comments + [src])

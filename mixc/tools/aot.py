@@ -71,7 +71,7 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             const[a.name] = max(1, CHECKPOINT_TOKENS // plan.layout.chunk_size)
         elif a.role == "key_block":         # the launch's policy (launch.key_block)
             blocks = {("block", d): max(16, block(n)) for d, n in sizes.items()}
-            const[a.name] = key_block(plan, blocks, plan.layout.chunk_size)
+            const[a.name] = key_block(plan, blocks, plan.layout.chunk_size, backward=form == "chunk_bwd")
         else:
             const[a.name] = _SWITCHES[a.role]
     return sig, const

@@ -4,6 +4,7 @@ numbers against float64: tests/runtime/test_key_split.py (three key blocks, five
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 
 import pytest
@@ -159,23 +160,51 @@ def test_a_loop_that_does_not_only_add_is_refused():
 
 
 def test_gla_backward_sums_its_key_rows_in_a_tile_loop_of_their_own():
-    """gla's backward PHASE 2 where KEY_BLOCK is less than K: the tile loop keeps dv and the
-    [C, C] sum dO V^T, not the sums that carry the key dim (dO S0^T, V dh^T, sum(S0 * dh));
-    each key block sums its rows of those in a tile loop of its own, then stores its rows of
-    dq, dk, dg; the tile split alone stays for other launches (elif)."""
+    """gla's backward PHASE 2 where KEY_BLOCK is less than K: no value of the whole key dim.
+    A key loop before the tile loop sums the intra-chunk A; the tile loop keeps dv and the
+    [C, C] sum dO V^T, with dv's (K * exp(kw)) dL/dS summed in a key loop of its own, not the
+    sums that carry the key dim (dO S0^T, V dh^T, sum(S0 * dh)); after it each key block sums
+    its rows of those in a tile loop of its own, then stores its rows of dq, dk, dg; the tile
+    split alone stays for other launches (elif)."""
     src = generate(pipeline.compile("gla"))
     fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "gla_chunk_bwd")
     chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
     branch = chunk_loop.body[0]
     assert ast.unparse(branch.test) == ast.unparse(ast.parse("PHASE == 2 and KEY_BLOCK < _BLOCK_K", mode="eval"))
     assert ast.unparse(branch.orelse[0].test) == "PHASE == 2"
-    tiles = next(n for n in branch.body if isinstance(n, ast.For) and n.target.id == "_tv")
-    keys = next(n for n in branch.body if isinstance(n, ast.For) and n.target.id == "_kb")
+    assert "_BLOCK_K" not in "\n".join(ast.unparse(n) for n in branch.body)
+    loops = [n for n in branch.body if isinstance(n, ast.For)]
+    assert [n.target.id for n in loops] == ["_kb", "_tv", "_kb"]
+    intra, tiles, keys = loops
+    assert "_A__2 += " in ast.unparse(intra) and "tl.store" not in ast.unparse(intra)
     tile_src, key_src = ast.unparse(tiles), ast.unparse(keys)
     assert "_dA_sum += " in tile_src and "tl.store(p_dv" in tile_src
+    dv_keys = next(n for n in tiles.body if isinstance(n, ast.For))
+    assert dv_keys.target.id == "_kb" and "p_dh_S" in ast.unparse(dv_keys) and "tl.store" not in ast.unparse(dv_keys)
     for x in ("_Gq_sum", "_dKw_sum", "_dbl_S_sum", "p_ckpt_S"):
         assert x not in tile_src, x
     inner = next(n for n in keys.body if isinstance(n, ast.For) and n.target.id == "_tvk")
     assert {"_Gq_sum", "_dKw_sum", "_dbl_S_sum"} <= {t.target.id for t in inner.body if isinstance(t, ast.AugAssign)}
     for x in ("tl.store(p_dq", "tl.store(p_dk", "tl.store(p_dg", "_Gq_sum = tl.zeros([_BLOCK__T, KEY_BLOCK]"):
         assert x in key_src, x
+
+
+@pytest.mark.parametrize("name", ["gla", "rwkv6", "hgrn2", "simple_gla", "retention", "lightning_attn", "mamba2"])
+def test_the_backward_key_branch_holds_no_value_of_the_whole_key_dim(name):
+    """The six specs whose backward PHASE 2 loops over key blocks: A before the tile loop, dv's
+    key contraction inside it and dq, dk, dg after it each in a key loop, so no [C, K] block of
+    the whole dim is live in the branch (the spills at C = 64 came from those)."""
+    src = generate(pipeline.compile(name))
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_bwd")
+    chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
+    branch = chunk_loop.body[0]
+    assert "KEY_BLOCK < _BLOCK_" in ast.unparse(branch.test)
+    body = "\n".join(ast.unparse(n) for n in branch.body)
+    assert "# the whole key dim" not in src
+    assert [n.target.id for n in branch.body if isinstance(n, ast.For)] == ["_kb", "_tv", "_kb"]
+    key = ast.unparse(branch.test).split("_BLOCK_")[-1]
+    # but a param's gradient over the keys (rwkv6's u), whole before the chunk loop: each block
+    # adds its entries at its rows
+    whole = [ln for ln in body.splitlines() if f"_BLOCK_{key}" in ln]
+    assert all(re.fullmatch(rf"\s*(\w+) = \1 \+ _mixc_key_rows\(.*, _BLOCK_{key}\)", ln) for ln in whole), whole
+    assert bool(whole) == (name == "rwkv6")

@@ -23,7 +23,7 @@ SPECS = ["gla", "rwkv6", "hgrn2", "s4d", "delta_rule", "gated_delta_rule", "kda"
 
 
 # ... and whose backward PHASE 2 also loops over key blocks after its tile loop
-BACKWARD = {"gla", "hgrn2", "simple_gla", "retention", "lightning_attn", "mamba2"}
+BACKWARD = {"gla", "rwkv6", "hgrn2", "simple_gla", "retention", "lightning_attn", "mamba2"}
 
 
 @pytest.mark.parametrize("name", SPECS)
