@@ -17,6 +17,11 @@ class KeyDiagonal(TransitionClass):
     # PHASE 4, not once per tile block in PHASE 2, whose registers they took (sm_90, K = V = 128:
     # gla's PHASE 2 spilled 32 B, rwkv6's 148 B with them; bench/README.md)
     stages_intra = True
+    # the backward PHASE 2 at C = 64 holds per key block its [C, KB] keys, queries, decays (hi,
+    # lo, resets), dq's and dk's terms and the sub-chunk loops' exps: sm_90 (K = V = 128, bf16,
+    # 8 warps) spills 1200 B at KB = 64, 136 at 32 (gla; fla's backward 420). Each key block
+    # reads dO and V again in its tile loop (from L2)
+    backward_key_block = 32
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections and set(u.decay_dims) <= set(u.key_dims)
