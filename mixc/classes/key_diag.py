@@ -17,11 +17,15 @@ class KeyDiagonal(TransitionClass):
     # PHASE 4, not once per tile block in PHASE 2, whose registers they took (sm_90, K = V = 128:
     # gla's PHASE 2 spilled 32 B, rwkv6's 148 B with them; bench/README.md)
     stages_intra = True
-    # the backward PHASE 2 at C = 64 holds per key block its [C, KB] keys, queries, decays (hi,
-    # lo, resets), dq's and dk's terms and the sub-chunk loops' exps: sm_90 (K = V = 128, bf16,
-    # 8 warps) spills 1200 B at KB = 64, 136 at 32 (gla; fla's backward 420). Each key block
-    # reads dO and V again in its tile loop (from L2)
-    backward_key_block = 32
+    # at C = 64 a key block holds its [C, KB] keys, queries, decays (hi, lo, resets) and, in the
+    # backward, dq's and dk's terms and the sub-chunk loops' exps: sm_90 (K = V = 128, bf16, 8
+    # warps) spills at KB = 64 / 32: backward PHASE 2 gla 1200 / 136 B (fla's backward 420),
+    # rwkv6 1752 / 432 (fla 972); forward PHASE 4 rwkv6 32 / 0, PHASE 2 walking four chunks
+    # rwkv6 224 / 24, gla 0 / 0. Each key block of the backward reads dO and V again in its tile
+    # loop (from L2)
+    key_block = 32
+    # PHASE 2 walking R chunks at C = 64 spilled 464 B (gla), 992 (rwkv6) with its state whole
+    walks_key_blocks = True
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections and set(u.decay_dims) <= set(u.key_dims)

@@ -18,15 +18,17 @@ from .block_shapes import Shapes, call_name, rename
 from .block_statements import NoSplit, Stmt, _names, _parse
 
 
-def _ssa(stmts: list[Stmt], outer: set[str], fresh_outer: bool = False, final: dict | None = None) -> list[Stmt]:
+def _ssa(stmts: list[Stmt], outer: set[str], fresh_outer: bool = False, final: dict | None = None,
+         first: dict | None = None) -> list[Stmt]:
     """Each name written once: a later assignment to a name gets a fresh name (and the reads
     after it follow). A statement that reads and writes a name (a loop's `+=`) updates the
     current one; `x = x + ...` where x comes from outside the loop body (`dp_x = dp_x + ...`)
     or from tl.zeros (`_sum_dq`) is an accumulator (ACC) and keeps it. fresh_outer: a name from
     outside gets a fresh name at its first assignment too (Triton's loops keep a variable's
     type: `_offs_K` of a key block must not rebind the whole dim's). final: filled with each
-    name's last SSA name."""
+    name's last SSA name; first: with the name each one's first assignment got."""
     current: dict[str, str] = {} if final is None else final
+    first = {} if first is None else first
     accumulators: set[str] = set()
     zeros: set[str] = set()               # names assigned tl.zeros(...)
     taken = set(outer)
@@ -62,6 +64,7 @@ def _ssa(stmts: list[Stmt], outer: set[str], fresh_outer: bool = False, final: d
             else:
                 new = x
             current[x] = new
+            first.setdefault(x, new)
             src = f"{new} = {rename(rhs, mapping)}"
             if isinstance(node.value, ast.Call) and call_name(node.value.func) == "tl.zeros":
                 zeros.add(new)
@@ -92,11 +95,13 @@ class Split:
     loop: tuple[str, ...]
     after: tuple[str, ...]
     whole: frozenset[str] = frozenset()   # of live_out: the names whole after the loop
+    carried: tuple[tuple[str, str, str], ...] = ()   # (name, its first SSA name, its last) per carried name
 
 
 def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes, outer: set[str],
                     cotangents: set[str] | None, block: str | None = None, block_var: str = "_tv",
-                    flags: frozenset[str] = frozenset(), live_out: frozenset[str] = frozenset()) -> Split:
+                    flags: frozenset[str] = frozenset(), live_out: frozenset[str] = frozenset(),
+                    carried: frozenset[str] = frozenset()) -> Split:
     """Split one iteration of a loop over a dim's blocks (`body`, constexprs already folded;
     `block_var` the block's index) followed by what runs after the loop. Raises NoSplit.
 
@@ -111,11 +116,16 @@ def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes
     live_out: names that code after the split reads (the backward's tile loop reads what its
     key-blocked prefix computes): each one the loop leaves whole (what lacks the block, a sum
     over the blocks) is kept under its own name; Split.whole says which. The rest are per
-    block: the reader computes them again."""
+    block: the reader computes them again.
+
+    carried: names each block keeps from one iteration of the body to the next (a state's key
+    rows, static key blocks: key_split.py): their last per-block value stays live in the loop;
+    Split.carried names their first and last SSA names."""
     forward = cotangents is None
     cotangents = cotangents or set()
     final: dict[str, str] = {}
-    stmts = _ssa(body, outer, fresh_outer=forward, final=final)
+    first: dict[str, str] = {}
+    stmts = _ssa(body, outer, fresh_outer=forward, final=final, first=first)
     shapes.run([s.node for s in stmts])
     tile_dim = re.compile(rf"\b{re.escape(block or f'_BLOCK_{tile}')}\b")
 
@@ -219,14 +229,15 @@ def split_iteration(body: list[Stmt], *, tile: str | None = None, shapes: Shapes
     # of live_out: what is whole after the loop (not per block); read under its own name
     last = {x: final.get(x, x) for x in live_out}
     whole = {x for x, c in last.items() if kind.get(c, "F") not in ("T", "LP")}
-    keep = frozenset(last[x] for x in whole)
+    keep = frozenset(last[x] for x in whole) | {final.get(x, x) for x in carried}
     items = _schedule(_sink(_live(_rematerialize(_live(items, keep)), keep)))
     if forward:
         _check_loop_reads(items, kind, flags)
     items += [("post", len(stmts), _parse(f"{x} = {last[x]}")) for x in sorted(whole) if last[x] != x]
     text = {r: tuple(line for reg, _, s in items if reg == r for line in s.comments + [s.src])
             for r in ("pre", "loop", "post")}
-    return Split(before=text["pre"], loop=text["loop"], after=text["post"], whole=frozenset(whole))
+    return Split(before=text["pre"], loop=text["loop"], after=text["post"], whole=frozenset(whole),
+                 carried=tuple((x, first.get(x, x), final.get(x, x)) for x in sorted(carried)))
 
 
 def _base(name: str) -> str:
@@ -237,12 +248,18 @@ def _base(name: str) -> str:
 def _check_loop_reads(items, kind: dict, flags) -> None:
     """The forward's loop computes each block's share of whole-dim values: none of its
     statements may read a partial one (a reduction over one block, a sum so far), but for the
-    flags and a loop's own accumulator."""
+    flags, what the flags alone make per block (V with a bad token's row zeroed by the block's
+    count: it differs from the whole count's only where the outputs are NaN from that token on)
+    and a loop's own accumulator."""
+    derived: set[str] = set()        # per-block values of the flags alone (a value's rows they zero)
     for reg, _, s in items:
         if reg != "loop":
             continue
         if s.kind in ("LP", "DUAL") and not all(_base(d) in flags for d in s.defs):
-            raise NoSplit(f"{', '.join(sorted(s.defs))} reduces over the blocks but is read within the loop")
+            inputs = {u for u in s.uses if kind.get(u) in ("T", "LP", "DUAL")}
+            if not inputs or not all(_base(u) in flags or u in derived for u in inputs):
+                raise NoSplit(f"{', '.join(sorted(s.defs))} reduces over the blocks but is read within the loop")
+            derived |= s.defs
         partial = {u for u in s.uses - s.defs if kind.get(u) == "ACC"}
         if partial:
             raise NoSplit(f"{', '.join(sorted(partial))} (a sum over the blocks) read within the loop")

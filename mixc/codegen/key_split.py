@@ -60,17 +60,18 @@ def key_dim(plan) -> str | None:
     return dims[0] if len(dims) == 1 and dims[0] not in aliased else None
 
 
-def split_keys(source: str, kernel: str, key: str | None, flags: set[str], staged: bool) -> str:
+def split_keys(source: str, kernel: str, key: str | None, flags: set[str], staged: bool, walk: bool = False) -> str:
     """The kernel `kernel` in `source` with PHASE 2's (and where staged, PHASE 4's) chunk body
     in a loop over the key dim's blocks where it applies (flags: the base names a block may
-    test alone), else the source with a comment why."""
+    test alone), else the source with a comment why; walk: PHASE 2 walking several chunks too,
+    its state in static key blocks (codegen/key_walk.py)."""
     if key is None:
         return source
-    return _split_keys(source, kernel, key, frozenset(flags), staged)
+    return _split_keys(source, kernel, key, frozenset(flags), staged, walk)
 
 
 @lru_cache(maxsize=256)         # a process generates a spec's module again per cache folder (tests)
-def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bool) -> str:
+def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bool, walk: bool) -> str:
     tree = ast.parse(source)
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == kernel)
     lines = source.split("\n")
@@ -103,15 +104,34 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
         new += [f"{inner}for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"]
         new += [textwrap.indent(x, inner + INDENT) for x in loop] or [inner + INDENT + "pass"]
         new += [textwrap.indent(x, inner) for x in after]
-    if not branches:
-        return "\n".join(lines[:first - 1] + new + lines[first - 1:])
-    new += [f"{indent}else:"]
-    new += [INDENT + ln if ln.strip() else ln for ln in lines[first - 1:last]]
-    return "\n".join(lines[:first - 1] + new + lines[last:])
+    if branches:
+        new += [f"{indent}else:"]
+        new += [INDENT + ln if ln.strip() else ln for ln in lines[first - 1:last]]
+    else:
+        new += lines[first - 1:last]
+    # PHASE 2 walking several chunks: the state in static key blocks (codegen/key_walk.py)
+    from .key_walk import static_walk
+    head = chunk_loop.lineno
+    loop_lines = "\n".join(lines[head - 1:first - 1] + new).split("\n")
+    outer = lines[head - 1][:chunk_loop.col_offset]
+    if not walk:
+        return "\n".join(lines[:head - 1] + loop_lines + lines[last:])
+    try:
+        test, walk = static_walk(top, body, fn, key, flags, staged,
+                                 lambda text, env, carried: _split(top, text, fn, key, env, flags, carried=carried))
+        loop_lines = [f"{outer}if {test}:"] + [textwrap.indent(x, outer + INDENT) for x in walk] + \
+            [f"{outer}else:"] + [INDENT + ln if ln.strip() else ln for ln in loop_lines]
+    except (NoSplit, UnknownShape) as e:
+        loop_lines = [f"{outer}# PHASE 2 walking chunks keeps the whole key dim (codegen/key_walk.py: "
+                      f"{_one_line(str(e))})"] + loop_lines
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
+        loop_lines = [f"{outer}# PHASE 2 walking chunks keeps the whole key dim (codegen/key_walk.py: the pass "
+                      f"could not read it: {_one_line(f'{type(e).__name__}: {e}')})"] + loop_lines
+    return "\n".join(lines[:head - 1] + loop_lines + lines[last:])
 
 
 def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags, prefix: str = "",
-           live_out: frozenset = frozenset()):
+           live_out: frozenset = frozenset(), carried: frozenset = frozenset()):
     """The Split (before, loop, after) of one launch's chunk body over the key blocks (prefix:
     what the chunk runs before it; live_out: what code after it reads). Raises NoSplit."""
     whole = re.compile(rf"\b_BLOCK_{re.escape(key)}\b")
@@ -146,7 +166,7 @@ def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags,
     rows = {x for x in stale if shapes.env.get(x) == (f"_BLOCK_{key}",)}
     items = [_key_rows(s, rows, key) for s in items]
     sp = split_iteration(items, shapes=shapes, outer=set(shapes.env), cotangents=None, block="KEY_BLOCK",
-                         block_var="_kb", flags=flags, live_out=live_out)
+                         block_var="_kb", flags=flags, live_out=live_out, carried=carried)
     read = set()
     for st in ast.parse("\n".join(sp.loop)).body:
         names = {n.id for n in ast.walk(st) if isinstance(n, ast.Name)}

@@ -150,7 +150,8 @@ def split_forward(plan: Plan, source: str) -> str:
     if key is None:
         return source
     flags = {f"_bad_{st.name}" for st in plan.states} | {f"_badv_{st.name}" for st in plan.states}
-    return split_keys(source, kernel_name(plan, "chunk_fwd"), key, flags, bool(plan.layout.intra_matrices))
+    walk = any(classes.unit(st.transition).walks_key_blocks for st in plan.states)
+    return split_keys(source, kernel_name(plan, "chunk_fwd"), key, flags, bool(plan.layout.intra_matrices), walk)
 
 
 def generate(plan: Plan) -> str:

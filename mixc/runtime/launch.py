@@ -433,7 +433,7 @@ def _one_stage(kw: dict) -> dict:
     return kw | {"num_stages": 1} if "num_stages" in kw else kw
 
 
-def _chunk_launch(plan: Plan, bound: Bound, C: int, every: int = 1, backward: bool = False) -> tuple[int, dict]:
+def _chunk_launch(plan: Plan, bound: Bound, C: int, every: int = 1) -> tuple[int, dict]:
     """(programs per head of a PHASE 2 launch, the chunked kernels' launch arguments), each
     program taking `every` chunks (one checkpoint's: the forward's CKPT_EVERY; the backward's
     PHASE 2 one chunk). Packed sequences take one program per checkpoint slot, each told its
@@ -449,7 +449,7 @@ def _chunk_launch(plan: Plan, bound: Bound, C: int, every: int = 1, backward: bo
         chunk_seq = chunk_seqs(bound.cu_seqlens, span, n, programs, device)
     blocks = chunk_blocks(plan, bound)
     return programs, blocks | dict(chunk=C, unit=16, dot=_dot_code(x0.dtype), n_seqs=n, chunk_seq=chunk_seq,
-                                   ckpt_every=every, key_block=key_block(plan, blocks, C, backward))
+                                   ckpt_every=every, key_block=key_block(plan, blocks, C))
 
 
 # The key dim's block in the chunked forward's PHASE 4 and 2 (one chunk a program): where less
@@ -463,19 +463,17 @@ KEY_BLOCK_AT = 64
 KEY_BLOCK_ELEMENTS = 32 * 128
 
 
-def key_block(plan: Plan, blocks: dict, C: int, backward: bool = False) -> int:
+def key_block(plan: Plan, blocks: dict, C: int) -> int:
     """KEY_BLOCK for chunks of C tokens and these blocks (a key dim's block where the forward
-    keeps the whole dim, or the spec has no key loop: key_split.key_dim); backward: the chunked
-    backward's, whose block the class may set smaller (classes/<unit>.py backward_key_block)."""
+    keeps the whole dim, or the spec has no key loop: key_split.key_dim); a class may set a
+    smaller block (classes/<unit>.py key_block)."""
     key = key_dim(plan)
     whole = blocks["block", key] if key is not None else max(v for k, v in blocks.items() if k[0] == "block")
     if key is None:
         return whole
     if KEY_BLOCK:
         return min(KEY_BLOCK, whole)
-    at = KEY_BLOCK_AT
-    if backward:
-        at = min([at] + [b for st in plan.states if (b := classes.unit(st.transition).backward_key_block)])
+    at = min([KEY_BLOCK_AT] + [b for st in plan.states if (b := classes.unit(st.transition).key_block)])
     return at if C * whole > KEY_BLOCK_ELEMENTS and whole > at else whole
 
 
@@ -597,7 +595,7 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
     H = bound.H
     ckpts = chunk_states(plan, bound, ckpts, C)
     slots = checkpoint_slots(bound, C)
-    chunk_programs, launch_kw = _chunk_launch(plan, bound, C, backward=True)
+    chunk_programs, launch_kw = _chunk_launch(plan, bound, C)
     tiles = n_tiles(plan, bound, launch_kw)
     tile = plan.layout.tile
 

@@ -71,7 +71,7 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             const[a.name] = max(1, CHECKPOINT_TOKENS // plan.layout.chunk_size)
         elif a.role == "key_block":         # the launch's policy (launch.key_block)
             blocks = {("block", d): max(16, block(n)) for d, n in sizes.items()}
-            const[a.name] = key_block(plan, blocks, plan.layout.chunk_size, backward=form == "chunk_bwd")
+            const[a.name] = key_block(plan, blocks, plan.layout.chunk_size)
         else:
             const[a.name] = _SWITCHES[a.role]
     return sig, const
@@ -87,13 +87,15 @@ def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warp
 
 
 def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16",
-                 phases=(0, 1, 2, 3, 4), forms=None, key_block: int | None = None) -> list[dict]:
+                 phases=(0, 1, 2, 3, 4), forms=None, key_block: int | None = None,
+                 ckpt_every: int = 1) -> list[dict]:
     """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel,
     the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches;
     3: the forward's refill of every chunk's state, which the backward launches first; 4: the
     forward's intra-chunk matrices, where the plan stages them). forms: only these kernel forms;
-    key_block: the forward's KEY_BLOCK (and one chunk a program), so that PHASE 2 and 4 compile
-    their loop over the key dim's blocks (codegen/key_split.py)."""
+    key_block: the forward's KEY_BLOCK (and ckpt_every chunks a program), so that PHASE 2 and 4
+    compile their loop over the key dim's blocks (codegen/key_split.py; PHASE 2 walking more
+    than one chunk: its static key blocks, codegen/key_walk.py)."""
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs compiled kernels: unset TRITON_INTERPRET")
     plan = pipeline.compile(name)
@@ -110,7 +112,7 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
         if key_block is not None and "KEY_BLOCK" in const:
             const["KEY_BLOCK"] = key_block
             if "CKPT_EVERY" in const:
-                const["CKPT_EVERY"] = 1
+                const["CKPT_EVERY"] = ckpt_every
         forward = form == "chunk_fwd"
         staged = [p for p in phases if p < 3 or (forward and p == 3) or (forward and p == 4 and plan.layout.intra_matrices)]
         for phase in (staged if "PHASE" in const else (None,)):
@@ -171,6 +173,9 @@ def main(argv=None) -> int:
     p.add_argument("--key-block", type=int, help="the chunked forward's KEY_BLOCK (one chunk a program): PHASE 2 "
                                                  "and 4 compile their loop over key blocks where it is less than "
                                                  "the key dim's block")
+    p.add_argument("--ckpt-every", type=int, default=1,
+                   help="with --key-block: the chunks a forward PHASE 2 program walks (CKPT_EVERY; more than "
+                        "one: the state in static key blocks, codegen/key_walk.py)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)
@@ -182,10 +187,10 @@ def main(argv=None) -> int:
         # the Triton compiler and ptxas are CPU-bound: processes, one spec each
         with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
             per_spec = list(pool.map(compile_spec, args.specs, [archs] * n, [args.size] * n, ["bfloat16"] * n,
-                                     [phases] * n, [forms] * n, [args.key_block] * n))
+                                     [phases] * n, [forms] * n, [args.key_block] * n, [args.ckpt_every] * n))
     else:
-        per_spec = [compile_spec(name, archs, args.size, phases=phases, forms=forms, key_block=args.key_block)
-                    for name in args.specs]
+        per_spec = [compile_spec(name, archs, args.size, phases=phases, forms=forms, key_block=args.key_block,
+                                 ckpt_every=args.ckpt_every) for name in args.specs]
     reports = [r for rs in per_spec for r in rs]
     if args.table:
         print(report_table(reports))

@@ -57,6 +57,8 @@ def test_every_kernel_compiles(tmp_path, archs, phases):
 
 
 KEY_SPLIT = ["gla", "rwkv6", "gated_delta_rule", "kda", "simple_gla", "mamba2"]
+KEY_WALK = ["gla", "rwkv6"]
+KEY_WALK_REST = ["hgrn2", "s4d"]
 KEY_SPLIT_REST = ["hgrn2", "s4d", "delta_rule", "comba", "rwkv7", "retention", "lightning_attn", "mlstm",
                   "linear_transformer", "performer"]
 
@@ -86,6 +88,26 @@ def test_the_forward_key_loop_compiles(tmp_path, specs, forms):
     staged = {"gla", "rwkv6", "hgrn2", "s4d"} & set(specs)
     assert {(r["spec"], r["kernel"]) for r in reports} == \
         {(n, f"chunk_{d}[2]") for n in specs for d in forms} | {(n, "chunk_fwd[4]") for n in staged if "fwd" in forms}
+    for r in reports:
+        assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= 227 * 1024, r
+        assert r["tensor_cores"] in ("wgmma", "mma.sync"), r
+
+
+@pytest.mark.parametrize("specs", [pytest.param(KEY_WALK, id="classes"),
+                                   pytest.param(KEY_WALK_REST, id="the-rest", marks=pytest.mark.slow)])
+def test_the_static_key_walk_compiles(tmp_path, specs):
+    """The chunked forward's PHASE 2 walking two chunks a program with its state in static key
+    blocks (codegen/key_walk.py: KEY_BLOCK 16 of a key dim of 64, four blocks, each carried
+    through the chunk loop under its constexpr test) compiles for sm_90 with the real compiler
+    (a loop-carried value must keep its type and exist before the loop: the interpreter checks
+    neither), on tensor cores, within shared memory."""
+    env = dict(os.environ, TRITON_INTERPRET="0", MIXC_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.tools.aot", "--arch", "90", "--size", "64",
+                        "--forms", "chunk_fwd", "--phases", "2", "--key-block", "16", "--ckpt-every", "2", *specs],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    reports = json.loads(p.stdout)
+    assert {(r["spec"], r["kernel"]) for r in reports} == {(n, "chunk_fwd[2]") for n in specs}
     for r in reports:
         assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= 227 * 1024, r
         assert r["tensor_cores"] in ("wgmma", "mma.sync"), r

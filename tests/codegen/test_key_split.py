@@ -21,10 +21,21 @@ SPLIT = "# the key dim in blocks of KEY_BLOCK (codegen/key_split.py)"
 KEPT = "# the whole key dim kept (codegen/key_split.py"
 
 
+def _chunk_loop(fn: ast.FunctionDef) -> ast.For:
+    """The forward's chunk loop as rendered (with its PHASE 4 and 2 key loops): where PHASE 2
+    walking chunks has static key blocks (codegen/key_walk.py), the else of that branch."""
+    for n in fn.body:
+        if isinstance(n, ast.For) and n.target.id == "_chunk":
+            return n
+        if isinstance(n, ast.If) and "CKPT_EVERY > 1" in ast.unparse(n.test):
+            return n.orelse[0]
+    raise AssertionError(f"{fn.name}: no chunk loop")
+
+
 def _chunk_body(name: str) -> list[ast.stmt]:
     src = generate(pipeline.compile(name))
     fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_fwd")
-    return next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_chunk").body
+    return _chunk_loop(fn).body
 
 
 def _branch(name: str, phase: int) -> ast.If:
@@ -63,9 +74,9 @@ def test_every_library_spec_with_one_key_dim_is_split():
     for name in split:
         src = generate(pipeline.compile(name))
         fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_fwd")
-        at = next(i for i, n in enumerate(fn.body) if isinstance(n, ast.For) and n.target.id == "_chunk")
+        at = next(i for i, n in enumerate(fn.body) if isinstance(n, (ast.For, ast.If)) and "_chunk" in ast.unparse(n))
         top = {t.id for n in fn.body[:at] for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
-        loops = [n for n in ast.walk(fn.body[at]) if isinstance(n, ast.For) and n.target.id == "_kb"]
+        loops = [n for n in ast.walk(_chunk_loop(fn)) if isinstance(n, ast.For) and n.target.id == "_kb"]
         assigned = {t.id for lp in loops for t in ast.walk(lp) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
         assert not assigned & top, (name, assigned & top)
     assert "reduces over the blocks but is read within the loop" in kept["gated_delta_product"]
@@ -208,3 +219,36 @@ def test_the_backward_key_branch_holds_no_value_of_the_whole_key_dim(name):
     whole = [ln for ln in body.splitlines() if f"_BLOCK_{key}" in ln]
     assert all(re.fullmatch(rf"\s*(\w+) = \1 \+ _mixc_key_rows\(.*, _BLOCK_{key}\)", ln) for ln in whole), whole
     assert bool(whole) == (name == "rwkv6")
+
+
+def test_the_key_diagonal_walk_holds_its_state_in_static_key_blocks():
+    """The forward PHASE 2 walking several chunks (CKPT_EVERY > 1): the key-diagonal decay's
+    specs (its class's walks_key_blocks) hold the state as one carried block per key block,
+    under a constexpr test each past the first, and no value of the whole key dim in the chunk
+    loop; the other classes keep the rendered walk (the scalar decay's fits whole: mamba2's
+    static walk spilled 12 B on sm_90, its whole one none)."""
+    walks = set()
+    for name in library_names():
+        plan = pipeline.compile(name)
+        if plan.sequence is not None or "chunk_fwd" not in metadata(plan)["kernels"]:
+            continue
+        src = generate(plan)
+        fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_fwd")
+        branch = next((n for n in fn.body if isinstance(n, ast.If) and "CKPT_EVERY > 1" in ast.unparse(n.test)), None)
+        if branch is None:
+            continue
+        walks.add(name)
+        key = key_dim(plan)
+        assert f"_BLOCK_{key} <= 4 * KEY_BLOCK" in ast.unparse(branch.test)
+        chunk_loop = next(n for n in branch.body if isinstance(n, ast.For))
+        assert chunk_loop.target.id == "_chunk" and isinstance(branch.orelse[0], ast.For)
+        loop = ast.unparse(chunk_loop)
+        assert f"_BLOCK_{key}" not in loop
+        guards = [ast.unparse(n.test) for n in chunk_loop.body if isinstance(n, ast.If)]
+        assert guards == [f"{i} * KEY_BLOCK < _size_{key}" for i in (1, 2, 3)]
+        for st in plan.states:
+            for i in range(4):
+                s = f"s_{st.name}"
+                assert f"{s}_k{i} = tl.load(p_ckpt_{st.name}" in ast.unparse(branch), i   # loaded before the chunks ...
+                assert re.search(rf"\b{s}_k{i} = {s}__\d+", loop), i                  # ... carried through them
+    assert walks == {"gla", "rwkv6", "hgrn2", "s4d"}

@@ -44,6 +44,30 @@ def test_forward_over_key_blocks_matches_float64(name, monkeypatch):
                             grads=name in BACKWARD)
 
 
+# ... and whose forward PHASE 2 walking several chunks holds the state in static key blocks
+# (codegen/key_walk.py: the key-diagonal decay's)
+WALK = ["gla", "rwkv6", "hgrn2", "s4d"]
+
+
+@pytest.mark.parametrize("name", WALK)
+def test_a_walk_over_static_key_blocks_matches_float64(name, monkeypatch):
+    """B1-T37-H2, the key dim 40 in static blocks of 16 (three of the four a K of 64 allows,
+    the last partial), a checkpoint every two chunks of 16: PHASE 2's first program walks two
+    chunks with each block's state rows carried (a packed batch for gla: sequences of 3 and 34
+    tokens). Output and final state against float64 (mutation: the state not carried from one
+    chunk to the next, or a block left out, fails every spec)."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "KEY_BLOCK", 16)
+    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
+    op = mixc.load(name)
+    key = key_dim(op.plan())
+    sizes = {d.name: 8 for d in op.ir.dims if not d.alias_of} | {key: 40}
+    args, sizes = random_args(op.ir, B=1, T=37, H=2, sizes=sizes, dtype=torch.float32, requires_grad=False, seed=37)
+    st = random_state(op.ir, 2 if name == "gla" else 1, 2, sizes, requires_grad=False)
+    cu = torch.tensor([0, 3, 37]) if name == "gla" else None      # 34 tokens: a walk of two chunks, one of one
+    check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16, cu_seqlens=cu, grads=False)
+
+
 BAD, COLUMN = 21, 20            # token 21 (chunk 1 of 16), key entry 20 (key block 1 of 16)
 
 
