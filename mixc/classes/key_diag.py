@@ -19,11 +19,12 @@ class KeyDiagonal(TransitionClass):
     stages_intra = True
     # at C = 64 a key block holds its [C, KB] keys, queries, decays (hi, lo, resets) and, in the
     # backward, dq's and dk's terms and the sub-chunk loops' exps: sm_90 (K = V = 128, bf16, 8
-    # warps) spills at KB = 64 / 32: backward PHASE 2 gla 1200 / 136 B (fla's backward 420),
-    # rwkv6 1752 / 432 (fla 972); forward PHASE 4 rwkv6 32 / 0, PHASE 2 walking four chunks
-    # rwkv6 224 / 24, gla 0 / 0. Each key block of the backward reads dO and V again in its tile
-    # loop (from L2)
-    key_block = 32
+    # warps) spills at KB = 64 / 32 / 16: backward PHASE 2 gla 1200 / 136 / 0 B (fla's whole
+    # backward 420), rwkv6 1752 / 432 / 56 (fla 972); forward PHASE 4 rwkv6 32 / 0 / 0, PHASE 2
+    # walking four chunks rwkv6 224 / 24 / 0, gla 0 / 0 / 0. The cost: each key block of the
+    # backward reads dO and V again in its tile loop (from L2: the HBM bytes are the same), and
+    # the walk's static blocks are eight copies of the block's statements
+    key_block = 16
     # PHASE 2 walking R chunks at C = 64 spilled 464 B (gla), 992 (rwkv6) with its state whole
     walks_key_blocks = True
 
@@ -32,15 +33,14 @@ class KeyDiagonal(TransitionClass):
 
     def chunk_size(self, st) -> int:
         # the intra-chunk term runs on sub-chunks of 16 (key_diag.j2), so any C is a matter of
-        # registers. On sm_90 at K = V = 128 (bf16, 8 warps) C = 32 keeps every forward kernel
-        # and the backward within them (backward PHASE 2: 268 B for gla, 816 for rwkv6, below
-        # fla's). At C = 64 the forward fits with its loop over key blocks of 64 (codegen/
-        # key_split.py: PHASE 4 0 and 32 B, PHASE 2 with a program per chunk 0 B; bench/results/
-        # static-sm90-c64), but the backward's PHASE 2 does not: after its tile loop gla's runs
-        # over key blocks (5.5 -> 3.5 KB), yet A and K * exp(kw) for dv before it are whole in K,
-        # and rwkv6's (its param u) is not split (15.5 KB). The tuner also times 64 (wgmma) and
-        # 16 on the GPU.
-        return 32
+        # registers. C = 64, as fla's: wgmma on sm_90 (C = 32 is below its 64 rows: mma.sync),
+        # half C = 32's sequential steps in the walk. It fits with the key dim in blocks
+        # of key_block (codegen/key_split.py, key_walk.py): sm_90 at K = V = 128 (bf16, 8 warps)
+        # spills nothing forward (gla, rwkv6; whole in K: PHASE 4 456 and 856 B, PHASE 2 walking
+        # four chunks 464 and 992), backward gla 0 B, rwkv6 524 (its walk 468; fla 420 and 972);
+        # bytes per token-head gla forward 3344 (C = 32: 3216), forward + backward 9408 (11328)
+        # (bench/results/static-sm90, traffic-sm90). The tuner also times 32 and 16 on the GPU.
+        return 64
 
     def chunk_candidates(self, C: int) -> list[int]:
         return [C] + [c for c in (64, 32, 16) if c != C]

@@ -1,5 +1,5 @@
 """The chunked forward's PHASE 2 walking R chunks (CKPT_EVERY > 1) with its state in static key
-blocks (fla's b_h1 .. b_h4).
+blocks (fla's b_h1 .. b_h4, here up to eight).
 
 Where a program takes R chunks from one checkpoint, the state [K, V-block] advances through
 them in registers, so a dynamic loop over the key blocks (key_split.py) cannot index it, and
@@ -17,7 +17,8 @@ walk runs as
 
 Each block's statements are key_split's loop body (the forward-mode split, with the state's
 rows carried from one chunk to the next: split_iteration's `carried`) written once per block
-with its index for _kb; up to STATIC_BLOCKS blocks (K <= 4 KEY_BLOCK: the branch's test),
+with its index for _kb; up to STATIC_BLOCKS blocks (K <= 8 KEY_BLOCK: the branch's test; the
+launch's KEY_BLOCK is at least K / 8, launch.key_block),
 else the rendered walk runs. A class whose advance reads a contraction over the keys (the
 rank-1 class's W S) has no such split (NoSplit: the walk stays whole).
 """
@@ -31,7 +32,7 @@ from .block_shapes import Shapes, rename
 from .block_statements import NoSplit, Stmt, _block, _flow, _fold
 
 INDENT = "    "
-STATIC_BLOCKS = 4
+STATIC_BLOCKS = 8
 # (the test that guards the static walk, the constexprs it folds): PHASE 2 with several chunks a
 # program (CKPT_EVERY > 1: any such R folds alike), reading the staged A where the spec stages it
 STAGED_WALK = ("PHASE == 2 and CKPT_EVERY > 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k} "

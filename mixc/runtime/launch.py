@@ -9,6 +9,7 @@ import torch
 
 from .. import classes
 from ..codegen.key_split import key_dim
+from ..codegen.key_walk import STATIC_BLOCKS
 from ..derive.plan import Plan
 from ..derive.stabilize import M as STABILIZER_M
 from . import autotune
@@ -474,6 +475,7 @@ def key_block(plan: Plan, blocks: dict, C: int) -> int:
     if KEY_BLOCK:
         return min(KEY_BLOCK, whole)
     at = min([KEY_BLOCK_AT] + [b for st in plan.states if (b := classes.unit(st.transition).key_block)])
+    at = max(at, whole // STATIC_BLOCKS)           # the walk's static blocks cover the key dim
     return at if C * whole > KEY_BLOCK_ELEMENTS and whole > at else whole
 
 

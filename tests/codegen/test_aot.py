@@ -97,7 +97,7 @@ def test_the_forward_key_loop_compiles(tmp_path, specs, forms):
                                    pytest.param(KEY_WALK_REST, id="the-rest", marks=pytest.mark.slow)])
 def test_the_static_key_walk_compiles(tmp_path, specs):
     """The chunked forward's PHASE 2 walking two chunks a program with its state in static key
-    blocks (codegen/key_walk.py: KEY_BLOCK 16 of a key dim of 64, four blocks, each carried
+    blocks (codegen/key_walk.py: KEY_BLOCK 16 of a key dim of 64, four of its eight copies, each carried
     through the chunk loop under its constexpr test) compiles for sm_90 with the real compiler
     (a loop-carried value must keep its type and exist before the loop: the interpreter checks
     neither), on tensor cores, within shared memory."""

@@ -51,8 +51,8 @@ WALK = ["gla", "rwkv6", "hgrn2", "s4d"]
 
 @pytest.mark.parametrize("name", WALK)
 def test_a_walk_over_static_key_blocks_matches_float64(name, monkeypatch):
-    """B1-T37-H2, the key dim 40 in static blocks of 16 (three of the four a K of 64 allows,
-    the last partial), a checkpoint every two chunks of 16: PHASE 2's first program walks two
+    """B1-T37-H2, the key dim 40 in static blocks of 16 (three of the eight copies, the third
+    partial, the rest past K), a checkpoint every two chunks of 16: PHASE 2's first program walks two
     chunks with each block's state rows carried (a packed batch for gla: sequences of 3 and 34
     tokens). Output and final state against float64 (mutation: the state not carried from one
     chunk to the next, or a block left out, fails every spec)."""
