@@ -11,7 +11,9 @@ spec stages its intra-chunk matrices (PHASE 4: gla, rwkv6, hgrn2, s4d), without 
 "chunk unstaged": launch.STAGE_INTRA = False), and with the forward's PHASE 4 and 2 looping
 over key blocks of 16 (mode "chunk keyblock16": launch.KEY_BLOCK = 16, a checkpoint per chunk,
 two blocks at D = 32; codegen/key_split.py, which the policy runs at C * K > 32 * 128 where a
-program takes one chunk); warps and stages do not change the arithmetic."""
+program takes one chunk) and, for the key-diagonal decay, with PHASE 2 walking two chunks in
+static key blocks of 16 (mode "chunk walk keyblock16": codegen/key_walk.py, what its default
+C = 64 runs at K = 128 and long sequences); warps and stages do not change the arithmetic."""
 from __future__ import annotations
 
 import time
@@ -24,6 +26,7 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
     import torch
 
     import mixc
+    from mixc import classes
     from mixc.codegen.key_split import key_dim
     from mixc.derive.layout import chunk_supported
     from mixc.runtime.autotune import chunk_candidates
@@ -41,6 +44,10 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
                   ("chunk", None, "chunk ckpt2", {"CHECKPOINT_EVERY": 2, "CHUNK_PHASES": 2})]
         if key_dim(op.plan()) is not None:      # PHASE 4 and 2 over key blocks (one chunk a program)
             modes += [("chunk", None, "chunk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 1, "CHUNK_PHASES": 2})]
+        if any(classes.unit(st.transition).walks_key_blocks for st in op.plan().states):
+            # PHASE 2 walking two chunks with its state in static key blocks (codegen/key_walk.py)
+            modes += [("chunk", None, "chunk walk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 2,
+                                                                "CHUNK_PHASES": 2})]
         if op.plan().layout.intra_matrices:     # PHASE 2 computing its intra-chunk matrices itself
             modes += [("chunk", None, "chunk unstaged", {"STAGE_INTRA": False, "CHUNK_PHASES": 2})]
     rows = []
