@@ -117,7 +117,7 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
     if not walk:
         return "\n".join(lines[:head - 1] + loop_lines + lines[last:])
     try:
-        test, walk = static_walk(top, body, fn, key, flags, staged,
+        test, walk = static_walk(top, body, text(fn.body[at + 1:]), fn, key, flags, staged,
                                  lambda text, env, carried: _split(top, text, fn, key, env, flags, carried=carried))
         loop_lines = [f"{outer}if {test}:"] + [textwrap.indent(x, outer + INDENT) for x in walk] + \
             [f"{outer}else:"] + [INDENT + ln if ln.strip() else ln for ln in loop_lines]

@@ -41,10 +41,12 @@ WALK = ("PHASE == 2 and CKPT_EVERY > 1 and KEY_BLOCK < _BLOCK_{k} and _BLOCK_{k}
         {"PHASE": 2, "CKPT_EVERY": 2})
 
 
-def static_walk(top: str, body: str, fn: ast.FunctionDef, key: str, flags, staged: bool, split) -> tuple[str, list[str]]:
+def static_walk(top: str, body: str, rest: str, fn: ast.FunctionDef, key: str, flags, staged: bool,
+                split) -> tuple[str, list[str]]:
     """(the branch's test, its lines: the state's blocks loaded, then the chunk loop with one
     copy of the key loop's body per block), dedented, for the chunk loop `for _chunk in
-    range(_c_lo, _c_hi):` (split: key_split._split). Raises NoSplit."""
+    range(_c_lo, _c_hi):` (rest: what follows it in the kernel; split: key_split._split).
+    Raises NoSplit."""
     test, env = STAGED_WALK if staged else WALK
     whole = re.compile(rf"\b_BLOCK_{re.escape(key)}\b")
     top_stmts = _fold(_block(top), env)
@@ -62,6 +64,9 @@ def static_walk(top: str, body: str, fn: ast.FunctionDef, key: str, flags, stage
     if not carried or other:
         raise NoSplit(f"the chunks carry {', '.join(sorted(other)) or 'no state'}: not a state over the key "
                       "dim loaded from its checkpoint")
+    after = set(_flow([s.node for s in _fold(_block(rest), env)], set())[0]) & set(carried) if rest.strip() else set()
+    if after:
+        raise NoSplit(f"{', '.join(sorted(after))} read whole after the chunks")
     sp = split("\n".join([s.src for s in carried.values()] + [textwrap.dedent(body)]), env,
                carried=frozenset(carried))
     loop = _block("\n".join(sp.loop))

@@ -26,22 +26,28 @@ SPECS = ["gla", "rwkv6", "hgrn2", "s4d", "delta_rule", "gated_delta_rule", "kda"
 BACKWARD = {"gla", "rwkv6", "hgrn2", "simple_gla", "retention", "lightning_attn", "mamba2"}
 
 
-@pytest.mark.parametrize("name", SPECS)
-def test_forward_over_key_blocks_matches_float64(name, monkeypatch):
-    """B1-T37-H2, the key dim 40 in blocks of 16, the others 8 (a packed batch for gla). Output
-    and final state; every gradient too where the backward's PHASE 2 loops over key blocks
-    (elsewhere the backward is unchanged and reads the forward's checkpoints from PHASE 1,
-    which has no key loop)."""
+def _against_float64(name, monkeypatch, *, every: int, cu, grads: bool, seed: int):
+    """B1-T37-H2, the key dim 40 in blocks of 16, the others 8, chunks of 16, a checkpoint
+    every `every` chunks, two launches; output and final state (and every gradient: grads)
+    against float64."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "KEY_BLOCK", 16)
+    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", every)
     op = mixc.load(name)
     key = key_dim(op.plan())
     sizes = {d.name: 8 for d in op.ir.dims if not d.alias_of} | {key: 40}
-    args, sizes = random_args(op.ir, B=1, T=37, H=2, sizes=sizes, dtype=torch.float32, requires_grad=True, seed=31)
-    st = random_state(op.ir, 3 if name == "gla" else 1, 2, sizes, requires_grad=True)
-    cu = torch.tensor([0, 5, 21, 37]) if name == "gla" else None
-    check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16, cu_seqlens=cu,
-                            grads=name in BACKWARD)
+    args, sizes = random_args(op.ir, B=1, T=37, H=2, sizes=sizes, dtype=torch.float32, requires_grad=grads, seed=seed)
+    st = random_state(op.ir, 1 if cu is None else len(cu) - 1, 2, sizes, requires_grad=grads)
+    check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16, cu_seqlens=cu, grads=grads)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_forward_over_key_blocks_matches_float64(name, monkeypatch):
+    """One chunk a program (a packed batch for gla). Output and final state; every gradient
+    too where the backward's PHASE 2 loops over key blocks (elsewhere the backward is
+    unchanged and reads the forward's checkpoints from PHASE 1, which has no key loop)."""
+    _against_float64(name, monkeypatch, every=1, cu=torch.tensor([0, 5, 21, 37]) if name == "gla" else None,
+                     grads=name in BACKWARD, seed=31)
 
 
 # ... and whose forward PHASE 2 walking several chunks holds the state in static key blocks
@@ -51,21 +57,13 @@ WALK = ["gla", "rwkv6", "hgrn2", "s4d"]
 
 @pytest.mark.parametrize("name", WALK)
 def test_a_walk_over_static_key_blocks_matches_float64(name, monkeypatch):
-    """B1-T37-H2, the key dim 40 in static blocks of 16 (three of the eight copies, the third
-    partial, the rest past K), a checkpoint every two chunks of 16: PHASE 2's first program walks two
-    chunks with each block's state rows carried (a packed batch for gla: sequences of 3 and 34
-    tokens). Output and final state against float64 (mutation: the state not carried from one
-    chunk to the next, or a block left out, fails every spec)."""
-    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
-    monkeypatch.setattr(launch, "KEY_BLOCK", 16)
-    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
-    op = mixc.load(name)
-    key = key_dim(op.plan())
-    sizes = {d.name: 8 for d in op.ir.dims if not d.alias_of} | {key: 40}
-    args, sizes = random_args(op.ir, B=1, T=37, H=2, sizes=sizes, dtype=torch.float32, requires_grad=False, seed=37)
-    st = random_state(op.ir, 2 if name == "gla" else 1, 2, sizes, requires_grad=False)
-    cu = torch.tensor([0, 3, 37]) if name == "gla" else None      # 34 tokens: a walk of two chunks, one of one
-    check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16, cu_seqlens=cu, grads=False)
+    """The key dim 40 in static blocks of 16 (three of the eight copies, the third partial, the
+    rest past K), a checkpoint every two chunks: PHASE 2's first program walks two chunks with
+    each block's state rows carried (a packed batch for gla: sequences of 3 and 34 tokens).
+    Output and final state (mutation: the state not carried from one chunk to the next, or a
+    block left out, fails every spec)."""
+    _against_float64(name, monkeypatch, every=2, cu=torch.tensor([0, 3, 37]) if name == "gla" else None,
+                     grads=False, seed=37)
 
 
 BAD, COLUMN = 21, 20            # token 21 (chunk 1 of 16), key entry 20 (key block 1 of 16)
