@@ -15,8 +15,9 @@ chunk runs as
     the rest, from the sums                  the solve, A V, the output's store
 
 The pass wraps the rendered chunk body of PHASE 4 (the intra-chunk matrices) and of PHASE 2
-where a program takes one chunk (CKPT_EVERY == 1: a state carried through several chunks would
-need every key block live) in that loop, behind a constexpr test that KEY_BLOCK is less than
+where a program takes one chunk (CKPT_EVERY == 1; a state carried through several chunks would
+need every key block live: where the class asks for it, key_walk.py holds it in static key
+blocks instead) in that loop, behind a constexpr test that KEY_BLOCK is less than
 the key dim's block (the launch's policy: launch.key_block); every other launch runs the chunk
 as rendered, so C = 32 at K = 128 compiles as before. It is block_split.py's machinery in its
 forward mode: what a key block's statements read must be whole, so a contraction read within
@@ -25,9 +26,12 @@ the loop (an l2 norm over K) keeps the rendered chunk, but for the non-finite co
 values by their own (ChunkCode.sanitize), and the output rows from such a token on are NaN by
 the whole count, after the loop.
 
-The backward's PHASE 2 (split_after_tiles, called by tile_split.py) runs what follows its tile
-loop the same way: the tile loop's sums that carry the key dim move into a tile loop of each
-key block's own, as fla's dq/dk kernel loops over V blocks per K block.
+The backward's PHASE 2 (split_after_tiles, called by tile_split.py) runs each part of its tile
+split the same way: what precedes the tile loop over key blocks (A summed; what the tile loop
+reads of it kept whole: split_iteration's live_out), the tile loop's contractions over the keys
+(dv's (K exp(kw)) dL/dS) in a key loop inside it, as fla's dv kernel, and what follows it over
+key blocks, the tile loop's sums that carry the key dim moved into a tile loop of each key
+block's own, as fla's dq/dk kernel loops over V blocks per K block.
 """
 from __future__ import annotations
 
@@ -109,7 +113,8 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
         new += [INDENT + ln if ln.strip() else ln for ln in lines[first - 1:last]]
     else:
         new += lines[first - 1:last]
-    # PHASE 2 walking several chunks: the state in static key blocks (codegen/key_walk.py)
+    # PHASE 2 walking several chunks: the state in static key blocks (codegen/key_walk.py, which
+    # imports _split from here: imported where used)
     from .key_walk import static_walk
     head = chunk_loop.lineno
     loop_lines = "\n".join(lines[head - 1:first - 1] + new).split("\n")
@@ -210,8 +215,9 @@ def _one_line(text: str) -> str:
 def split_after_tiles(top: str, fn: ast.FunctionDef, key: str, before: tuple, loop: tuple, after: tuple,
                       header: str, flags) -> tuple:
     """The backward PHASE 2's chunk as tile_split.py splits it (before, the tile loop's body,
-    after; header: the tile loop's `for`), with what follows the tile loop over the key dim's
-    blocks: (before, loop, the key loop's before, its body, after). The sums over the tile
+    after; header: the tile loop's `for`) over the key dim's blocks: (before, loop, the key
+    loop's before, its body, after), before and loop themselves key-blocked where they split
+    (_split_before_tiles; else whole, with a comment why). The sums over the tile
     blocks that carry the key dim (dO S0^T, V dh^T, sum(S0 * dh): [C, K] and [K]) leave the
     tile loop; each key block sums its rows of them in a tile loop of its own (fla's dq/dk
     kernel: a program per K block, V blocks inside), then its rows of dq, dk, dg. Raises
@@ -288,9 +294,16 @@ def _split_before_tiles(top: str, fn: ast.FunctionDef, key: str, pre_src: list, 
 
 
 def _as_aug(line: str) -> str:
-    """_as_assign's form back as written: `x = x + (e)` -> `x += e`."""
+    """_as_assign's form back as written: `x = x + (e)` -> `x += e` (only where e is the whole
+    parenthesized operand: `x = x + (a) * (b)` stays)."""
     m = re.fullmatch(r"(\w+) = \1 \+ \((.*)\)", line)
-    return f"{m[1]} += {m[2]}" if m else line
+    if not m:
+        return line
+    try:
+        ast.parse(m[2], mode="eval")
+    except SyntaxError:
+        return line
+    return f"{m[1]} += {m[2]}"
 
 
 def _exposed(src: list) -> set[str]:

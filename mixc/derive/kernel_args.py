@@ -242,8 +242,8 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_one("use_initial"), *_one("store_final"), *_one("varlen"), *_one("store_ckpt"),
         *_one("ckpt_every", "chunks per checkpoint (PHASE 2, 3 and 4: chunks per program)"),
         *_one("staged_intra", "PHASE 2 reads the intra-chunk matrices PHASE 4 wrote (else computes them)"),
-        *_one("key_block", "PHASE 4 and 2 (one chunk a program) loop over the key dim in blocks of this, where less "
-                           "than its block (codegen/key_split.py)"),
+        *_one("key_block", "PHASE 4 and 2 loop over the key dim in blocks of this, where less than its block "
+                           "(codegen/key_split.py; PHASE 2 walking chunks: static blocks, key_walk.py)"),
         *_one("dot", "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16"),
         *_one("phase", "0: all in one pass; 1: the states (checkpoints) only; 2: the output; "
                        "3: the state at every chunk start from the checkpoints (the backward's); "
@@ -269,8 +269,8 @@ def _chunk_bwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "fsize"), *after_fsize,
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_dfinal"), *_one("varlen"), *_one("dot"),
-        *_one("key_block", "PHASE 2 loops over the key dim in blocks of this after its tile loop, where less "
-                           "than its block (codegen/key_split.py)"),
+        *_one("key_block", "PHASE 2 loops over the key dim in blocks of this before, in and after its tile "
+                           "loop, where less than its block (codegen/key_split.py)"),
         *_one("phase", "0: all in one pass; 1: dL/dS per chunk; 2: the rest per chunk"),
     ]
 

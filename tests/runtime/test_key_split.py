@@ -92,6 +92,29 @@ def test_a_bad_key_in_one_block_leaves_the_earlier_rows_of_a_finite_run(name, mo
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's inf * 0
+def test_a_bad_key_in_one_static_block_makes_the_walk_nan_from_there(monkeypatch):
+    """gla walking two chunks a program in static key blocks (codegen/key_walk.py), an inf in
+    token 5's key, entry 20 (chunk 0, key block 1 of three): rows 0..4 equal the finite call's,
+    every row from 5 on is NaN, chunk 1's too, which the same program computes from the block
+    states it carried (block 1's NaN; blocks 0 and 2 saw the token's value and stay finite, the
+    readout sums them all)."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "KEY_BLOCK", 16)
+    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
+    op = mixc.load("gla")
+    args, _ = random_args(op.ir, B=1, T=37, H=1, sizes={"K": 40, "V": 8}, dtype=torch.float32, seed=29)
+    outs = {}
+    for value in (float("inf"), 0.5):
+        inputs = {k: v.clone() for k, v in args.items()}
+        inputs["k"][0, 5, 0, COLUMN] = value
+        outs[value], _ = op(**inputs, mode="chunk", chunk=16)
+    bad, good = outs[float("inf")], outs[0.5]
+    assert torch.isfinite(good).all()
+    torch.testing.assert_close(bad[0, :5], good[0, :5], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(bad[0, 5:]).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's inf * 0
 def test_a_bad_key_leaves_the_earlier_gradients_of_a_finite_run(monkeypatch):
     """gla (whose backward PHASE 2 loops over key blocks too), as above with dO zero from token
     21 on (a padded batch): every gradient's rows 0..20 equal those of the finite call, and are
