@@ -94,12 +94,19 @@ class TransitionClass:
     stages_intra: bool = False
     # the forward PHASE 2's block of the tile dim (None: launch.CHUNK_TILE, the other launches')
     output_tile: int | None = None
+    # the chunked backward's block of the tile dim, both its launches (None: launch.CHUNK_TILE)
+    backward_tile: int | None = None
     # the block of the key dim the chunked kernels loop over where C * K is large (launch.key_block;
     # None: launch.KEY_BLOCK_AT)
     key_block: int | None = None
     # the forward PHASE 2 walking several chunks holds its state in static key blocks (codegen/
     # key_walk.py), where KEY_BLOCK is less than K
     walks_key_blocks: bool = False
+
+    def checkpoint_tokens(self, st) -> int | None:
+        """Tokens between the chunked forward's checkpoints (None: launch.CHECKPOINT_TOKENS),
+        where a PHASE 2 walking several chunks holds too much (a chunk's tokens: one per chunk)."""
+        return None
 
     def decay_is_vector(self, st) -> bool:
         """The chunk's log decay is one number per token, a [C] vector (else [C, axes])."""

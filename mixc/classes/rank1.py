@@ -21,13 +21,24 @@ class Rank1(TransitionClass):
                 and (t.scale_dims is None or set(t.scale_dims) <= set(t.over))
                 and set(u.decay_dims) <= set(u.key_dims))
 
+    # the backward's blocks of V: its tile loop holds the chunk's K, three [C, K] and four [C, C]
+    # sums and matrices beside each block's [K, V-block] states (S0, dL/dS); at C = 64 and K = V =
+    # 128 on sm_90 the gated delta rule's two launches spill 2.0 + 1.5 KB with blocks of 64 (the
+    # corrected values, rank1.j2), 256 + 736 B with 32, 104 + 684 with 16 (bench/README.md)
+    backward_tile = 16
+
     def chunk_size(self, st) -> int:
-        # a per-key decay makes the A blocks [C, C, K]; otherwise U, the [C, C] solve and its
-        # adjoint stay live: at C = 64 on sm_90 (K = V = 128) the forward's PHASE 2 fits with its
-        # loop over key blocks (codegen/key_split.py: 20-24 B with a program per chunk), but the
-        # walk (PHASE 1: 104-228 B) and the backward (PHASE 2: 2.7-3.8 KB) spill (bench/results/
-        # static-sm90-c64)
-        return 16 if st.decay_dims else 32
+        # a per-key decay makes the A blocks [C, C, K]; otherwise C = 64 (fla's BT): with the
+        # corrected values (a scaled-key left, rank1.j2) the walk spills nothing on sm_90 at
+        # K = V = 128, PHASE 2 nothing with a chunk a program (checkpoint_tokens)
+        return 16 if st.decay_dims else 64
+
+    def checkpoint_tokens(self, st) -> int | None:
+        # PHASE 2 walking 4 chunks of 64 from a checkpoint keeps the whole state and the chunk's
+        # [C, K] blocks live (the advance reads W S0, a sum over the keys, before each key
+        # block's update: no static key blocks): 264-296 B of spills on sm_90; one chunk a
+        # program loops over key blocks (codegen/key_split.py) and spills nothing
+        return None if st.decay_dims else 64
 
     def explain_chunk(self, st, s) -> list[str]:
         S = st.name
@@ -42,21 +53,34 @@ class Rank1(TransitionClass):
                 "substitution (W = (I - A_rl)^-1 R^ and U' = (I - A_rl)^-1 A_rk V, U = W S0 + U')",
                 f"O   = (Q * exp(b)) {S}0 + [A_ql]_(i >= j) U + [A_qk]_(i >= j) V    (A_q. with exp(b_i - b_j))",
                 f"{S}_C = exp(b_C) {S}0 + (L * exp(b_C - b))^T U + (K * exp(b_C - b))^T V",
-                "only exponents b_{j-1} - b_i (i < j), b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
+                "only exponents b_{j-1} - b_i (i < j), b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"] + (
+                [f"l = c k with c = {s(r.left / st.key)}: the kernels carry the corrected values N = V + c U "
+                 "(A_rl = A_rk diag(c)): (I - diag(c) A_rk) N = V + c (R * exp(b_{j-1})) "
+                 f"{S}0, O = (Q * exp(b)) {S}0 + [A_qk]_(i >= j) N, {S}_C = exp(b_C) {S}0 + (K * exp(b_C - b))^T N"]
+                if st.ir_pieces is not None and st.ir_pieces.left_scale is not None else [])
 
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
     # rank1.j2, its macros in two variants: vector, a scalar decay (gated DeltaNet's), else per
-    # key (KDA's); code.extra[S] holds the state's L and R matrices (sanitized)
+    # key (KDA's); and with c, a left that is a scaled key (the delta rules'), the chunk carries the
+    # corrected values. code.extra[S] holds the state's L (or c, a [C] vector) and R (sanitized).
     def chunk_inputs(self, code, st, em, kd) -> dict[str, str]:
         pieces = st.ir_pieces                # left * (right @ S): the rows of l and r
+        if pieces.left_scale is not None:    # left = c * key: c's rows, not L's
+            return {"c": code.row_vector(em, em(pieces.left_scale)), "R": code.matrix(em, em(pieces.right), kd)}
         return {"L": code.matrix(em, em(pieces.left), kd), "R": code.matrix(em, em(pieces.right), kd)}
+
+    @staticmethod
+    def _left(code, st) -> dict:
+        """The macros' L and c (one of them None)."""
+        x = code.extra[st.name]
+        return {"L": x.get("L"), "c": x.get("c")}
 
     def chunk_setup(self, code, st, parts) -> list[str]:
         K, V = parts[:2]
         n, LR = st.name, code.extra[st.name]
         return [code.shifted(st, f"_b_{n}", f"_bx_{n}"), code.shifted(st, f"_z_{n}", f"_zx_{n}")] + self.render(
-            code, "setup", n=n, K=K, V=V, L=LR["L"], R=LR["R"], ok=code.pair_ok(st, f"_zx_{n}"),
-            vector=self.decay_is_vector(st))
+            code, "setup", n=n, K=K, V=V, ok=code.pair_ok(st, f"_zx_{n}"), vector=self.decay_is_vector(st),
+            **self._left(code, st), R=code.extra[st.name]["R"])
 
     def _query(self, code, st, prev: bool) -> dict[str, str]:
         """b at the query rows, their weight from the chunk's start and the no-reset pair mask
@@ -65,48 +89,56 @@ class Rank1(TransitionClass):
         return {"bq": f"_b{x}_{n}", "bq0": f"_b{x}0_{n}", "ok": code.pair_ok(st, f"_z{x}_{n}")}
 
     def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
-        return self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, L=code.extra[st.name]["L"], prev=prev,
-                           vector=self.decay_is_vector(st), **self._query(code, st, prev))
+        return self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev,
+                           vector=self.decay_is_vector(st), **self._query(code, st, prev), **self._left(code, st))
 
     def chunk_advance(self, code, st, parts) -> list[str]:
         K, V = parts[:2]
-        return self.render(code, "advance", n=st.name, K=K, V=V, L=code.extra[st.name]["L"],
-                           vector=self.decay_is_vector(st))
+        return self.render(code, "advance", n=st.name, K=K, V=V, vector=self.decay_is_vector(st),
+                           **self._left(code, st))
 
     @staticmethod
-    def _grads(code, G) -> dict[str, str]:
-        """Fresh names of one stage's dK, dV, dS0, db, dL, dU, registered in G."""
+    def _grads(code, st, G) -> dict[str, str]:
+        """Fresh names of one stage's dK, dV, dS0, db, dL, dU, registered in G (with c, U holds
+        the values: V's share is in dU, and there is no L)."""
         dK, dV, dS0, db = code.grad_names(G, "w", with_db=True)
         t = code.fresh("w")
-        G["dL"].append(f"_dL{t}")
         G["dU"].append(f"_dU{t}")
+        if "c" in code.extra[st.name]:
+            G["dV"].remove(dV)
+        else:
+            G["dL"].append(f"_dL{t}")
         return {"dK": dK, "dV": dV, "dS0": dS0, "db": db, "dL": f"_dL{t}", "dU": f"_dU{t}"}
 
     def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
-        names = self._grads(code, G)
-        return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, L=code.extra[st.name]["L"],
-                           prev=prev, vector=self.decay_is_vector(st), dQ=dQ, **self._query(code, st, prev),
-                           **names) + code.query_side(st, names["db"], prev)
+        names = self._grads(code, st, G)
+        return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev,
+                           vector=self.decay_is_vector(st), dQ=dQ, **self._query(code, st, prev),
+                           **self._left(code, st), **names) + code.query_side(st, names["db"], prev)
 
     def chunk_advance_backward(self, code, st, parts, G) -> list[str]:
         K, V = parts[:2]
-        return self.render(code, "advance_backward", n=st.name, K=K, V=V, L=code.extra[st.name]["L"],
-                           vector=self.decay_is_vector(st), **self._grads(code, G))
+        return self.render(code, "advance_backward", n=st.name, K=K, V=V, vector=self.decay_is_vector(st),
+                           **self._left(code, st), **self._grads(code, st, G))
 
     def chunk_setup_backward(self, code, st, parts, G) -> tuple[list[str], list]:
         K, V, g, kd, vd = parts
         n, LR = st.name, code.extra[st.name]
         dR = code.fresh("dRt")
         dK, dV, dS0, db = code.grad_names(G, "y", with_db=True)
-        dL = f"_dL{code.fresh('y')}"
+        dL, dc = f"_dL{code.fresh('y')}", code.fresh("dc")
         dU = " + ".join(G["dU"])             # every dU above: the readouts' and the update's
-        G["dL"].append(dL)
-        lines = self.render(code, "setup_backward", n=n, K=K, V=V, L=LR["L"], R=LR["R"],
-                            ok=code.pair_ok(st, f"_zx_{n}"), vector=self.decay_is_vector(st), dU=dU, dR=dR, dK=dK,
-                            dV=dV, dS0=dS0, db=db, dL=dL)
-        rows = ("_T",) + kd                  # dR and dL seed the spec's right and left
-        return lines, [(st.ir_pieces.right, code.unflat(dR, rows), rows),
-                       (st.ir_pieces.left, code.unflat(" + ".join(G["dL"]), rows), rows)]
+        rows = ("_T",) + kd                  # dR and dL (or dc) seed the spec's right and left
+        seeds = [(st.ir_pieces.right, code.unflat(dR, rows), rows)]
+        if "c" in LR:
+            seeds.append((st.ir_pieces.left_scale, code.unflat(dc, ("_T",)), ("_T",)))
+        else:
+            G["dL"].append(dL)
+            seeds.append((st.ir_pieces.left, code.unflat(" + ".join(G["dL"]), rows), rows))
+        lines = self.render(code, "setup_backward", n=n, K=K, V=V, ok=code.pair_ok(st, f"_zx_{n}"),
+                            vector=self.decay_is_vector(st), dU=dU, dR=dR, dK=dK, dV=dV, dS0=dS0, db=db, dL=dL,
+                            dc=dc, **self._left(code, st), R=code.extra[st.name]["R"])
+        return lines, seeds
 
     # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
     def decay_axis(self, st) -> str | None:

@@ -68,6 +68,7 @@ class ChunkCode:
         self.stab = plan.stabilizer
         self.states = tuple(self._stabilized(st) for st in plan.states)
         self.extra: dict[str, dict[str, str]] = {}      # state -> its class's own matrices (rank-1: L, R)
+        self.row_vectors: set[str] = set()               # of those, the [C] vectors (row_vector)
         self.tile = plan.layout.tile
         # the forward stages its intra-chunk matrices (PHASE 4 -> PHASE 2: hooks sets it; the
         # backward, which reuses forward_body, computes them): intra_slot hands out their places
@@ -158,6 +159,14 @@ class ChunkCode:
                 f"_mk_{n}[:, None] & _mv_{n}[None, :]")
 
     # ---- per-token values of a chunk as matrices ----
+    def row_vector(self, em: Emitter, value: tuple[str, tuple[str, ...]]) -> str:
+        """A [C] vector of a per-token scalar (padded rows zeroed)."""
+        var, dims = value
+        row, _ = em.emit(f"tl.where(_mask__T, {expand(var, dims, ('_T',))} + tl.zeros([_BLOCK__T], "
+                         "dtype=tl.float32), 0.0)", ("_T",))
+        self.row_vectors.add(row)
+        return row
+
     def matrix(self, em: Emitter, value: tuple[str, tuple[str, ...]], axes: tuple[str, ...]) -> str:
         """A [C, prod(axes)] block of a per-token value (broadcast, padded lanes zeroed)."""
         var, dims = value
@@ -207,8 +216,7 @@ class ChunkCode:
             if g_axes is not None:                # the log decay: [C] or [C, key or value axes]
                 gv = em(pieces.log_decay)
                 if not g_axes:
-                    g, _ = em.emit(f"tl.where(_mask__T, {expand(gv[0], gv[1], ('_T',))} + "
-                                   "tl.zeros([_BLOCK__T], dtype=tl.float32), 0.0)", ("_T",))
+                    g = self.row_vector(em, gv)
                 else:
                     g = self.matrix(em, gv, g_axes)
             per_state[st.name] = (K, V, g, kd, vd)
@@ -353,7 +361,8 @@ class ChunkCode:
         n, I = st.name, I2
         parts = [(role, x) for role, x in [("K", K), ("V", V)] + list(self.extra[n].items()) if x is not None]
         # counts, not 0/1: a count sums over the key dim's blocks (codegen/key_split.py)
-        checks = [f"tl.sum(tl.where(tl.abs({x}) < float('inf'), 0.0, 1.0), axis=1)" for _, x in parts]
+        checks = [f"tl.where(tl.abs({x}) < float('inf'), 0.0, 1.0)" if x in self.row_vectors else
+                  f"tl.sum(tl.where(tl.abs({x}) < float('inf'), 0.0, 1.0), axis=1)" for _, x in parts]
         if self.staged and any(role == "V" for role, _ in parts) and len(parts) > 1:
             # PHASE 4 (the intra-chunk matrices of every tile block at once) zeroes the keys
             # that are not finite only: one tile block's values must not zero another's keys
@@ -380,7 +389,8 @@ class ChunkCode:
         for role, x in parts:
             clean[role] = f"_{role}c_{n}"
             bad = f"_badv_{n}" if role == "V" and n in self.badv else f"_bad_{n}"
-            lines.append(f"{I}{clean[role]} = tl.where({bad}[:, None] > 0, 0.0, {x})")
+            rows = "" if x in self.row_vectors else "[:, None]"
+            lines.append(f"{I}{clean[role]} = tl.where({bad}{rows} > 0, 0.0, {x})")
         per_state[n] = (clean.get("K"), clean.get("V"), g, kd, vd)
         self.extra[n] = {role: clean[role] for role in self.extra[n]}
         return lines

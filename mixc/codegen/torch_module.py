@@ -4,12 +4,11 @@ query and scale, the stabilizer's gate, the output's combine) are printed as tor
 torch_expr.py; the chunk loop is the template's, the same for every spec."""
 from __future__ import annotations
 
-import functools
 import pprint
 
 from .. import classes
 from ..derive import affine
-from ..derive.plan import Plan, _factor, _key_value
+from ..derive.plan import Plan, _key_value
 from .chunk import ChunkCode
 from .torch_expr import TorchEmitter
 from .triton_expr import canon
@@ -29,22 +28,6 @@ def _element_log_decay(em, log_decay, kd, vd, order) -> str:
         perm = f".permute(0, 1, 2, {', '.join(str(3 + kv.index(d)) for d in kd + vd)})"
     return (f"_t({em.expand(var, have, kv)}).to(_x0.dtype).expand(_B, _T, _H, "
             f"{', '.join(f'_sizes[{d!r}]' for d in kv)}){perm}.reshape(_B, _T, _H, {ksz}, {vsz})")
-
-
-def _key_scale(left, key):
-    """c with left = c * key, c a per-token scalar (no dims: the delta rules' -beta, gated
-    -a beta), or None: the left's factors less the key's, matched structurally. The batched
-    torch form then solves for the corrected values directly (mixc/classes/rank1.py)."""
-    if key is None:
-        return None
-    rest = _factor(left)
-    for f in _factor(key):
-        if f not in rest:
-            return None
-        rest.remove(f)
-    if any(f.shape for f in rest):
-        return None
-    return functools.reduce(affine.mul, rest) if rest else affine.num(1)
 
 
 def _env_lines(plan: Plan) -> tuple[list[str], dict, set]:
@@ -112,7 +95,7 @@ def torch_hooks(plan: Plan) -> dict:
         elif p.left is not None:                  # left * (right @ S): the WY/UT chunk (mixc/classes/rank1.py)
             out.append(f"{I1}_L[{st.name!r}] = {full(p.left, kd)}")
             out.append(f"{I1}_R[{st.name!r}] = {full(p.right, kd)}")
-            c = _key_scale(p.left, p.key)
+            c = p.left_scale
             if c is not None:                     # left = c * key (the delta rules' -beta k): the batched form's
                 out.append(f"{I1}_Lc[{st.name!r}] = _t({em(c)[0]}).to(_x0.dtype).expand(_B, _T, _H)")
         g = {None: lambda: "None",

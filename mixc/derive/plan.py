@@ -89,6 +89,9 @@ class StateIR:
     left: ir.Expr | None = None        # a rank-1 term left * (right @ S): left, right over the key dims
                                        # (left over the value dims too: the per-value-column class)
     right: ir.Expr | None = None
+    # c with left = c * key, c a per-token scalar (the delta rules' -beta, gated -a beta), else
+    # None: the rank-1 chunk then carries the corrected values V + c U (classes/rank1.py)
+    left_scale: ir.Expr | None = None
     # the rank-r class (its unit's term_axes): its r terms (left, right), and B_t as m outer
     # products (key, value), its top-level sum split (() where a summand does not factor)
     terms: tuple[tuple[ir.Expr, ir.Expr], ...] = ()
@@ -183,6 +186,21 @@ def _factor(e: ir.Expr) -> list[ir.Expr]:
     if isinstance(e, ir.BinOp) and e.op == "/" and not e.right.shape:
         return _factor(e.left) + [affine.recip(e.right)]
     return [e]
+
+
+def _key_scale(left: ir.Expr | None, key: ir.Expr | None) -> ir.Expr | None:
+    """c with left = c * key, c a per-token scalar, or None: the left's factors less the key's,
+    matched structurally."""
+    if left is None or key is None:
+        return None
+    rest = _factor(left)
+    for f in _factor(key):
+        if f not in rest:
+            return None
+        rest.remove(f)
+    if any(f.shape for f in rest):
+        return None
+    return functools.reduce(affine.mul, rest) if rest else affine.num(1)
 
 
 def _key_value(const: ir.Expr, key_dims, value_dims):
@@ -368,7 +386,9 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     left = right = None
     if transition == RANK1 or unit.left_per_value:      # one term left * (right @ S)
         left, right = proj[0].scale or affine.num(1), proj[0].proj
-    pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value, left, right, terms, inputs)
+    scale = _key_scale(left, key) if transition == RANK1 else None
+    pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value, left, right, terms=terms, inputs=inputs,
+                     left_scale=scale)
     return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,
                      rank1, input_term, conv(key) if key is not None else None,
                      conv(value) if value is not None else None, kdims, vdims, ti, forms, pieces)

@@ -383,7 +383,17 @@ def output_blocks(plan: Plan, bound: Bound) -> dict:
     """The forward PHASE 2's block of the tile dim where its class sets one (classes/<unit>.py
     output_tile: the scalar decay's 32), else nothing (chunk_blocks'): PHASE 2 reads the
     checkpoints by element, so its tile blocks need not be PHASE 1's."""
-    tile, size = plan.layout.tile, classes.unit(plan.transition).output_tile
+    return _class_tile(plan, bound, classes.unit(plan.transition).output_tile)
+
+
+def backward_blocks(plan: Plan, bound: Bound) -> dict:
+    """The chunked backward's block of the tile dim where its class sets one (backward_tile: the
+    rank-1 class's 32), else nothing: the backward reads the states and writes dL/dS by element."""
+    return _class_tile(plan, bound, classes.unit(plan.transition).backward_tile)
+
+
+def _class_tile(plan: Plan, bound: Bound, size: int | None) -> dict:
+    tile = plan.layout.tile
     if tile is None or size is None:
         return {}
     return {("block", tile): max(16, min(block(bound.sizes[tile]), size, CHUNK_TILE))}
@@ -494,15 +504,21 @@ CHECKPOINT_TOKENS = 256         # tokens per checkpoint the policy aims at
 MIN_PROGRAMS = 512              # ... unless PHASE 2 would have fewer programs than this (132 SMs x ~4)
 
 
+def checkpoint_tokens(plan: Plan) -> int:
+    """CHECKPOINT_TOKENS, or the fewest a state's class asks for (classes/<unit>.py)."""
+    return min((t for st in plan.states if (t := classes.unit(st.transition).checkpoint_tokens(st))),
+               default=CHECKPOINT_TOKENS)
+
+
 def checkpoint_every(plan: Plan, bound: Bound, C: int) -> int:
     """R for chunks of C tokens on these shapes (a shape-only rule: torch.compile's fake
-    checkpoints take the same): CHECKPOINT_TOKENS // C, halved while PHASE 2's programs (one per
+    checkpoints take the same): checkpoint_tokens // C, halved while PHASE 2's programs (one per
     checkpoint, head and tile block) would number fewer than MIN_PROGRAMS."""
     if CHECKPOINT_EVERY:
         return CHECKPOINT_EVERY
     if interpreting():
         return 1
-    every = max(1, CHECKPOINT_TOKENS // C)
+    every = max(1, checkpoint_tokens(plan) // C)
     programs = bound.H * n_tiles(plan, bound, chunk_blocks(plan, bound))
     while every > 1 and programs * (bound.B * bound.T // (C * every)) < MIN_PROGRAMS:
         every //= 2
@@ -598,6 +614,7 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
     ckpts = chunk_states(plan, bound, ckpts, C)
     slots = checkpoint_slots(bound, C)
     chunk_programs, launch_kw = _chunk_launch(plan, bound, C)
+    launch_kw |= backward_blocks(plan, bound)
     tiles = n_tiles(plan, bound, launch_kw)
     tile = plan.layout.tile
 

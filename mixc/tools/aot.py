@@ -25,7 +25,7 @@ from .. import pipeline
 from ..codegen.module import kernel_name
 from ..derive.plan import Plan
 from ..runtime.cache import interpreting
-from ..runtime.launch import CHECKPOINT_TOKENS, block, key_block
+from ..runtime.launch import block, checkpoint_tokens, key_block
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # constexpr values of the switches of every template, by role (derive/kernel_args.py)
@@ -68,7 +68,7 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
         elif a.role == "dot":
             const[a.name] = _DOT[dtype]
         elif a.role == "ckpt_every":        # the policy's at long sequences (launch.checkpoint_every)
-            const[a.name] = max(1, CHECKPOINT_TOKENS // plan.layout.chunk_size)
+            const[a.name] = max(1, checkpoint_tokens(plan) // plan.layout.chunk_size)
         elif a.role == "key_block":         # the launch's policy (launch.key_block)
             blocks = {("block", d): max(16, block(n)) for d, n in sizes.items()}
             const[a.name] = key_block(plan, blocks, plan.layout.chunk_size)

@@ -23,7 +23,7 @@ def test_chunk_candidates_per_class():
            for n in ("linear_attn", "simple_gla", "retention", "mamba2", "gla", "rwkv6", "delta_rule",
                      "gated_delta_rule", "rwkv7")}
     assert got == {"linear_attn": [64, 32], "simple_gla": [64, 32], "retention": [64, 32], "mamba2": [64, 32],
-                   "gla": [64, 32, 16], "rwkv6": [64, 32, 16], "delta_rule": [32, 16], "gated_delta_rule": [32, 16], "rwkv7": [16]}
+                   "gla": [64, 32, 16], "rwkv6": [64, 32, 16], "delta_rule": [64, 32], "gated_delta_rule": [64, 32], "rwkv7": [16]}
     for n in got:                       # the default C (the untuned launch) comes first
         plan = mixc.load(n).plan()
         assert autotune.configs(plan, "chunk")[0].C == plan.layout.chunk_size
