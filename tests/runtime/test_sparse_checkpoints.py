@@ -125,3 +125,24 @@ def test_a_changed_checkpoint_count_between_forward_and_backward_is_an_error(mon
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 1)
     with pytest.raises(ValueError, match="CHECKPOINT_EVERY .* changed between the forward and its backward"):
         o.sum().backward()
+
+
+def test_class_policies_the_rank1_checkpoint_per_chunk_and_backward_tiles(monkeypatch):
+    """The rank-1 class asks a checkpoint per 64 tokens (its PHASE 2 walking several chunks
+    spilled on sm_90: classes/rank1.py checkpoint_tokens), so R = 1 at its C = 64 and 2 at
+    C = 32; its backward takes V blocks of 16 (backward_tile), the forward 64; a per-key decay
+    (KDA) and the other classes keep the launch's 256 tokens and blocks."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", None)
+
+    def policy(name, C):
+        op = mixc.load(name)
+        args, _ = random_args(op.ir, B=1, T=4096, H=16, sizes={"K": 128, "V": 128}, dtype=torch.bfloat16, seed=1)
+        plan, bound = op.plan(), bind(op.ir, args)
+        return (launch.checkpoint_every(plan, bound, C), launch.chunk_blocks(plan, bound)["block", "V"],
+                launch.backward_blocks(plan, bound).get(("block", "V")))
+    assert mixc.load("delta_rule").plan().layout.chunk_size == 64
+    assert policy("delta_rule", 64) == (1, 64, 16)
+    assert policy("gated_delta_rule", 32) == (2, 64, 16)
+    assert policy("simple_gla", 64) == (4, 64, None)
+    assert launch.checkpoint_tokens(mixc.load("kda").plan()) == launch.CHECKPOINT_TOKENS

@@ -1,0 +1,59 @@
+"""The rank-1 class's two chunk forms (mixc/classes/rank1.j2): where the left is a scaled key
+(l = c k: the delta rules, Comba, KDA) the chunk carries the corrected values N = V + c U and
+has no L and no A_rl; any other left (RWKV-7's, a spec's own vector) keeps L, A_rl and U. Both
+against the float64 reference, forward and every gradient, in two launches per direction and
+in the one walk."""
+import pytest
+import torch
+
+import mixc
+from mixc import pipeline
+from mixc.derive.explain import explain
+from mixc.pipeline import from_text
+
+from helpers import random_args, random_state
+from kernel_checks import check_against_reference
+
+# a scalar decay and a left that is no scaled key (w, not k): the generic vector form, which no
+# library spec takes since the delta rules' corrected values
+OWN_LEFT = """
+mixer own_left
+  dims   K, V
+  input  q[K], k[K], v[V], w[K], g[], beta[]
+  state  S[K, V]
+  update S = exp(g) * S + k * v - beta * w * (k @ S)
+  output o = q @ S
+"""
+
+
+def _chunk_source(op) -> str:
+    src = pipeline.render(op.plan())
+    return src[src.index("_chunk_fwd("):]
+
+
+@pytest.mark.parametrize("name,scaled", [("delta_rule", True), ("gated_delta_rule", True), ("comba", True),
+                                         ("kda", True), ("rwkv7", False), ("own_left", False)])
+def test_the_corrected_values_where_the_left_is_a_scaled_key(name, scaled):
+    op = from_text(OWN_LEFT, "own_left.mix") if name == "own_left" else mixc.load(name)
+    st = op.plan().states[0]
+    assert (st.ir_pieces.left_scale is not None) is scaled
+    src = _chunk_source(op)
+    # the scaled form: c's rows (_cc_), the matrix the solve takes diag(c) A_rk (_Mc_); no L
+    assert ("_Mc_S" in src and "_cc_S" in src) is scaled
+    assert ("_Arl_S" in src or "_Lc_S" in src) is not scaled
+    assert ("l = c k with c = " in explain(op.plan())) is scaled
+
+
+@pytest.mark.parametrize("phases", [2, 1], ids=["two-launches", "walk"])
+def test_a_left_that_is_no_scaled_key_with_a_scalar_decay_matches_float64(phases, monkeypatch):
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "CHUNK_PHASES", phases)
+    op = from_text(OWN_LEFT, "own_left.mix")
+    assert op.plan().states[0].transition == "rank-1 correction" and op.plan().layout.chunk_size == 64
+    args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes={"K": 8, "V": 24}, dtype=torch.float32,
+                              requires_grad=True, seed=5)
+    with torch.no_grad():                 # a contraction: |beta w . k| < 1 keeps S bounded
+        args["beta"].mul_(0.3)
+        args["g"].neg_().abs_().neg_()
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
