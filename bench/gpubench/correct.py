@@ -8,7 +8,9 @@ at D = 32, the partial gradients summed) and with a checkpoint every two chunks 
 ckpt2": at T = 130, three chunks of 64 or five of 32, the last checkpoint's partial; the
 policy of launch.checkpoint_every keeps one per chunk at so few programs) and, where the
 spec stages its intra-chunk matrices (PHASE 4: gla, rwkv6, hgrn2, s4d), without them (mode
-"chunk unstaged": launch.STAGE_INTRA = False), and with the forward's PHASE 4 and 2 looping
+"chunk unstaged": launch.STAGE_INTRA = False), for the rank-1 class with its staged inverse
+(mode "chunk staged solve": launch.STAGE_SOLVE = True, off by default), and with the forward's
+PHASE 4 and 2 looping
 over key blocks of 16 (mode "chunk keyblock16": launch.KEY_BLOCK = 16, a checkpoint per chunk,
 two blocks at D = 32; codegen/key_split.py, which the policy runs at C * K > 32 * 128 where a
 program takes one chunk) and, for the key-diagonal decay, with PHASE 2 walking two chunks in
@@ -48,8 +50,11 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
             # PHASE 2 walking two chunks with its state in static key blocks (codegen/key_walk.py)
             modes += [("chunk", None, "chunk walk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 2,
                                                                 "CHUNK_PHASES": 2})]
-        if op.plan().layout.intra_matrices:     # PHASE 2 computing its intra-chunk matrices itself
+        solve = any(classes.unit(st.transition).stages_solve for st in op.plan().states)
+        if op.plan().layout.intra_matrices and not solve:     # PHASE 2 computing its intra-chunk matrices
             modes += [("chunk", None, "chunk unstaged", {"STAGE_INTRA": False, "CHUNK_PHASES": 2})]
+        if solve:       # the rank-1 walk and PHASE 2 reading the inverse PHASE 4 staged (off by default)
+            modes += [("chunk", None, "chunk staged solve", {"STAGE_SOLVE": True, "CHUNK_PHASES": 2})]
     rows = []
     for mode, C, label, knobs in modes:
         saved = {k: getattr(launch, k) for k in knobs}

@@ -110,8 +110,11 @@ def _sdpa_call(backend, **kw):
 
 def time_shape(section: str, shape: tuple, specs: list[str], device: str, fla, fla_why: str,
                bandwidth: float, with_fla: bool, emit) -> None:
-    """Time SDPA, then each spec's mixc and fla ops at one (B, T, H, D); emit(row) per result."""
+    """Time SDPA, then each spec's mixc and fla ops at one (B, T, H, D) (the rank-1 class's also
+    with its staged inverse: impl "mixc staged solve"); emit(row) per result."""
     import torch
+    from mixc import classes
+    from mixc.runtime import launch
     B, T, H, D = shape
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     base = {"section": section, "B": B, "T": T, "H": H, "D": D}
@@ -143,13 +146,20 @@ def time_shape(section: str, shape: tuple, specs: list[str], device: str, fla, f
         fl, by = Fm.chunk_flops(spec, K, V), Fm.floor_bytes(n_in, n_out)
         rows, ms_of = [], {}
         fla_skip = None if not with_fla else (None if fla is not None else fla_why)
-        for impl, skip in (("mixc", None), ("fla", fla_skip if with_fla else "skipped: D not in --fla-dims")):
+        impls = [("mixc", None)]
+        if any(classes.unit(st.transition).stages_solve for st in op.plan().states):
+            # the rank-1 walk reading the inverses PHASE 4 staged (launch.STAGE_SOLVE, off by default)
+            impls.append(("mixc staged solve", None))
+        impls.append(("fla", fla_skip if with_fla else "skipped: D not in --fla-dims"))
+        for impl, skip in impls:
             row = dict(base, spec=spec, impl=impl)
             if skip:
                 rows.append(dict(row, skipped=skip))
                 continue
+            saved = launch.STAGE_SOLVE
             try:
-                if impl == "mixc":
+                launch.STAGE_SOLVE = impl == "mixc staged solve"
+                if impl.startswith("mixc"):
                     call, row["C"] = mixc_call(op, kw, device)
                 else:
                     call = lambda x, s=spec: fla_ops.call(s, fla, x)      # noqa: E731
@@ -163,6 +173,8 @@ def time_shape(section: str, shape: tuple, specs: list[str], device: str, fla, f
                     rows.append(r)
             except Exception as err:              # noqa: BLE001 - recorded, the run goes on
                 rows.append(dict(row, error=f"{type(err).__name__}: {err}"[:500]))
+            finally:
+                launch.STAGE_SOLVE = saved
         for r in rows:                           # mixc's ms over fla's, on both rows
             p = r.get("pass")
             if ("mixc", p) in ms_of and ("fla", p) in ms_of:

@@ -26,6 +26,10 @@ class Rank1(TransitionClass):
     # 128 on sm_90 the gated delta rule's two launches spill 2.0 + 1.5 KB with blocks of 64 (the
     # corrected values, rank1.j2), 256 + 736 B with 32, 104 + 684 with 16 (bench/README.md)
     backward_tile = 16
+    # PHASE 4 can stage each chunk's (I - M)^-1 (launch.STAGE_SOLVE): the walk then takes U as one
+    # matmul instead of C - 1 dependent substitution rows; off by default (its bytes and spills:
+    # launch.STAGE_SOLVE)
+    stages_solve = True
 
     def chunk_size(self, st) -> int:
         # a per-key decay makes the A blocks [C, C, K]; otherwise C = 64 (fla's BT): with the
@@ -80,7 +84,7 @@ class Rank1(TransitionClass):
         n, LR = st.name, code.extra[st.name]
         return [code.shifted(st, f"_b_{n}", f"_bx_{n}"), code.shifted(st, f"_z_{n}", f"_zx_{n}")] + self.render(
             code, "setup", n=n, K=K, V=V, ok=code.pair_ok(st, f"_zx_{n}"), vector=self.decay_is_vector(st),
-            **self._left(code, st), R=code.extra[st.name]["R"])
+            **self._left(code, st), R=code.extra[st.name]["R"], slot=code.intra_slot())
 
     def _query(self, code, st, prev: bool) -> dict[str, str]:
         """b at the query rows, their weight from the chunk's start and the no-reset pair mask

@@ -46,10 +46,13 @@ from .block_statements import NoSplit, _block, _flow, _fold, _parse
 
 INDENT = "    "
 # (the test that guards a split, the constexprs it folds): a spec with staged intra-chunk
-# matrices (plan.layout.intra_matrices) splits PHASE 4 and the PHASE 2 that reads them
+# matrices (plan.layout.intra_matrices) splits PHASE 4, the PHASE 2 that reads them and the one
+# that computes them (launch.STAGE_INTRA or STAGE_SOLVE off: the rank-1 class's default)
 STAGED_SPLITS = (("PHASE == 4 and KEY_BLOCK < _BLOCK_{k}", {"PHASE": 4, "STAGED_INTRA": 1}),
                  ("PHASE == 2 and CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}",
-                  {"PHASE": 2, "CKPT_EVERY": 1, "STAGED_INTRA": 1}))
+                  {"PHASE": 2, "CKPT_EVERY": 1, "STAGED_INTRA": 1}),
+                 ("PHASE == 2 and CKPT_EVERY == 1 and not STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}",
+                  {"PHASE": 2, "CKPT_EVERY": 1, "STAGED_INTRA": 0}))
 SPLITS = (("PHASE == 2 and CKPT_EVERY == 1 and KEY_BLOCK < _BLOCK_{k}", {"PHASE": 2, "CKPT_EVERY": 1}),)
 
 

@@ -232,7 +232,8 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_comment("states: initial in, final out [N, H, *state dims]; checkpoints at the start of every",
                   "CKPT_EVERY-th chunk [slots, H, *state dims]; PHASE 3 writes every chunk's start into dense"),
         *_each(states, "init", "final", "ckpt", "dense"),
-        *_one("intra", "PHASE 4 writes each chunk's intra-chunk matrices [rows, H, n, C], PHASE 2 reads them"),
+        *_one("intra", "PHASE 4 writes each chunk's intra-chunk matrices [rows, H, n, C], PHASE 2 (the rank-1 "
+                       "walk, PHASE 1, too) reads them"),
         Line((Arg("out"), Arg("cu_seqlens"))),
         Line((Arg("T"), Arg("H"))),
         *_comment("grouped heads: head i_h reads head i_h // _group_x of input x"),
@@ -241,13 +242,14 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_initial"), *_one("store_final"), *_one("varlen"), *_one("store_ckpt"),
         *_one("ckpt_every", "chunks per checkpoint (PHASE 2, 3 and 4: chunks per program)"),
-        *_one("staged_intra", "PHASE 2 reads the intra-chunk matrices PHASE 4 wrote (else computes them)"),
+        *_one("staged_intra", "PHASE 2 (and the rank-1 walk) reads the intra-chunk matrices PHASE 4 wrote (else "
+                              "computes them)"),
         *_one("key_block", "PHASE 4 and 2 loop over the key dim in blocks of this, where less than its block "
                            "(codegen/key_split.py; PHASE 2 walking chunks: static blocks, key_walk.py)"),
         *_one("dot", "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16"),
         *_one("phase", "0: all in one pass; 1: the states (checkpoints) only; 2: the output; "
                        "3: the state at every chunk start from the checkpoints (the backward's); "
-                       "4: the intra-chunk matrices (before 2)"),
+                       "4: the intra-chunk matrices (before 1 and 2)"),
     ]
 
 

@@ -102,11 +102,13 @@ def intra_matrices(plan) -> int:
     """The intra-chunk matrices the chunked forward stages (KernelLayout.intra_matrices): one per
     term of each readout of a state whose class computes its [C, C] matrix apart from the state
     (stages_intra: the key-diagonal decay's, whose sub-chunk loops cost a PHASE 2 program more
-    registers and exps than its matmuls do). A stabilized state is a scalar decay in the kernels
-    (codegen/chunk.py): none."""
+    registers and exps than its matmuls do), and one per state whose class can stage its setup's
+    inverse (stages_solve: the rank-1 class's (I - M)^-1, staged where launch.STAGE_SOLVE asks).
+    A stabilized state is a scalar decay in the kernels (codegen/chunk.py): none."""
     stabilized = set(plan.stabilizer.states) if plan.stabilizer is not None else set()
     return sum(len(r.terms_ir) for r in plan.output.readouts
-               if r.state not in stabilized and classes.unit(plan.state(r.state).transition).stages_intra)
+               if r.state not in stabilized and classes.unit(plan.state(r.state).transition).stages_intra) + \
+        sum(1 for st in plan.states if st.name not in stabilized and classes.unit(st.transition).stages_solve)
 
 
 def chunk_size(plan) -> int:

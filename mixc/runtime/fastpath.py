@@ -104,12 +104,12 @@ def step_key(mode, kwargs: dict, state) -> tuple | None:
 
 def _call_launches(log: list) -> list | None:
     """The launches of the call a log ends with (tuning runs come first): its last, and PHASE 1
-    (and the PHASE 4 of staged intra-chunk matrices) before a PHASE 2."""
+    (after the PHASE 4 of staged intra-chunk matrices) before a PHASE 2."""
     if not log or log[-1] is None:
         return None
     if log[-1]["values"].get("phase") != 2:
         return log[-1:]
-    before = [1, 4] if log[-1]["values"].get("staged_intra") else [1]      # launch.chunk_forward's order
+    before = [4, 1] if log[-1]["values"].get("staged_intra") else [1]      # launch.chunk_forward's order
     n = len(before) + 1
     if len(log) < n or any(r is None for r in log[-n:]) or [r["values"].get("phase") for r in log[-n:-1]] != before:
         return None

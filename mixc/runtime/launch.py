@@ -104,7 +104,7 @@ def settings() -> tuple:
     CPU tensors, KernelUnavailable without it). Part of a replayed launch's key
     (runtime/fastpath.py), so changing one takes the bound path again."""
     return (CHUNK_PHASES, CHUNK_TILE, RECURRENT_TILE, RECURRENT_SPLIT, _tuned, interpreting(),
-            os.environ.get("MIXC_AUTOTUNE"), FP32_CHECKPOINTS, CHECKPOINT_EVERY, STAGE_INTRA)
+            os.environ.get("MIXC_AUTOTUNE"), FP32_CHECKPOINTS, CHECKPOINT_EVERY, STAGE_INTRA, STAGE_SOLVE)
 
 
 # A decode step's fast path (runtime/fastpath.py) replays the launch a first step made: while
@@ -424,6 +424,22 @@ CHUNK_PHASES: int | None = None
 # PHASE 2, every tile block, reads them. False: PHASE 2 computes them per tile block (the tests
 # compare the two bit for bit; gpu_check can time both).
 STAGE_INTRA = True
+# The rank-1 class's staged inverse (classes/<unit>.py stages_solve): PHASE 4 solves for each
+# chunk's (I - M)^-1 before the walk, which then takes U as one matmul instead of C - 1 dependent
+# substitution rows; off by default: the delta rules' forward moves 2580 -> 3222 B per
+# token-head (3.14x the floor: k and beta read again, the inverse written and read twice) and
+# the gated delta rule's walk spills 28 B on sm_90 (bench/README.md); the walk's latency is what
+# a GPU run must weigh against it (bench/gpu_check times both).
+STAGE_SOLVE = False
+
+
+def _stages(plan: Plan) -> bool:
+    """Whether the two-launch forward runs PHASE 4 (the plan's staged matrices: the readouts'
+    or the setup's inverse, STAGE_INTRA or STAGE_SOLVE)."""
+    if not plan.layout.intra_matrices:
+        return False
+    solve = any(classes.unit(st.transition).stages_solve for st in plan.states)
+    return STAGE_SOLVE if solve else STAGE_INTRA
 
 
 def _phases(cfg: autotune.Config | None, device: torch.device) -> int:
@@ -549,17 +565,19 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
         launch = common | (cfg.launch() if cfg is not None else {})
         if _phases(cfg, x0.device) == 1:
             return _forward(plan, bound, "chunk_fwd", checkpoints=checkpoints, launch=launch | {"phase": 0}, **kw)
-        # PHASE 1 walks the chunks for the states (checkpoints, final states); PHASE 2 the outputs
-        _, finals, ckpts = _forward(plan, bound, "chunk_fwd", checkpoints=True, write_out=False,
-                                    launch=launch | {"phase": 1}, **kw)
-        kw["output_final_state"] = False
         intra = None
-        if plan.layout.intra_matrices and STAGE_INTRA:      # PHASE 4: the intra-chunk matrices, once per chunk
+        if _stages(plan):      # PHASE 4: the intra-chunk matrices (or inverses), once per chunk
             # in the dtype PHASE 2's matmul takes A in (_dot_code: so the same bits as computed)
             dot_dtype = {1: torch.bfloat16, 2: torch.float16}.get(common["dot"], torch.float32)
             intra = _empty((x0.shape[0] * x0.shape[1], bound.H, plan.layout.intra_matrices, C), dot_dtype, x0.device)
             _forward(plan, bound, "chunk_fwd", checkpoints=False, ckpts_in={}, write_out=False,
-                     grid0=programs * bound.H, tiles=1, intra=intra, launch=_one_stage(launch) | {"phase": 4}, **kw)
+                     grid0=programs * bound.H, tiles=1, intra=intra, launch=_one_stage(launch) | {"phase": 4},
+                     **(kw | {"output_final_state": False}))
+        # PHASE 1 walks the chunks for the states (checkpoints, final states; the staged inverses
+        # where PHASE 4 wrote them); PHASE 2 the outputs
+        _, finals, ckpts = _forward(plan, bound, "chunk_fwd", checkpoints=True, write_out=False,
+                                    intra=intra, staged=intra is not None, launch=launch | {"phase": 1}, **kw)
+        kw["output_final_state"] = False
         o, _, _ = _forward(plan, bound, "chunk_fwd", checkpoints=False, ckpts_in=ckpts, grid0=programs * bound.H,
                            intra=intra, staged=intra is not None,
                            launch=_one_stage(launch) | {"phase": 2} | output_blocks(plan, bound), **kw)

@@ -56,7 +56,8 @@ def test_gpu_check_dry_run(tmp_path):
     timed = [r for r in res["timing"] if "ms" in r]
     assert {(r["section"], r["spec"], r["impl"], r["pass"]) for r in timed} == {
         (sec, s, "mixc", p) for sec in ("fla_set", "sweep") for s in specs for p in ("fwd", "fwd_bwd")} | {
-        (sec, "attention", "sdpa", p) for sec in ("fla_set", "sweep") for p in ("fwd", "fwd_bwd")}
+        (sec, "attention", "sdpa", p) for sec in ("fla_set", "sweep") for p in ("fwd", "fwd_bwd")} | {
+        (sec, "delta_rule", "mixc staged solve", p) for sec in ("fla_set", "sweep") for p in ("fwd", "fwd_bwd")}
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["floor_x"] > 0 for r in timed)
     assert all("ratio_sdpa" in r for r in timed if r["impl"] == "mixc")
     assert {r["T"] for r in timed if r["section"] == "sweep"} == {32, 128}

@@ -41,16 +41,22 @@ def test_every_kernel_compiles(tmp_path, archs, phases):
     chunked = {n for n in recurrent if chunk_supported(mixc.load(n).plan()) is None}
     want = {(n, k, a) for n in recurrent for k in ("recurrent_fwd", "recurrent_bwd") for a in archs}
     staged = {n for n in chunked if mixc.load(n).plan().layout.intra_matrices}
-    assert staged == {"gla", "hgrn2", "rwkv6", "s4d"}
+    # the key-diagonal readouts' A, and the rank-1 setup's inverse (launch.STAGE_SOLVE)
+    assert staged == {"gla", "hgrn2", "rwkv6", "s4d", "delta_rule", "gated_delta_rule", "comba", "kda", "rwkv7"}
     want |= {(n, f"chunk_{d}[{i}]", a) for n in chunked for d in ("fwd", "bwd") for i in phases for a in archs
              if i < 3 or (d == "fwd" and (i == 3 or n in staged))}
     assert got == want
     # every class but the elementwise one (mamba); rank-r (gated_delta_product) is chunked too
     assert set(recurrent) - chunked == {"mamba"}
+    # the rank-1 PHASE 4 of a per-key decay has no matmul: its A is a [C, C, K] sum, its inverse
+    # a substitution
+    per_key = {n for n in staged if mixc.load(n).plan().states[0].decay_dims and n not in ("gla", "hgrn2", "rwkv6", "s4d")}
+    assert per_key == {"kda", "rwkv7"}
     for r in reports:
         assert r["cubin_bytes"] > 0
         assert r["shared_bytes"] <= 227 * 1024, r
-        if r["kernel"].startswith("chunk_"):       # the matmuls run on tensor cores
+        if r["kernel"].startswith("chunk_") and (r["spec"], r["kernel"]) not in {(n, "chunk_fwd[4]") for n in per_key}:
+            # the matmuls run on tensor cores
             assert r["tensor_cores"] in (("wgmma", "mma.sync") if r["arch"] == "sm_90" else ("mma.sync",)), r
     # at least the scalar-decay and prefix-sum chunks reach Hopper's wgmma
     assert {r["spec"] for r in reports if r["tensor_cores"] == "wgmma"} >= {"simple_gla", "mamba2", "linear_attn"}
@@ -85,12 +91,14 @@ def test_the_forward_key_loop_compiles(tmp_path, specs, forms):
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     reports = json.loads(p.stdout)
-    staged = {"gla", "rwkv6", "hgrn2", "s4d"} & set(specs)
+    # the key-diagonal readouts' A, the rank-1 setup's inverse (launch.STAGE_SOLVE)
+    staged = {"gla", "rwkv6", "hgrn2", "s4d", "gated_delta_rule", "kda", "delta_rule", "comba", "rwkv7"} & set(specs)
     assert {(r["spec"], r["kernel"]) for r in reports} == \
         {(n, f"chunk_{d}[2]") for n in specs for d in forms} | {(n, "chunk_fwd[4]") for n in staged if "fwd" in forms}
     for r in reports:
         assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= 227 * 1024, r
-        assert r["tensor_cores"] in ("wgmma", "mma.sync"), r
+        # kda's PHASE 4 has no matmul (a per-key rank-1 decay: A a [C, C, K] sum)
+        assert r["tensor_cores"] in ("wgmma", "mma.sync") or (r["spec"], r["kernel"]) == ("kda", "chunk_fwd[4]"), r
 
 
 @pytest.mark.parametrize("specs", [pytest.param(KEY_WALK, id="classes"),

@@ -53,9 +53,11 @@ def _parts(branch: ast.If) -> tuple[str, str, str]:
 
 
 def test_every_library_spec_with_one_key_dim_is_split():
-    """Every chunked library spec whose states share one key dim gets PHASE 2's loop (and PHASE
-    4's where it stages A): the six issue 16 measures among them; gated_delta_product keeps the
-    whole dim (a reduction over its keys is read by each key row), and says so."""
+    """Every chunked library spec whose states share one key dim gets PHASE 2's loop (and where
+    it stages intra-chunk matrices, PHASE 4's and the PHASE 2 that computes them, launch.
+    STAGE_INTRA or STAGE_SOLVE off, besides the one that reads them): the six issue 16 measures
+    among them; gated_delta_product keeps the whole dim (a reduction over its keys is read by
+    each key row), and says so."""
     split, kept = [], {}
     for name in library_names():
         plan = pipeline.compile(name)
@@ -63,7 +65,7 @@ def test_every_library_spec_with_one_key_dim_is_split():
             continue
         src = generate(plan)
         n = src.count(SPLIT)
-        if n == (2 if plan.layout.intra_matrices else 1) and KEPT not in src:
+        if n == (3 if plan.layout.intra_matrices else 1) and KEPT not in src:
             split.append(name)
         else:
             kept[name] = next((ln.strip() for ln in src.splitlines() if KEPT in ln), "")

@@ -57,3 +57,37 @@ def test_a_left_that_is_no_scaled_key_with_a_scalar_decay_matches_float64(phases
         args["g"].neg_().abs_().neg_()
     st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
     check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
+
+
+@pytest.mark.parametrize("name", ["delta_rule", pytest.param("rwkv7", marks=pytest.mark.slow)])
+def test_the_staged_inverse_matches_float64(name, monkeypatch):
+    """launch.STAGE_SOLVE: PHASE 4 stores each chunk's (I - M)^-1, PHASE 1 (the walk) and 2 take
+    U as one matmul with it (launches 4, 1, 2). Against float64, forward and every gradient; an
+    inf in one value: the outputs before its token as the computing forward's, NaN from it on in
+    both (PHASE 4 zeroes no row for a value, PHASE 1 and 2 do: rank1.j2's setup)."""
+    import mixc.runtime.launch as launch
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "STAGE_SOLVE", True)
+    op = mixc.load(name)
+    phases, real = [], launch._forward
+
+    def spy(*a, **kw):
+        phases.append(kw["launch"]["phase"])
+        return real(*a, **kw)
+    monkeypatch.setattr(launch, "_forward", spy)
+    args, sizes = random_args(op.ir, B=2, T=20, H=2, sizes={"K": 8, "V": 16}, dtype=torch.float32,
+                              requires_grad=True, seed=3)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
+    assert phases[:3] == [4, 1, 2]
+    bad = {k: v.detach().clone() for k, v in args.items()}
+    bad["v"][1, 18, 0, 3] = float("inf")
+    outs = {}
+    for staged in (True, False):
+        monkeypatch.setattr(launch, "STAGE_SOLVE", staged)
+        outs[staged] = op(**bad, mode="chunk", chunk=16)[0]
+    # U by one matmul with the inverse, or by substitution: equal up to fp32 rounding
+    scale = outs[False][1, :18].abs().max().item()
+    torch.testing.assert_close(outs[True][1, :18], outs[False][1, :18], rtol=1e-3, atol=1e-4 * scale)
+    assert torch.isfinite(outs[True][1, :18]).all() and not torch.isfinite(outs[True][1, 18:, 0]).any()
+    assert not torch.isfinite(outs[False][1, 18:, 0]).any()

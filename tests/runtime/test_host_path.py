@@ -339,7 +339,7 @@ def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, w
     sizes = {d: 4 for d in op.ir.dim_names}
     B, T = (1, 20 if every == 1 else 100) if packed else (2, 20)
     args, _ = random_args(op.ir, B=B, T=T, H=2, sizes=sizes, dtype=dtype, seed=12)
-    # gla stages its intra-chunk matrices: PHASE 1, 4 and 2
+    # gla stages its intra-chunk matrices: PHASE 4, 1 and 2
     launches = 1 if mode == "recurrent" else 3 if op.plan().layout.intra_matrices else 2
     # the second sequence across a chunk boundary (C = 16); with R = 2 lengths 40 and 60, whose
     # slot table (first slots bos // 32 + i: 0, 2) differs from one chunk per slot's (0, 3)
@@ -390,5 +390,5 @@ def test_a_launch_setting_changed_after_a_call_is_not_replayed_past(monkeypatch)
                         lambda *a, **kw: (phases.append(kw["launch"].get("phase")), real(*a, **kw))[1])
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     o2, _ = op(**args)
-    assert phases == [1, 4, 2]              # gla stages its intra-chunk matrices (PHASE 4)
+    assert phases == [4, 1, 2]              # gla stages its intra-chunk matrices (PHASE 4, first)
     torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
