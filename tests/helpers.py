@@ -18,3 +18,16 @@ def random_args(mixer, *, draw=None, **kwargs):
     for name, fn in (draw or {}).items():
         roles[name] = (lambda f: lambda shape, gen, dtype: f(shape, gen).to(torch.float64))(fn)
     return _inputs.random_args(mixer, roles=roles, **kwargs)
+
+
+def record_phases(monkeypatch, launcher: str = "_forward") -> list:
+    """The PHASE of every launch mixc.runtime.launch.<launcher> makes from here on, in order
+    (the launch still runs)."""
+    from mixc.runtime import launch
+    seen, real = [], getattr(launch, launcher)
+
+    def spy(*a, **kw):
+        seen.append(kw["launch"]["phase"])
+        return real(*a, **kw)
+    monkeypatch.setattr(launch, launcher, spy)
+    return seen

@@ -23,8 +23,8 @@ class Rank1(TransitionClass):
 
     # the backward's blocks of V: its tile loop holds the chunk's K, three [C, K] and four [C, C]
     # sums and matrices beside each block's [K, V-block] states (S0, dL/dS); at C = 64 and K = V =
-    # 128 on sm_90 the gated delta rule's two launches spill 536 + 2112 B with blocks of 64 (the
-    # corrected values, rank1.j2), 256 + 736 with 32, 104 + 684 with 16 (bench/README.md)
+    # 128 on sm_90 the gated delta rule's two launches spill 332 + 1644 B with blocks of 64 (the
+    # corrected values, rank1.j2), 148 + 736 with 32, 104 + 684 with 16 (bench/README.md)
     backward_tile = 16
     # PHASE 4 can stage each chunk's (I - M)^-1 (launch.STAGE_SOLVE): the walk then takes U as one
     # matmul instead of C - 1 dependent substitution rows; off by default (its bytes and spills:
@@ -40,8 +40,8 @@ class Rank1(TransitionClass):
     def checkpoint_tokens(self, st) -> int | None:
         # PHASE 2 walking 4 chunks of 64 from a checkpoint keeps the whole state and the chunk's
         # [C, K] blocks live (the advance reads R^ S0, a sum over the keys, before each key
-        # block's update: no static key blocks): 264-296 B of spills on sm_90; one chunk a
-        # program loops over key blocks (codegen/key_split.py) and spills nothing
+        # block's update: no static key blocks): the delta rules spill 612 and 288 B on sm_90;
+        # one chunk a program loops over key blocks (codegen/key_split.py) and spills nothing
         return None if st.decay_dims else 64
 
     def explain_chunk(self, st, s) -> list[str]:

@@ -433,13 +433,15 @@ STAGE_INTRA = True
 STAGE_SOLVE = False
 
 
-def _stages(plan: Plan) -> bool:
-    """Whether the two-launch forward runs PHASE 4 (the plan's staged matrices: the readouts'
-    or the setup's inverse, STAGE_INTRA or STAGE_SOLVE)."""
+def stages(plan: Plan, stage_solve: bool | None = None) -> bool:
+    """Whether the two-launch forward runs PHASE 4 and PHASE 1 and 2 read what it staged (the
+    plan's staged matrices: the readouts', STAGE_INTRA, or the setup's inverse, STAGE_SOLVE
+    unless stage_solve says)."""
     if not plan.layout.intra_matrices:
         return False
-    solve = any(classes.unit(st.transition).stages_solve for st in plan.states)
-    return STAGE_SOLVE if solve else STAGE_INTRA
+    if any(classes.unit(st.transition).stages_solve for st in plan.states):
+        return STAGE_SOLVE if stage_solve is None else stage_solve
+    return STAGE_INTRA
 
 
 def _phases(cfg: autotune.Config | None, device: torch.device) -> int:
@@ -566,7 +568,7 @@ def chunk_forward(plan: Plan, bound: Bound, *, output_final_state: bool, out_dty
         if _phases(cfg, x0.device) == 1:
             return _forward(plan, bound, "chunk_fwd", checkpoints=checkpoints, launch=launch | {"phase": 0}, **kw)
         intra = None
-        if _stages(plan):      # PHASE 4: the intra-chunk matrices (or inverses), once per chunk
+        if stages(plan):      # PHASE 4: the intra-chunk matrices (or inverses), once per chunk
             # in the dtype PHASE 2's matmul takes A in (_dot_code: so the same bits as computed)
             dot_dtype = {1: torch.bfloat16, 2: torch.float16}.get(common["dot"], torch.float32)
             intra = _empty((x0.shape[0] * x0.shape[1], bound.H, plan.layout.intra_matrices, C), dot_dtype, x0.device)

@@ -25,12 +25,12 @@ from .. import pipeline
 from ..codegen.module import kernel_name
 from ..derive.plan import Plan
 from ..runtime.cache import interpreting
-from ..runtime.launch import block, checkpoint_tokens, key_block
+from ..runtime.launch import block, checkpoint_tokens, key_block, stages
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # constexpr values of the switches of every template, by role (derive/kernel_args.py)
 _SWITCHES = {"use_initial": True, "store_final": True, "varlen": False, "store_ckpt": True, "use_dfinal": True,
-             "use_indices": False, "ck": 32, "unit": 16, "phase": 0, "staged_intra": True}
+             "use_indices": False, "ck": 32, "unit": 16, "phase": 0}
 _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}
 
 
@@ -43,12 +43,14 @@ def _form(kernel, plan: Plan) -> str:
     raise ValueError(f"{name} is none of {plan.name}'s kernels ({', '.join(plan.layout.kernel_args)})")
 
 
-def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16") -> tuple[dict, dict]:
+def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16",
+              stage_solve: bool | None = None) -> tuple[dict, dict]:
     """(signature, constexprs) of a generated kernel from its argument list (plan.layout.
     kernel_args, the definition its signature was printed from): pointers by their role's dtype
     rule ("io": `dtype`, the inputs, the output and their gradients; "fp32"; "i32"), runtime
     scalars i32 or fp32, constexprs the dims' sizes and blocks, the plan's chunk size and the
-    switches above."""
+    switches above; STAGED_INTRA as the launch stages (launch.stages: the key-diagonal A, and
+    the rank-1 inverse only where stage_solve or launch.STAGE_SOLVE asks)."""
     t = _DTYPE[dtype]
     form = _form(kernel, plan)
     chunked = form.startswith("chunk")              # matmul blocks are at least 16
@@ -69,6 +71,8 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             const[a.name] = _DOT[dtype]
         elif a.role == "ckpt_every":        # the policy's at long sequences (launch.checkpoint_every)
             const[a.name] = max(1, checkpoint_tokens(plan) // plan.layout.chunk_size)
+        elif a.role == "staged_intra":      # the launch's policy (launch.stages)
+            const[a.name] = stages(plan, stage_solve)
         elif a.role == "key_block":         # the launch's policy (launch.key_block)
             blocks = {("block", d): max(16, block(n)) for d, n in sizes.items()}
             const[a.name] = key_block(plan, blocks, plan.layout.chunk_size)
@@ -88,14 +92,15 @@ def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warp
 
 def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16",
                  phases=(0, 1, 2, 3, 4), forms=None, key_block: int | None = None,
-                 ckpt_every: int = 1) -> list[dict]:
+                 ckpt_every: int = 1, stage_solve: bool = False) -> list[dict]:
     """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel,
     the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches;
     3: the forward's refill of every chunk's state, which the backward launches first; 4: the
     forward's intra-chunk matrices, where the plan stages them). forms: only these kernel forms;
     key_block: the forward's KEY_BLOCK (and ckpt_every chunks a program), so that PHASE 2 and 4
     compile their loop over the key dim's blocks (codegen/key_split.py; PHASE 2 walking more
-    than one chunk: its static key blocks, codegen/key_walk.py)."""
+    than one chunk: its static key blocks, codegen/key_walk.py); stage_solve: the rank-1 walk and
+    PHASE 2 reading the inverses PHASE 4 staged (launch.STAGE_SOLVE's path)."""
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs compiled kernels: unset TRITON_INTERPRET")
     plan = pipeline.compile(name)
@@ -108,7 +113,7 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
         if forms is not None and form not in forms:
             continue
         kernel = getattr(mod, kname)
-        sig, const = signature(kernel, plan, sizes, dtype)
+        sig, const = signature(kernel, plan, sizes, dtype, stage_solve)
         if key_block is not None and "KEY_BLOCK" in const:
             const["KEY_BLOCK"] = key_block
             if "CKPT_EVERY" in const:
@@ -176,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt-every", type=int, default=1,
                    help="with --key-block: the chunks a forward PHASE 2 program walks (CKPT_EVERY; more than "
                         "one: the state in static key blocks, codegen/key_walk.py)")
+    p.add_argument("--stage-solve", action="store_true",
+                   help="the rank-1 class's staged inverse (launch.STAGE_SOLVE): its walk and PHASE 2 read it")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)
@@ -187,10 +194,11 @@ def main(argv=None) -> int:
         # the Triton compiler and ptxas are CPU-bound: processes, one spec each
         with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
             per_spec = list(pool.map(compile_spec, args.specs, [archs] * n, [args.size] * n, ["bfloat16"] * n,
-                                     [phases] * n, [forms] * n, [args.key_block] * n, [args.ckpt_every] * n))
+                                     [phases] * n, [forms] * n, [args.key_block] * n, [args.ckpt_every] * n,
+                                     [args.stage_solve] * n))
     else:
         per_spec = [compile_spec(name, archs, args.size, phases=phases, forms=forms, key_block=args.key_block,
-                                 ckpt_every=args.ckpt_every) for name in args.specs]
+                                 ckpt_every=args.ckpt_every, stage_solve=args.stage_solve) for name in args.specs]
     reports = [r for rs in per_spec for r in rs]
     if args.table:
         print(report_table(reports))

@@ -119,3 +119,21 @@ def test_the_static_key_walk_compiles(tmp_path, specs):
     for r in reports:
         assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= 227 * 1024, r
         assert r["tensor_cores"] in ("wgmma", "mma.sync"), r
+
+
+def test_the_staged_rank1_inverse_compiles(tmp_path):
+    """launch.STAGE_SOLVE's path (off by default, so the other compiles take the computing one):
+    PHASE 4 storing each chunk's inverse, the walk (PHASE 1) and PHASE 2 (its key loop: KEY_BLOCK
+    16 of 64) taking U by one matmul with it, for sm_90 with the real compiler, on tensor cores;
+    the per-key decay's PHASE 4 (KDA) has no matmul."""
+    env = dict(os.environ, TRITON_INTERPRET="0", MIXC_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.tools.aot", "--arch", "90", "--size", "64",
+                        "--forms", "chunk_fwd", "--phases", "1,2,4", "--key-block", "16", "--stage-solve",
+                        "gated_delta_rule", "kda"], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    reports = json.loads(p.stdout)
+    assert {(r["spec"], r["kernel"]) for r in reports} == {
+        (n, f"chunk_fwd[{i}]") for n in ("gated_delta_rule", "kda") for i in (1, 2, 4)}
+    for r in reports:
+        assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= 227 * 1024, r
+        assert r["tensor_cores"] in ("wgmma", "mma.sync") or (r["spec"], r["kernel"]) == ("kda", "chunk_fwd[4]"), r

@@ -11,7 +11,7 @@ from mixc import pipeline
 from mixc.derive.explain import explain
 from mixc.pipeline import from_text
 
-from helpers import random_args, random_state
+from helpers import random_args, random_state, record_phases
 from kernel_checks import check_against_reference
 
 # a scalar decay and a left that is no scaled key (w, not k): the generic vector form, which no
@@ -69,12 +69,7 @@ def test_the_staged_inverse_matches_float64(name, monkeypatch):
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "STAGE_SOLVE", True)
     op = mixc.load(name)
-    phases, real = [], launch._forward
-
-    def spy(*a, **kw):
-        phases.append(kw["launch"]["phase"])
-        return real(*a, **kw)
-    monkeypatch.setattr(launch, "_forward", spy)
+    phases = record_phases(monkeypatch)
     args, sizes = random_args(op.ir, B=2, T=20, H=2, sizes={"K": 8, "V": 16}, dtype=torch.float32,
                               requires_grad=True, seed=3)
     st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
