@@ -24,7 +24,8 @@ import traceback
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}          # TF32 / bf16 matmuls on a GPU
 
 
-def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
+def check_spec(spec: str, device: str, dry: bool, only: list[str] | None = None) -> list[dict]:
+    """Rows of every mode (only: the modes whose label is in it, e.g. ["recurrent", "chunk"])."""
     import torch
 
     import mixc
@@ -55,6 +56,8 @@ def check_spec(spec: str, device: str, dry: bool) -> list[dict]:
             modes += [("chunk", None, "chunk unstaged", {"STAGE_INTRA": False, "CHUNK_PHASES": 2})]
         if solve:       # the rank-1 walk and PHASE 2 reading the inverse PHASE 4 staged (off by default)
             modes += [("chunk", None, "chunk staged solve", {"STAGE_SOLVE": True, "CHUNK_PHASES": 2})]
+    if only:
+        modes = [m for m in modes if m[2] in only]
     rows = []
     for mode, C, label, knobs in modes:
         saved = {k: getattr(launch, k) for k in knobs}

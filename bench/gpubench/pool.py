@@ -50,7 +50,7 @@ def run_task(task: dict) -> dict:
         if task["kind"] == "correct":
             from .correct import check_spec
             os.environ["MIXC_AUTOTUNE"] = "0"
-            out["rows"] = check_spec(task["spec"], task["device"], task["dry"])
+            out["rows"] = check_spec(task["spec"], task["device"], task["dry"], task.get("modes"))
         else:
             os.environ["MIXC_AUTOTUNE"] = "compile"
             os.environ["MIXC_AUTOTUNE_SHARD"] = f"{task['shard']}/{task['shards']}"
