@@ -22,6 +22,22 @@ import time
 import traceback
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}          # TF32 / bf16 matmuls on a GPU
+EAGER_FACTOR = 2.0                                 # the kernel's error within 2x the eager same-dtype error
+
+
+def _eager_errors(op, ref_in: dict, ref_st: dict, ro, rfin: dict, dtype) -> dict:
+    """The relative errors of mode "torch" on the CPU with the inputs in `dtype` (the values the
+    kernel saw) against the same float64 reference: what the dtype itself costs this problem."""
+    import torch
+    x = {k: v.detach().to(dtype).requires_grad_(True) for k, v in ref_in.items()}
+    st = {k: v.detach().float().requires_grad_(True) for k, v in ref_st.items()}
+    o, fin = op(**x, initial_state=st, output_final_state=True, mode="torch")
+    (o.float().square().sum() + sum(v.sum() for v in fin.values())).backward()
+
+    def rel(a, b):
+        return ((a.detach().double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    return {"output_rel_err": rel(o, ro), "state_rel_err": max(rel(fin[k], rfin[k]) for k in rfin),
+            "grad_rel_err": max(rel(x[k].grad, ref_in[k].grad) for k in x)}
 
 
 def check_spec(spec: str, device: str, dry: bool, only: list[str] | None = None) -> list[dict]:
@@ -87,8 +103,13 @@ def check_spec(spec: str, device: str, dry: bool, only: list[str] | None = None)
                 row["output_rel_err"] = rel(o, ro)
                 row["state_rel_err"] = max(rel(fin[k], rfin[k]) for k in rfin)
                 row["grad_rel_err"] = max(rel(dev[k].grad, ref_in[k].grad) for k in dev)
-                row["ok"] = bool(max(row["output_rel_err"], row["state_rel_err"], row["grad_rel_err"])
-                                 < TOL[row["dtype"]] and torch.isfinite(o).all())
+                # the bound, as FlexAttention's tests set it: TOL, or a small factor of the error of
+                # the same-dtype eager computation (mode "torch" on the CPU, same inputs) where the
+                # problem itself loses more than TOL in that dtype (gated_delta_product in bf16)
+                eager = _eager_errors(op, ref_in, ref_st, ro, rfin, dtype) if dtype != torch.float32 else {}
+                row["bound"] = {k: max(TOL[row["dtype"]], EAGER_FACTOR * eager.get(k, 0.0))
+                                for k in ("output_rel_err", "state_rel_err", "grad_rel_err")}
+                row["ok"] = bool(all(row[k] < row["bound"][k] for k in row["bound"]) and torch.isfinite(o).all())
             except Exception as err:                  # noqa: BLE001 - a failure is a result: keep going
                 row["ok"] = False
                 row["error"] = f"{type(err).__name__}: {err}"[:2000]

@@ -105,6 +105,10 @@ class TransitionClass:
     # the forward PHASE 2 walking several chunks holds its state in static key blocks (codegen/
     # key_walk.py), where KEY_BLOCK is less than K
     walks_key_blocks: bool = False
+    # the chunked form may store the class's checkpoints and dL/dS at chunk ends in bf16/fp16
+    # inputs' dtype (derive/layout.py half_states; the plan also asks an output linear in the
+    # readouts)
+    half_checkpoints: bool = True
 
     def checkpoint_tokens(self, st) -> int | None:
         """Tokens between the chunked forward's checkpoints (None: launch.CHECKPOINT_TOKENS),

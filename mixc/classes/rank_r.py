@@ -23,6 +23,10 @@ class RankR(TransitionClass):
     torch_chunked = True                    # the torch form below serves mode='torch'
     term_axes = True                        # L, R [.., r, KF]; K, V [.., m, *]: B_t = sum_m k_m v_m^T
     template = "rank_r.j2"
+    # r corrections per token amplify a rounded chunk-start state: gated_delta_product's bf16
+    # checkpoints cost its gradients 2.3e-2 against 1.3e-2 with fp32 ones (bench/gpu_check
+    # --dry-run, 2026-12-04), past the 2e-2 bound; fp32 checkpoints, bf16 matmuls as before
+    half_checkpoints = False
 
     def claims(self, u: UpdateShape) -> bool:
         key = set(u.key_dims)

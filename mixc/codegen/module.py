@@ -60,6 +60,8 @@ def metadata(plan: Plan) -> dict:
         "tile": plan.layout.tile,
         "split": plan.layout.split,
         "chunk_size": plan.layout.chunk_size,
+        "half_states": plan.layout.half_states,
+        "half_matmuls": plan.layout.half_matmuls,
         "kernels": {"recurrent_fwd": kernel_name(plan, "recurrent_fwd"),
                     "recurrent_bwd": kernel_name(plan, "recurrent_bwd")}
         | ({"chunk_fwd": kernel_name(plan, "chunk_fwd"), "chunk_bwd": kernel_name(plan, "chunk_bwd")}

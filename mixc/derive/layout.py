@@ -33,6 +33,15 @@ class KernelLayout:
     split: str | None
     chunk_size: int
     intra_matrices: int = 0
+    # the chunked form may round to bf16/fp16 inputs' dtype its states (checkpoints and dL/dS at
+    # chunk ends: half the bytes, as fla stores h: half_states) and its matmuls' operands (tensor
+    # cores: half_matmuls) only where the output is linear in the state readouts: a normalized
+    # or nonlinear output (aft_simple's num / den, rwkv4, based) divides sums that cancel, and
+    # rounding a chunk-end state to bf16 cost aft_simple 0.1 relative error in the output and
+    # 0.2-0.3 in the gradients (the 2026-12-04 H200 run and the dry run). A class may keep fp32
+    # checkpoints (classes/base.py half_checkpoints: the rank-r class)
+    half_states: bool = True
+    half_matmuls: bool = True
     kernel_args: dict[str, KernelArgs] = field(default_factory=dict, compare=False)
 
     @property
@@ -52,7 +61,9 @@ def kernel_layout(plan) -> KernelLayout:
     forms = ("recurrent_fwd", "recurrent_bwd") + (("chunk_fwd", "chunk_bwd") if chunked is None else ())
     return KernelLayout(chunked, torch_chunk_supported(plan), tile_dim(plan.kernel_ir),
                         split_dim(plan), chunk_size(plan), intra_matrices(plan) if chunked is None else 0,
-                        plan_kernel_args(plan, forms))
+                        plan.output.kind == "linear" and all(classes.unit(st.transition).half_checkpoints
+                                                             for st in plan.states),
+                        plan.output.kind == "linear", plan_kernel_args(plan, forms))
 
 
 def chunk_supported(plan) -> str | None:

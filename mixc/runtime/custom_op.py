@@ -99,7 +99,8 @@ def kernel_ops(plan: Plan) -> KernelOps:
         # the chunked forward keeps every checkpoint_every-th chunk start (launch.chunk_forward)
         slots = checkpoint_slots(bound, CK * checkpoint_every(plan, bound, CK) if chunked else CK)
         ckpts = [x.new_empty(((slots, bound.H) + state_shape(bound, s)) if save_for_backward else (0,),
-                             dtype=checkpoint_dtype(chunked, x.dtype, s.name) if save_for_backward else torch.float32)
+                             dtype=checkpoint_dtype(chunked, x.dtype, s.name, plan.layout.half_states)
+                             if save_for_backward else torch.float32)
                  for s in m.states]
         return [o] + finals + ckpts
 

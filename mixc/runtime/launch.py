@@ -40,9 +40,11 @@ CHUNK_TILE = 64
 FP32_CHECKPOINTS = os.environ.get("MIXC_FP32_CHECKPOINTS") == "1"
 
 
-def checkpoint_dtype(chunked: bool, dtype: torch.dtype, state: str = "") -> torch.dtype:
-    """The dtype of a state's checkpoints for inputs of `dtype` (chunked: the chunked forward's)."""
-    if chunked and not FP32_CHECKPOINTS and dtype in (torch.bfloat16, torch.float16) and state != STABILIZER_M:
+def checkpoint_dtype(chunked: bool, dtype: torch.dtype, state: str = "", half: bool = True) -> torch.dtype:
+    """The dtype of a state's checkpoints for inputs of `dtype` (chunked: the chunked forward's;
+    half: the plan allows half-precision checkpoints, plan.layout.half_states)."""
+    if (chunked and half and not FP32_CHECKPOINTS and dtype in (torch.bfloat16, torch.float16)
+            and state != STABILIZER_M):
         return dtype
     return torch.float32
 
@@ -172,7 +174,8 @@ def _forward(plan: Plan, bound: Bound, form: str, *, output_final_state: bool, c
             finals[s.name] = (finals_into[s.name] if finals_into is not None
                               else _empty((n, H) + shape, torch.float32, device))
         if checkpoints:
-            ckpts[s.name] = _empty((slots, H) + shape, checkpoint_dtype(form == "chunk_fwd", x0.dtype, s.name), device)
+            ckpts[s.name] = _empty((slots, H) + shape, checkpoint_dtype(form == "chunk_fwd", x0.dtype, s.name,
+                                                                       plan.layout.half_states), device)
         v["init", s.name], v["final", s.name], v["ckpt", s.name] = init, finals.get(s.name, out), ckpts.get(s.name, out)
         v["dense", s.name] = (dense_into or {}).get(s.name, out)
     v["out"] = out
@@ -370,12 +373,12 @@ def sum_groups(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g.to(x.dtype)
 
 
-def _dot_code(dtype: torch.dtype) -> int:
+def _dot_code(dtype: torch.dtype, half_matmuls: bool = True) -> int:
     """Matmul inputs of the chunked kernels: the inputs' precision on a GPU (tensor cores), fp32
     otherwise. Triton's interpreter (3.9) computes a bf16 tl.dot wrongly (garbage of 1e10,
     while fp16 and fp32 are right), so under the interpreter bf16 inputs multiply in fp32."""
-    if dtype == torch.bfloat16 and interpreting():
-        return 0
+    if (dtype == torch.bfloat16 and interpreting()) or not half_matmuls:
+        return 0                    # not half_matmuls: plan.layout.half_matmuls (derive/layout.py)
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
 
 
@@ -477,7 +480,7 @@ def _chunk_launch(plan: Plan, bound: Bound, C: int, every: int = 1) -> tuple[int
         programs = checkpoint_slots(bound, span)
         chunk_seq = chunk_seqs(bound.cu_seqlens, span, n, programs, device)
     blocks = chunk_blocks(plan, bound)
-    return programs, blocks | dict(chunk=C, unit=16, dot=_dot_code(x0.dtype), n_seqs=n, chunk_seq=chunk_seq,
+    return programs, blocks | dict(chunk=C, unit=16, dot=_dot_code(x0.dtype, plan.layout.half_matmuls), n_seqs=n, chunk_seq=chunk_seq,
                                    ckpt_every=every, key_block=key_block(plan, blocks, C))
 
 
@@ -497,7 +500,10 @@ def key_block(plan: Plan, blocks: dict, C: int) -> int:
     keeps the whole dim, or the spec has no key loop: key_split.key_dim); a class may set a
     smaller block (classes/<unit>.py key_block)."""
     key = key_dim(plan)
-    whole = blocks["block", key] if key is not None else max(v for k, v in blocks.items() if k[0] == "block")
+    # a spec without dims (RWKV-4's per-channel wkv: `state a[], b[]`) has no block at all: the
+    # unit block (its scalars ride a [16] unit axis, _chunk_launch's unit=16)
+    whole = blocks["block", key] if key is not None else max((v for k, v in blocks.items() if k[0] == "block"),
+                                                              default=16)
     if key is None:
         return whole
     if KEY_BLOCK:
@@ -650,7 +656,8 @@ def chunk_backward(plan: Plan, bound: Bound, ckpts: dict, do: torch.Tensor, dfin
             parts = tiles if tile is not None and tile not in s.shape else 1
             # dL/dS at chunk ends in the checkpoints' dtype (bf16 for bf16 inputs: half the
             # bytes PHASE 1 writes and PHASE 2 reads; both accumulate in fp32)
-            dh[s.name] = _empty((slots * parts, H) + shape, checkpoint_dtype(True, x0.dtype, s.name), device)
+            dh[s.name] = _empty((slots * parts, H) + shape, checkpoint_dtype(True, x0.dtype, s.name,
+                                                                                  plan.layout.half_states), device)
             return dict(ckpt=ckpts[s.name], dfinal=dfin if dfin is not None else dinit, dinit=dinit, dh=dh[s.name])
         # PHASE 1 writes dh and the initial states' gradients; PHASE 2 (same buffers) the rest
         _, _, dinit = _backward(plan, bound, "chunk_bwd", per_state, do, dfinal, write=("dinit",),

@@ -212,8 +212,8 @@ class CompiledOp:
         splits = max(1, -(-b.sizes[split] // kw["block", split])) if split and not chunked else 1
         if chunked:
             x0 = next(iter(b.inputs.values()))
-            dot = 0 if (x0.dtype == torch.bfloat16 and _interpreting()) else {torch.bfloat16: 1, torch.float16: 2}.get(
-                x0.dtype, 0)
+            dot = 0 if ((x0.dtype == torch.bfloat16 and _interpreting()) or not self.meta.get("half_matmuls", True)) \
+                else {torch.bfloat16: 1, torch.float16: 2}.get(x0.dtype, 0)
             # one walk (PHASE 0) with a checkpoint at every chunk start (what the backward reads)
             kw.update(chunk=C, unit=16, dot=dot, n_seqs=b.n, chunk_seq=x0, phase=0, ckpt_every=1)
             # PHASE 0 has no loop over key blocks: KEY_BLOCK no less than any dim's block
@@ -264,6 +264,7 @@ class CompiledOp:
                 finals[name] = _empty((b.n, b.H) + shape, torch.float32, device)
             if checkpoints:     # launch.checkpoint_dtype's rule: the chunked form's in bf16/fp16 inputs' dtype
                 half = (chunked and x0.dtype in (torch.bfloat16, torch.float16) and name != "_m"
+                        and meta.get("half_states", True)
                         and os.environ.get("MIXC_FP32_CHECKPOINTS") != "1")
                 ckpts[name] = _empty((slots, b.H) + shape, x0.dtype if half else torch.float32, device)
             v["init", name], v["final", name], v["ckpt", name] = init, finals.get(name, out), ckpts.get(name, out)
