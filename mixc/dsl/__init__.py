@@ -6,7 +6,7 @@ from pathlib import Path
 from .check import check
 from .errors import SpecError, Source, Span, did_you_mean
 from .ir import MixerIR
-from .parser import parse_tree
+from .parser import MAX_SPEC_CHARS, parse_tree
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
 
@@ -37,7 +37,14 @@ def read_spec(name_or_path: str | Path) -> Source:
         if not path.is_file():
             raise SpecError(f"no spec file at '{text_name}'")
         try:
+            # the length limit before the file is read: a 200 MB file must not be read whole
+            # (UTF-8 takes at most 4 bytes a character, and a byte-order mark 3)
+            if path.stat().st_size > 4 * MAX_SPEC_CHARS + 3:
+                raise SpecError(f"spec file '{text_name}' is too long ({path.stat().st_size} bytes; the limit is "
+                                f"{MAX_SPEC_CHARS} characters)")
             return Source(path.read_text(encoding="utf-8-sig"), str(path))
+        except OSError as e:
+            raise SpecError(f"spec file '{text_name}' cannot be read: {e.strerror or e}") from None
         except UnicodeDecodeError as e:
             raise SpecError(f"spec file '{text_name}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
     lib = SPEC_DIR / f"{text_name}.mix"

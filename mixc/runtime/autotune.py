@@ -160,9 +160,23 @@ def _disk_path(k: tuple):
 def _disk_get(k: tuple) -> Config | None:
     try:
         data = json.loads(_disk_path(k).read_text())
-        return Config(**data["config"]) if data.get("key") == repr(k) else None
-    except (OSError, ValueError, TypeError, KeyError):
+        cfg = Config(**data["config"]) if data.get("key") == repr(k) else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+    return cfg if cfg is not None and _valid(cfg) else None
+
+
+def _pow2(x, lo: int, hi: int) -> bool:
+    return type(x) is int and lo <= x <= hi and x & (x - 1) == 0
+
+
+def _valid(cfg: Config) -> bool:
+    """A config read from disk as one this module could have written: another process's file
+    or a hand edit (C = 0, num_warps = -3) is re-tuned, never launched."""
+    return (_pow2(cfg.num_warps, 1, 32) and type(cfg.num_stages) is int and 1 <= cfg.num_stages <= 8
+            and (cfg.C is None or _pow2(cfg.C, 16, 256))
+            and all(b is None or _pow2(b, 1, 1 << 16) for b in (cfg.tile, cfg.split))
+            and cfg.phases in (None, 1, 2))
 
 
 def _disk_put(k: tuple, cfg: Config, timings: list) -> None:

@@ -189,3 +189,19 @@ def test_every_config_compiles_for_sm90(tmp_path):
     # mamba's recurrent kernels: 6 configs each
     assert sum(r[0] == "simple_gla" and r[1].startswith("chunk") for r in got) == 28
     assert sum(r[0] == "mamba" for r in got) == 12
+
+
+@pytest.mark.parametrize("bad", [{"C": 0}, {"num_warps": -3}, {"num_warps": 6}, {"num_stages": "3"},
+                                 {"tile": 0}, {"phases": 3}, {"C": 48}, {"num_warps": True}])
+def test_a_disk_entry_that_could_not_have_been_written_is_retuned(monkeypatch, tmp_path, bad):
+    """Autotune JSON from another process or a hand edit is type- and range-checked: an entry
+    with C = 0 or num_warps = -3 is timed again, never launched (issue 30)."""
+    monkeypatch.setenv("MIXC_CACHE_DIR", str(tmp_path))
+    k = _fake_key("bad entry")
+    autotune._disk_put(k, Config(8, 3, C=64), [])
+    path = next((tmp_path / "autotune").glob("*.json"))
+    assert autotune._disk_get(k) == Config(8, 3, C=64)
+    data = json.loads(path.read_text())
+    data["config"].update(bad)
+    path.write_text(json.dumps(data))
+    assert autotune._disk_get(k) is None

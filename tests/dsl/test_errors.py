@@ -469,3 +469,17 @@ def test_a_byte_order_mark_is_not_part_of_the_spec(tmp_path):
     assert (err.line, err.column) == (6, 14)
     err = first_error("\ufeff" + text.replace("mixer m", "mixer 1m"))
     assert (err.line, err.column) == (1, 7)
+
+
+def test_a_huge_spec_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """The length limit applies to the file's size first: a 200 MB spec was read whole (470 MB
+    RSS) before the 100,000-character limit refused it (issue 30)."""
+    from pathlib import Path
+
+    from mixc.dsl import read_spec
+    path = tmp_path / "huge.mix"
+    with open(path, "wb") as f:
+        f.truncate(200 * 2 ** 20)                     # a sparse 200 MB file
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("the file was read"))
+    with pytest.raises(mixc.SpecError, match=r"too long \(209715200 bytes; the limit is 100000 characters\)"):
+        read_spec(path)
