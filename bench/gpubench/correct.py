@@ -45,33 +45,12 @@ def check_spec(spec: str, device: str, dry: bool, only: list[str] | None = None)
     import torch
 
     import mixc
-    from mixc import classes
-    from mixc.codegen.key_split import key_dim
-    from mixc.derive.layout import chunk_supported
-    from mixc.runtime.autotune import chunk_candidates
     from mixc.runtime.inputs import random_args, random_state
 
     B, T, H, D = (1, 20, 1, 16) if dry else (2, 130, 2, 32)
     op = mixc.load(spec)
     from mixc.runtime import launch
-    modes = [("recurrent", None, "recurrent", {})]
-    if chunk_supported(op.plan()) is None:
-        modes += [("chunk", None, "chunk", {})] + [("chunk", C, f"chunk C={C}", {})
-                                                    for C in chunk_candidates(op.plan())[1:]]
-        modes += [("chunk", None, "chunk walk", {"CHUNK_PHASES": 1}),
-                  ("chunk", None, "chunk tile16", {"CHUNK_TILE": 16, "CHUNK_PHASES": 2}),
-                  ("chunk", None, "chunk ckpt2", {"CHECKPOINT_EVERY": 2, "CHUNK_PHASES": 2})]
-        if key_dim(op.plan()) is not None:      # PHASE 4 and 2 over key blocks (one chunk a program)
-            modes += [("chunk", None, "chunk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 1, "CHUNK_PHASES": 2})]
-        if any(classes.unit(st.transition).walks_key_blocks for st in op.plan().states):
-            # PHASE 2 walking two chunks with its state in static key blocks (codegen/key_walk.py)
-            modes += [("chunk", None, "chunk walk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 2,
-                                                                "CHUNK_PHASES": 2})]
-        solve = any(classes.unit(st.transition).stages_solve for st in op.plan().states)
-        if op.plan().layout.intra_matrices and not solve:     # PHASE 2 computing its intra-chunk matrices
-            modes += [("chunk", None, "chunk unstaged", {"STAGE_INTRA": False, "CHUNK_PHASES": 2})]
-        if solve:       # the rank-1 walk and PHASE 2 reading the inverse PHASE 4 staged (off by default)
-            modes += [("chunk", None, "chunk staged solve", {"STAGE_SOLVE": True, "CHUNK_PHASES": 2})]
+    modes = _modes(op)
     if only:
         modes = [m for m in modes if m[2] in only]
     rows = []
@@ -118,6 +97,40 @@ def check_spec(spec: str, device: str, dry: bool, only: list[str] | None = None)
         for k, v in saved.items():
             setattr(launch, k, v)
     return rows
+
+
+
+def _modes(op) -> list[tuple]:
+    """(mode, C, label, launch knobs) of every mode checked for an op (the module docstring)."""
+    from mixc import classes
+    from mixc.codegen.key_split import key_dim
+    from mixc.derive.layout import chunk_supported
+    from mixc.runtime.autotune import chunk_candidates
+    modes = [("recurrent", None, "recurrent", {})]
+    if chunk_supported(op.plan()) is None:
+        modes += [("chunk", None, "chunk", {})] + [("chunk", C, f"chunk C={C}", {})
+                                                    for C in chunk_candidates(op.plan())[1:]]
+        modes += [("chunk", None, "chunk walk", {"CHUNK_PHASES": 1}),
+                  ("chunk", None, "chunk tile16", {"CHUNK_TILE": 16, "CHUNK_PHASES": 2}),
+                  ("chunk", None, "chunk ckpt2", {"CHECKPOINT_EVERY": 2, "CHUNK_PHASES": 2})]
+        if key_dim(op.plan()) is not None:      # PHASE 4 and 2 over key blocks (one chunk a program)
+            modes += [("chunk", None, "chunk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 1, "CHUNK_PHASES": 2})]
+        if any(classes.unit(st.transition).walks_key_blocks for st in op.plan().states):
+            # PHASE 2 walking two chunks with its state in static key blocks (codegen/key_walk.py)
+            modes += [("chunk", None, "chunk walk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 2,
+                                                                "CHUNK_PHASES": 2})]
+        solve = any(classes.unit(st.transition).stages_solve for st in op.plan().states)
+        if op.plan().layout.intra_matrices and not solve:     # PHASE 2 computing its intra-chunk matrices
+            modes += [("chunk", None, "chunk unstaged", {"STAGE_INTRA": False, "CHUNK_PHASES": 2})]
+        if solve:       # the rank-1 walk and PHASE 2 reading the inverse PHASE 4 staged (off by default)
+            modes += [("chunk", None, "chunk staged solve", {"STAGE_SOLVE": True, "CHUNK_PHASES": 2})]
+    return modes
+
+
+def mode_labels(spec: str) -> list[str]:
+    """The labels of the modes checked for a library spec (bench/gpu_check: one task each)."""
+    import mixc
+    return [m[2] for m in _modes(mixc.load(spec))]
 
 
 def line(row: dict) -> str:
