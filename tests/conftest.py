@@ -29,3 +29,17 @@ def chunk_calls(monkeypatch):
         return run(*args, **kw)
     monkeypatch.setattr(torch_chunk, "torch_forward_loop", spy)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _bounds_checked_kernels():
+    """MIXC_BOUNDS_CHECK=1: every interpreted kernel launch of every test is bounds-checked
+    (tests/interpreter_bounds.py), a test failing on an access outside its launch's tensors
+    even where the autotuner or the test itself catches the error."""
+    if os.environ.get("MIXC_BOUNDS_CHECK") != "1":
+        yield
+        return
+    from interpreter_bounds import bounds_checked
+    with bounds_checked() as seen:
+        yield
+    assert not seen["errors"], f"{len(seen['errors'])} access(es) out of bounds; the first: {seen['errors'][0]}"

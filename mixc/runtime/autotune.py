@@ -218,9 +218,45 @@ def _shard() -> tuple[int, int]:
         return 0, 1
 
 
+class DeviceFault(RuntimeError):
+    """A config faulted on the device while tuned (an illegal memory access, ...)."""
+
+
+def device_fault(err: BaseException) -> bool:
+    """Whether err is a device fault, which leaves the CUDA context unusable (every later CUDA
+    call fails alike): torch.AcceleratorError, a RuntimeError saying "CUDA error" (torch) or
+    "Triton Error [CUDA]" (a Triton launch), not an out-of-memory error nor a config that fails
+    to compile or fit (Triton's OutOfResources)."""
+    if isinstance(err, DeviceFault):
+        return True
+    if isinstance(err, getattr(torch, "OutOfMemoryError", ())) or not isinstance(err, RuntimeError):
+        return False
+    if isinstance(err, getattr(torch, "AcceleratorError", ())):
+        return True
+    msg = str(err)
+    return any(s in msg for s in ("CUDA error", "Triton Error [CUDA]", "illegal memory access", "CUDA_ERROR_"))
+
+
+def _raise_if_fault(err: Exception, k: tuple, cfg: Config) -> None:
+    """Re-raise a device fault at once, naming the config and the kernel form: it is no failing
+    config to skip, as it poisons the context (the next config, or the next CUDA call, would fail
+    with it and hide which launch faulted). An inner pick's DeviceFault passes unchanged."""
+    if isinstance(err, DeviceFault):
+        raise err
+    if device_fault(err):
+        form = k[2] if len(k) > 2 else "?"
+        sizes = dict(k[3]) if len(k) > 3 and isinstance(k[3], tuple) else {}
+        raise DeviceFault(
+            f"autotune: kernel form {form!r} at {sizes} (key {k!r}) faulted on the device with config {cfg}: "
+            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''} -- the CUDA "
+            "context is unusable now, so no other config is tried (CUDA reports a fault at a later call: "
+            "rerun with CUDA_LAUNCH_BLOCKING=1, e.g. bench/gpubench/probe.py, to name the launch)") from err
+
+
 def pick(k: tuple, candidates: list[Config], run) -> Config:
     """The cached config for key k, or the fastest of candidates by timing run(config) (a
-    config that fails to compile or launch, e.g. out of shared memory, is skipped)."""
+    config that fails to compile or launch, e.g. out of shared memory, is skipped; a device
+    fault, which poisons the CUDA context, raises DeviceFault at once)."""
     hit = _CACHE.get(k)
     if hit is not None:
         STATS["memory_hits"] += 1
@@ -237,8 +273,8 @@ def pick(k: tuple, candidates: list[Config], run) -> Config:
                 try:
                     run(cfg)
                     first = first or cfg
-                except Exception:             # noqa: BLE001 - a failing config is not chosen anyway
-                    pass
+                except Exception as err:      # noqa: BLE001 - a failing config is not chosen anyway
+                    _raise_if_fault(err, k, cfg)
         return first or candidates[0]
     hit = _disk_get(k)
     if hit is not None:
@@ -251,6 +287,7 @@ def pick(k: tuple, candidates: list[Config], run) -> Config:
             run(cfg)                          # compile (and check) outside the timed calls
             timings.append((bench(lambda: run(cfg)), cfg))
         except Exception as err:              # noqa: BLE001 - out of resources, a compile error: skip it
+            _raise_if_fault(err, k, cfg)
             timings.append((float("inf"), cfg))
             if len(timings) == len(candidates) and all(t == float("inf") for t, _ in timings):
                 raise err

@@ -205,3 +205,60 @@ def test_a_disk_entry_that_could_not_have_been_written_is_retuned(monkeypatch, t
     data["config"].update(bad)
     path.write_text(json.dumps(data))
     assert autotune._disk_get(k) is None
+
+
+@pytest.mark.parametrize("fault", [
+    lambda: torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+    lambda: RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"),
+    lambda: RuntimeError("CUDA error: misaligned address"),
+], ids=["AcceleratorError", "triton-launch", "RuntimeError"])
+def test_pick_reraises_a_device_fault_at_once(monkeypatch, tmp_path, fault):
+    """A CUDA fault poisons the context: no failing config to skip (every later config would
+    fail with it, the fault blamed on the next CUDA call), so pick raises at once, naming the
+    config and the kernel form; in a nested pick (chunk_size_for's C over chunk_fwd's configs)
+    the inner one's error passes unchanged."""
+    monkeypatch.setenv("MIXC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MIXC_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "_quiet", lambda: False)
+    monkeypatch.setattr(autotune, "bench", lambda fn: (fn(), 1.0)[1])
+    cands = [Config(8, 3, phases=2), Config(4, 3, phases=2), Config(8, 1, phases=1)]
+    calls = []
+
+    def run(cfg):
+        calls.append(cfg)
+        if cfg == cands[1]:
+            raise fault()
+    autotune.clear()
+    with pytest.raises(autotune.DeviceFault, match=r"'chunk_fwd'.*num_warps=4, num_stages=3") as info:
+        autotune.pick(_fake_key(), cands, run)
+    assert calls == [cands[0], cands[0], cands[1]]          # the third config never ran
+    assert isinstance(info.value.__cause__, RuntimeError)
+    k = _fake_key()[:2] + ("chunk",) + _fake_key()[3:]
+    autotune.clear()
+    with pytest.raises(autotune.DeviceFault, match="'chunk_fwd'"):
+        autotune.pick(k, [Config(C=64), Config(C=32)], lambda c: autotune.pick(_fake_key(), cands, run))
+    monkeypatch.setenv("MIXC_AUTOTUNE", "compile")           # compile-only runs stop alike
+    autotune.clear()
+    calls.clear()
+    with pytest.raises(autotune.DeviceFault):
+        autotune.pick(_fake_key(), cands, run)
+    assert calls == cands[:2]
+
+
+def test_pick_still_skips_configs_that_do_not_fit(monkeypatch, tmp_path):
+    """Out of resources, a compile error, out of memory: skipped, not a device fault."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setenv("MIXC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MIXC_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "_quiet", lambda: False)
+    monkeypatch.setattr(autotune, "bench", lambda fn: (fn(), 1.0)[1])
+    errors = {Config(8, 3): OutOfResources(300000, 232448, "shared memory"),
+              Config(4, 3): torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"),
+              Config(4, 2): ValueError("a compile error")}
+    assert not any(autotune.device_fault(e) for e in errors.values())
+
+    def run(cfg):
+        if cfg in errors:
+            raise errors[cfg]
+    autotune.clear()
+    assert autotune.pick(_fake_key(), list(errors) + [Config(8, 1)], run) == Config(8, 1)
