@@ -60,7 +60,7 @@ def scalar(e, sizes: dict, values: dict) -> float:
     if kind == "bin":
         a, b = scalar(e[2], sizes, values), scalar(e[3], sizes, values)
         # only this node's operator: every one at once raised for the others (10.0 ** 400 in
-        # `K + 400`, 0.0 ** -1 in `K - 1`); no finite real value is NaN, refused by the caller
+        # `K + 400` at K = 10, 0.0 ** -1 in `K + -1` at K = 0); no finite real value is NaN, refused by the caller
         if e[1] == "/":
             return a / b if b else math.nan
         if e[1] == "**" and not (a > 0 or float(b).is_integer()):
