@@ -27,12 +27,15 @@ through a numpy view (torch.from_numpy), .data or shared memory changes them wit
 the tensor's _version, and offsets past T make the kernels write outside their buffers. The
 kernels then read a tensor made from the checked values (not the caller's, which could change
 after the check), cached by those values (_FROM_OFFSETS). The cost: N + 1 ints read per call;
-on the CPU (where mixc's docs put cu_seqlens) a copy of a few bytes, on CUDA a device-to-host
-copy that waits for the queued work (a sync). fla reads its cu_seqlens on the host too, to
-build its chunk indices (prepare_chunk_indices, .tolist()), and caches that by the tensor; a
-check that a changed tensor can skip is no memory-safety check, so mixc pays the read. A recipe is kept only for a call whose tensors are
-all inputs and params (a number option passed as a tensor is read, so not in the key) and
-that needs no gradient (those go through autograd on the slow path)."""
+on the CPU a copy of a few bytes, on CUDA a device-to-host copy that waits for the queued work
+(a sync: pass cu_seqlens on the CPU to avoid it; the kernels get a device copy cached by the
+values). fla reads its cu_seqlens on the host too, to build its chunk indices
+(prepare_chunk_indices, .tolist()), but caches that by the tensor; a check that a changed
+tensor can skip is no memory-safety check, so mixc pays the read.
+
+A recipe is kept only for a call whose tensors are all inputs and params (a number option
+passed as a tensor is read, so not in the key) and that needs no gradient (those go through
+autograd on the slow path)."""
 from __future__ import annotations
 
 import os

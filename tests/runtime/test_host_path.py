@@ -298,7 +298,7 @@ def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_repla
     with pytest.raises(ArgumentError, match="non-decreasing"):
         op(**args, cu_seqlens=torch.tensor([0, 7, 6]))
     # one offsets tensor changed in place between replays (what they made from it, PHASE 2's
-    # chunk table too, is kept per tensor and version): the new values are checked and used
+    # chunk table too, is kept by the checked values): the new values are checked and used
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     cu = torch.tensor([0, 2, 6])
     o_first, _ = op(**args, cu_seqlens=cu)
