@@ -54,6 +54,10 @@ def metadata(plan: Plan) -> dict:
         "output": {"name": m.output.name, "shape": list(m.output.expr.shape)},
         # what mixc.runtime.support needs to bind a call and launch the kernels without the spec
         "dim_roots": {d.name: m.root_dim(d.name) for d in m.dims if d.alias_of},
+        # what runtime/binding.py's Signature reads (the binder of mixc.load's op): the options
+        # in the spec's order with their kinds, each alias as declared
+        "option_kinds": {o.name: o.kind for o in m.options},
+        "dim_aliases": {d.name: d.alias_of for d in m.dims if d.alias_of},
         "option_defaults": {o.name: _scalar_tree(o.default) for o in m.options if o.kind == "float"},
         "kernel_states": {s.name: list(s.shape) for s in plan.kernel_ir.states},
         "stabilized": list(plan.stabilizer.states) if plan.stabilizer is not None else [],

@@ -19,12 +19,23 @@ PHASE 2) is one source, allocated once per call. A later call with the same key 
 lookup, the .contiguous() and state .to(float32) of the slow path, allocates the buffers, and
 launches: no bind, no plan or module lookup, no option evaluation.
 
-Every check bind makes depends only on the key, but for the packed offsets' values (checked
-again on replay, as bind does, for each new offsets tensor or in-place change: _FROM_OFFSETS):
-a new shape, dtype, device, flag or number is a new key, which takes the slow path and its
-ArgumentError. A recipe is kept only for a call whose tensors are
-all inputs and params (a number option passed as a tensor is read, so not in the key) and
-that needs no gradient (those go through autograd on the slow path)."""
+Every check bind makes depends only on the key, but for the packed offsets' values, which
+replay checks on every call as bind does (binding.cu_seqlens_values): a new shape, dtype,
+device, flag or number is a new key, which takes the slow path and its ArgumentError. The
+values are read on the host each call, never trusted from a cache keyed by the tensor: a write
+through a numpy view (torch.from_numpy), .data or shared memory changes them without bumping
+the tensor's _version, and offsets past T make the kernels write outside their buffers. The
+kernels then read a tensor made from the checked values (not the caller's, which could change
+after the check), cached by those values (_FROM_OFFSETS). The cost: N + 1 ints read per call;
+on the CPU a copy of a few bytes, on CUDA a device-to-host copy that waits for the queued work
+(a sync: pass cu_seqlens on the CPU to avoid it; the kernels get a device copy cached by the
+values). fla reads its cu_seqlens on the host too, to build its chunk indices
+(prepare_chunk_indices, .tolist()), but caches that by the tensor; a check that a changed
+tensor can skip is no memory-safety check, so mixc pays the read.
+
+A recipe is kept only for a call whose tensors are all inputs and params (a number option
+passed as a tensor is read, so not in the key) and that needs no gradient (those go through
+autograd on the slow path)."""
 from __future__ import annotations
 
 import os
@@ -34,14 +45,14 @@ import torch
 
 from ..derive.kernel_args import LAUNCH_OPTIONS
 from . import launch
-from .signature import _check_cu_seqlens
+from .binding import cu_seqlens_values
 
 _F32 = torch.float32
 MAX_RECIPES = 64          # per op: a serving loop sees a few batch sizes; a key per shape beyond is a leak
-# What replayed packed calls made from their offsets (the values check, the offsets on the
-# device, PHASE 2's chunk table), by what was made: (the offsets tensor, its _version, the
-# result). A model's layers pass one cu_seqlens tensor, so each layer after the first reuses
-# the first's (as fla's tensor_cache); an in-place change bumps _version and makes it anew.
+# What replayed packed calls made from their checked offsets (the offsets on the device, PHASE
+# 2's chunk table), by what was made: (the offsets' values, the result). A model's layers pass
+# one cu_seqlens, so each layer after the first reuses the first's; other values make it anew
+# (one entry per kind of thing made: bounded).
 _FROM_OFFSETS: dict = {}
 
 
@@ -217,9 +228,11 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
     elif isinstance(state, torch.Tensor):
         state = {r.first_state: state}
     device = r.device
-    if r.packed is not None:
-        _from_offsets(("check", r.packed, device), cu_seqlens,
-                      lambda: _check_cu_seqlens(cu_seqlens, *r.packed, (device, r.first_input)))
+    offsets = None
+    if r.packed is not None:            # every call: the values, not the tensor's _version (docstring)
+        values = tuple(cu_seqlens_values(cu_seqlens, *r.packed, (device, r.first_input)))
+        offsets = _from_offsets(("cu", cu_seqlens.dtype, device), values,
+                                lambda: torch.tensor(values, dtype=cu_seqlens.dtype, device=device))
     poison = os.environ.get("MIXC_POISON") == "1"       # as launch._empty: unwritten elements show
     made = []
     for s in r.sources:
@@ -241,9 +254,9 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
         elif kind == "indices":
             t = state_indices
         elif kind == "cu":
-            t = _from_offsets((s, device), cu_seqlens, lambda: cu_seqlens.to(device))
+            t = offsets
         else:                               # "chunk_seq": PHASE 2's table of each slot's sequence
-            t = _from_offsets((s, device), cu_seqlens, lambda: launch.chunk_seqs(cu_seqlens, *s[1:], device))
+            t = _from_offsets((s, device), values, lambda: launch.chunk_seqs(offsets, *s[1:], device))
         made.append(t)
     for ln in r.launches:
         args = ln.args.copy()
@@ -263,12 +276,11 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
     return out, (r.unstabilize({name: made[j] for name, j in r.finals}) if r.finals else None)
 
 
-def _from_offsets(what: tuple, cu: torch.Tensor, make):
-    """make()'s result for these offsets: made again only for another tensor or after an
-    in-place change (_FROM_OFFSETS)."""
+def _from_offsets(what: tuple, values: tuple, make):
+    """make()'s result for these checked offsets' values: made again only for other values."""
     hit = _FROM_OFFSETS.get(what)
-    if hit is not None and hit[0] is cu and hit[1] == cu._version:
-        return hit[2]
+    if hit is not None and hit[0] == values:
+        return hit[1]
     t = make()
-    _FROM_OFFSETS[what] = (cu, cu._version, t)
+    _FROM_OFFSETS[what] = (values, t)
     return t

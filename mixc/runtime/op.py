@@ -37,7 +37,7 @@ from .decode import step_inplace
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
 from .launch import chunk_size_for
-from .signature import ArgumentError, Bound, bind, option_values
+from .signature import ArgumentError, Bound, bind, check_chunking, check_flag_argument, option_values  # noqa: F401
 from .spec_held import HeldBySpec
 
 MODES = ("auto", "recurrent", "chunk", "conv", "torch", "reference")
@@ -74,12 +74,7 @@ class MixerOp(HeldBySpec):
             return cp_call(self, cp_group, kwargs=kwargs, initial_state=initial_state,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                            call=lambda **local: self(**kwargs, mode=mode, CK=CK, chunk=chunk, **local))
-        if isinstance(CK, bool) or not isinstance(CK, int) or CK < 1:
-            raise ArgumentError(f"CK: expected a positive int (tokens per backward checkpoint), got {CK!r}")
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
-                                  or (mode != "torch" and (chunk < 16 or chunk & (chunk - 1)))):
-            want = "a positive int" if mode == "torch" else "a power of two >= 16 (a matmul block)"
-            raise ArgumentError(f"chunk: expected {want}, got {chunk!r}")
+        check_chunking(mode, CK, chunk)          # as a compiled module's (runtime/binding.py)
         key = None
         if ((cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)) and type(mode) is str and type(CK) is int
                 and (chunk is None or type(chunk) is int) and not torch.compiler.is_compiling()):
@@ -254,12 +249,6 @@ def _unstabilize(plan: Plan, st: dict) -> dict:
         x = st[name]
         st[name] = x * torch.exp(mf).reshape(mf.shape + (1,) * (x.dim() - 2))
     return st
-
-
-def check_flag_argument(name: str, value) -> None:
-    """A yes/no argument must be a bool: "no" or a tensor would be taken as true."""
-    if not isinstance(value, bool):
-        raise ArgumentError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
 
 
 def _needs_grad(bound: Bound) -> bool:

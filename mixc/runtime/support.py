@@ -5,7 +5,9 @@ It imports torch and triton only (no spec parsing, no derivation, no code genera
 mixc.dsl, mixc.codegen, sympy or lark, and of mixc.derive only kernel_args, the kernels'
 argument lists: plain Python that builds them from METADATA's names, the one definition the
 code generator printed the signatures from), so a compiled module runs without the compiler,
-and an edit to the module's kernels changes what runs. The launches are the untuned ones
+and an edit to the module's kernels changes what runs. A call's arguments are checked by
+mixc.load's own binder (runtime/binding.py, torch only): what one refuses the other refuses,
+with the same message (tests/runtime/test_compiled_binding.py fuzzes both). The launches are the untuned ones
 mixc.load's op takes under Triton's interpreter: the recurrent kernels (tile and split blocks
 of 32 and 64) and the chunked kernels in one walk (PHASE 0), each with its backward through an
 autograd.Function. mixc.load's op adds the torch and reference backends, autotuning on CUDA,
@@ -15,21 +17,24 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 
 import torch
 import triton
 
 from ..derive.kernel_args import metadata_kernel_args
+from .binding import FLOAT_DTYPES, Signature, bind, check_chunking, check_flag_argument  # noqa: F401
 from .errors import ArgumentError  # noqa: F401  (mixc's own: one class everywhere)
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MODES = ("auto", "chunk", "recurrent")
 RECURRENT_TILE, RECURRENT_SPLIT, CHUNK_TILE = 32, 64, 64       # as runtime/launch.py
 
 
 
 
 _MAX_MIN = {"max": max, "min": min}
+_BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "**": operator.pow}
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,8 +59,16 @@ def scalar(e, sizes: dict, values: dict) -> float:
         return -scalar(e[1], sizes, values)
     if kind == "bin":
         a, b = scalar(e[2], sizes, values), scalar(e[3], sizes, values)
-        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else math.copysign(math.inf, a),
-                "**": a ** b if a > 0 or float(b).is_integer() else math.nan}[e[1]]
+        # only this node's operator: every one at once raised for the others (10.0 ** 400 in
+        # `K + 400` at K = 10, 0.0 ** -1 in `K + -1` at K = 0); no finite real value is NaN, refused by the caller
+        if e[1] == "/":
+            return a / b if b else math.nan
+        if e[1] == "**" and not (a > 0 or float(b).is_integer()):
+            return math.nan
+        try:
+            return _BINARY[e[1]](a, b)
+        except (ZeroDivisionError, OverflowError):
+            return math.nan
     args = [scalar(x, sizes, values) for x in e[2]]
     if e[1] in _MAX_MIN:
         return _MAX_MIN[e[1]](*args)
@@ -105,96 +118,28 @@ class CompiledOp:
     def __init__(self, meta: dict, namespace: dict):
         self.meta, self.ns = meta, namespace
         self.args = metadata_kernel_args(meta)     # each kernel's arguments, in its order
+        self.signature = Signature(meta)           # what the binder reads of the spec
 
     # ---- binding ----
     def _bind(self, kw: dict, state, cu, step: bool) -> Bound:
+        """The call's arguments checked by mixc.load's binder (runtime/binding.py: the same
+        checks and messages), then this module's own: its flags, its option defaults."""
         meta = self.meta
-        kw = dict(kw)
-        lead = ("B", "H") if step else ("B", "T", "H")
-        sizes, device = {}, []
-
-        def check(name, x, names, what):
-            if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-                got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ArgumentError(f"{name}: expected a floating-point tensor [{', '.join(names)}], got {got}")
-            if x.dim() != len(names):
-                raise ArgumentError(f"{name}: {what} of shape [{', '.join(names)}] (rank {len(names)}), "
-                                    f"got shape {list(x.shape)} (rank {x.dim()})")
-            for axis, (d, s) in enumerate(zip(names, x.shape)):
-                if sizes.setdefault(d, s) != s:
-                    raise ArgumentError(f"{name}: dim {d} (axis {axis}) is {s}, but an earlier argument gives "
-                                        f"{d} = {sizes[d]}")
-            if device and x.device != device[0]:
-                raise ArgumentError(f"{name}: on device {x.device}, but the inputs are on {device[0]}")
-            device.append(x.device)
-
-        inputs, params, options, heads = {}, {}, {}, {}
-        for name, shape in meta["inputs"].items():
-            if name not in kw:
-                raise ArgumentError(f"missing input '{name}' of shape [{', '.join(lead + tuple(shape))}]")
-            # each input's heads its own (grouped heads): H is the most, which every input's divide
-            check(name, kw[name], lead[:-1] + (f"{name}:H",) + tuple(shape), "expected an input")
-            inputs[name] = kw.pop(name)
-            heads[name] = sizes.pop(f"{name}:H")
-        if heads:
-            src = max(heads, key=heads.get)
-            sizes["H"] = heads[src]
-            for name, n in heads.items():
-                if (n == 0 and sizes["H"]) or (n and sizes["H"] % n):
-                    raise ArgumentError(f"{name}: has {n} heads, which do not divide H = {sizes['H']} ({src}'s "
-                                        f"heads); head h of a grouped input reads its head h // (H / its heads)")
-        for name, shape in meta["params"].items():
-            if name not in kw:
-                raise ArgumentError(f"missing param '{name}' of shape [{', '.join(('H',) + tuple(shape))}]")
-            check(name, kw[name], ("H",) + tuple(shape), "expected a per-head param")
-            params[name] = kw.pop(name)
-        for name in meta["options"]:
-            v = kw.pop(name, None)
-            if v is not None:
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ArgumentError(f"{name}: expected a number, got {v!r}")
-                options[name] = float(v)
-        for name, value in meta["flags"].items():
-            if name in kw and kw.pop(name) != value:
-                raise ArgumentError(f"{name}: this module is compiled with {name}={value}; compile another "
-                                    f"(`mixc compile` with the flag) for the other value")
-        if kw:
-            raise ArgumentError(f"unexpected argument(s) {', '.join(map(repr, sorted(kw)))} for mixer "
-                                f"'{meta['mixer']}'")
-        for d, root in meta["dim_roots"].items():
-            if d not in sizes and root in sizes:
-                sizes[d] = sizes[root]
-            if sizes.get(d) != sizes.get(root):
-                raise ArgumentError(f"dim {d} = {root}, but the arguments give {d} = {sizes.get(d)} and "
-                                    f"{root} = {sizes.get(root)}")
-        B, H = sizes["B"], sizes["H"]
-        T = 1 if step else sizes["T"]
-        n = B if cu is None else cu.shape[0] - 1
-        if cu is not None and (not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64)
-                               or cu.dim() != 1 or B != 1):
-            raise ArgumentError("cu_seqlens: expected a 1-D int32 or int64 tensor of offsets, with B = 1")
-        init = None
-        if state is not None:
-            if isinstance(state, torch.Tensor) and len(meta["states"]) == 1:
-                state = {next(iter(meta["states"])): state}
-            if not isinstance(state, dict) or set(state) != set(meta["states"]):
-                raise ArgumentError(f"initial_state: expected a dict with the states {', '.join(meta['states'])}")
-            init = {}
-            for name, shape in meta["states"].items():
-                want = (n, H) + tuple(sizes[d] for d in shape)
-                x = state[name]
-                if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
-                    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise ArgumentError(f"initial_state['{name}']: expected shape {list(want)}, got {got}")
-                init[name] = x
-        keep = {k: v for k, v in sizes.items() if k not in ("B", "T", "H")}
+        bound = bind(self.signature, dict(kw, initial_state=state, cu_seqlens=cu), step=step)
+        for name, value in bound.flags.items():
+            if value != meta["flags"][name]:
+                raise ArgumentError(f"{name}: this module is compiled with {name}={meta['flags'][name]}; compile "
+                                    f"another (`mixc compile` with the flag) for the other value")
+        keep = bound.sizes
         opts = {}
         for name in meta["options"]:
-            opts[name] = options[name] if name in options else scalar(meta["option_defaults"][name], keep, opts)
-            if not math.isfinite(opts[name]):
+            opts[name] = (bound.options[name] if name in bound.options
+                          else scalar(meta["option_defaults"][name], keep, opts))
+            if not math.isfinite(opts[name]):       # a default (a value passed is checked finite by bind)
                 at = ", ".join(f"{d} = {v}" for d, v in keep.items())
                 raise ArgumentError(f"option '{name}': its default has no finite real value at {at}; pass {name}=")
-        return Bound(B, T, H, keep, inputs, params, opts, init, cu)
+        return Bound(bound.B, bound.T, bound.H, keep, bound.inputs, bound.params, opts, bound.initial_state,
+                     bound.cu_seqlens)
 
     # ---- launches ----
     def _blocks(self, b: Bound, chunked: bool, C: int) -> tuple[dict, int, int]:
@@ -326,9 +271,14 @@ class CompiledOp:
     # ---- the op ----
     def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
                  mode: str = "auto", CK: int = 32, chunk: int | None = None, **kwargs):
-        if mode not in ("auto", "chunk", "recurrent"):
+        # the checks of mixc.load's op, in its order (runtime/op.py), by the same functions
+        if mode not in MODES:
             raise ArgumentError(f"mode: a compiled module runs its kernels: 'auto', 'chunk' or 'recurrent', got "
                                 f"{mode!r} (mixc.load's op has the torch and reference backends)")
+        check_flag_argument("output_final_state", output_final_state)
+        if "cp_group" in kwargs:
+            raise ArgumentError("cp_group: a compiled module has no context parallelism; use mixc.load's op")
+        check_chunking(mode, CK, chunk)
         b = self._bind(kwargs, initial_state, cu_seqlens, step=False)
         has_chunk = "chunk_fwd" in self.meta["kernels"]
         if mode == "chunk" and not has_chunk:
@@ -336,11 +286,18 @@ class CompiledOp:
                                 f"({self.meta['chunk_unsupported']}); use mode='recurrent'")
         chunked = has_chunk and mode != "recurrent"
         C = (chunk or self.meta["chunk_size"]) if chunked else CK
-        return _run(self, b, chunked, C, bool(output_final_state))
+        return _run(self, b, chunked, C, output_final_state)
 
-    def step(self, *, state, **kwargs):
+    def step(self, *, state, mode: str = "auto", **kwargs):
         """One token per sequence: inputs [B, H, *dims], state the dict from output_final_state.
-        Returns (o [B, H, *dims], new state)."""
+        Returns (o [B, H, *dims], new state). Every mode runs the recurrent kernel (one token)."""
+        if mode not in MODES:
+            raise ArgumentError(f"mode: a compiled module runs its kernels: 'auto', 'chunk' or 'recurrent', got "
+                                f"{mode!r} (mixc.load's op has the torch and reference backends)")
+        if "initial_state" in kwargs:
+            raise ArgumentError("initial_state: step() takes the state as state=..., not initial_state=")
+        if not isinstance(state, (dict, torch.Tensor)):
+            raise ArgumentError("state: step() needs the state dict that output_final_state=True returns")
         b = self._bind(kwargs, state, None, step=True)
         b.inputs = {k: v.unsqueeze(1) for k, v in b.inputs.items()}       # T = 1
         o, st = _run(self, b, False, 32, True)

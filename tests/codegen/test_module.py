@@ -293,3 +293,19 @@ def test_a_compiled_module_raises_mixcs_own_argument_error():
     module's bad argument too (support.py had a class of its own)."""
     from mixc.runtime import signature, support
     assert support.ArgumentError is signature.ArgumentError
+
+
+@pytest.mark.parametrize("tree,sizes,want", [
+    (["bin", "+", ["dim", "K"], ["num", 400]], {"K": 10}, 410.0),      # 10.0 ** 400 was evaluated too
+    (["bin", "+", ["dim", "K"], ["neg", ["num", 1]]], {"K": 0}, -1.0),  # 0.0 ** -1 was evaluated too
+    (["bin", "**", ["dim", "K"], ["num", -1]], {"K": 0}, None),        # no finite value: NaN, not a raise
+    (["bin", "**", ["num", 10], ["dim", "K"]], {"K": 400}, None),
+    (["bin", "/", ["num", 1], ["dim", "K"]], {"K": 0}, None)])
+def test_support_evaluates_only_each_nodes_own_operator(tree, sizes, want):
+    """A compiled module evaluates an option default's nodes one operator each (it computed
+    every operator of a node at once: `K + 400` at K = 10 raised OverflowError from 10.0 ** 400);
+    a node without a finite value is NaN, which the module refuses by the option's name."""
+    import math
+    from mixc.runtime.support import scalar
+    got = scalar(tree, sizes, {})
+    assert math.isnan(got) if want is None else got == want

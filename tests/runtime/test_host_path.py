@@ -298,7 +298,7 @@ def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_repla
     with pytest.raises(ArgumentError, match="non-decreasing"):
         op(**args, cu_seqlens=torch.tensor([0, 7, 6]))
     # one offsets tensor changed in place between replays (what they made from it, PHASE 2's
-    # chunk table too, is kept per tensor and version): the new values are checked and used
+    # chunk table too, is kept by the checked values): the new values are checked and used
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     cu = torch.tensor([0, 2, 6])
     o_first, _ = op(**args, cu_seqlens=cu)
@@ -392,3 +392,54 @@ def test_a_launch_setting_changed_after_a_call_is_not_replayed_past(monkeypatch)
     o2, _ = op(**args)
     assert phases == [4, 1, 2]              # gla stages its intra-chunk matrices (PHASE 4, first)
     torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
+
+
+class _MustNotLaunch:
+    """A kernel that fails the test when launched: replay must refuse the offsets first."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise AssertionError("launched the kernels on offsets that were never checked")
+        return launch
+
+
+@pytest.mark.parametrize("how", ["numpy", "data"])
+def test_replay_checks_offsets_written_without_a_version_bump(how, monkeypatch):
+    """A write through a numpy view of cu_seqlens (torch.from_numpy) or through .data leaves the
+    tensor's _version as it was; replay checked the offsets only on a new _version and launched
+    the kernels on [0, 40, 32] (heap corruption, issue 30). It checks their values every call,
+    and launches on a copy made from the checked values: a valid change gives the bound call's
+    numbers (PHASE 2's chunk table is made from the new values too)."""
+    import numpy as np
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    op = mixc.load("simple_gla")
+    args, _ = random_args(op.ir, B=1, T=32, H=2, sizes={"K": 8, "V": 8}, dtype=torch.float32, seed=31)
+    values = np.array([0, 16, 32], dtype=np.int64)
+    cu = torch.from_numpy(values)
+
+    def write(i, v):
+        if how == "numpy":
+            values[i] = v
+        else:
+            cu.data[i] = v
+    with torch.no_grad():
+        op(**args, cu_seqlens=cu, mode="chunk")                       # recorded
+        op(**args, cu_seqlens=cu, mode="chunk")                       # replayed
+        version = cu._version
+        write(1, 5)
+        assert cu._version == version                                 # what made the cache stale
+        o_fast, _ = op(**args, cu_seqlens=cu, mode="chunk")
+        o_bound, _ = op(**args, cu_seqlens=torch.tensor([0, 5, 32]), mode="chunk", CK=16)   # another key
+        torch.testing.assert_close(o_fast, o_bound, rtol=0, atol=0)
+        for recipe in op._fast.values():
+            for ln in recipe.launches:
+                monkeypatch.setattr(recipe.module, ln.kernel, _MustNotLaunch())
+        write(1, 40)
+        with pytest.raises(ArgumentError, match=r"non-decreasing, got 40 then 32"):
+            op(**args, cu_seqlens=cu, mode="chunk")
+        write(1, -8)
+        with pytest.raises(ArgumentError, match=r"non-decreasing, got 0 then -8"):
+            op(**args, cu_seqlens=cu, mode="chunk")
+        write(2, 64)
+        with pytest.raises(ArgumentError, match=r"must start at 0 and end at T = 32"):
+            op(**args, cu_seqlens=cu, mode="chunk")
