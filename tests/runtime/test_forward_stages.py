@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import mixc
+from mixc import classes
 from mixc.runtime import launch
 from mixc.runtime.inputs import random_args
 from mixc.runtime.signature import bind
@@ -104,13 +105,16 @@ def test_intra_buffer_holds_each_chunks_matrix_by_token_row(monkeypatch):
 @pytest.mark.parametrize("name,sizes", [("mamba2", {"N": 4, "P": 48}), ("mlstm", {"K": 4, "V": 48})],
                          ids=["mamba2-N4-P48", "mlstm-K4-V48"])
 def test_output_tile_blocks_differ_from_the_walks(name, sizes, monkeypatch):
-    """The scalar decay's PHASE 2 takes tile blocks of 32 (classes/scalar.py output_tile), PHASE 1
+    """The scalar decay's PHASE 2 in tile blocks of 32 (classes/scalar.py output_tile), PHASE 1
     blocks of 64 (launch.CHUNK_TILE): a tile dim of 48 (one PHASE 1 block, two PHASE 2 blocks,
     the second partial), B1-T40-H2, C = 16, R = 2, against the float64 reference in forward,
     final state and every gradient: mamba2, and mlstm (a stabilizer and a normalizer n[K]
     without the tile dim, whole in every block)."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
+    # the class's own setting is the walk's blocks since the H200 fault (classes/scalar.py): the
+    # mechanism stays, tested at 32
+    monkeypatch.setattr(type(classes.unit("scalar decay")), "output_tile", 32)
     op = mixc.load(name)
     args, sizes = random_args(op.ir, B=1, T=40, H=2, sizes=sizes, dtype=torch.float32,
                               requires_grad=True, seed=45)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 import mixc
+from mixc import classes
 from mixc.runtime import launch
 from mixc.runtime.inputs import random_args
 
@@ -70,7 +71,8 @@ def test_retention_at_the_cuda_launch_structure_stays_in_bounds(phases, monkeypa
     monkeypatch.setattr(launch, "CHUNK_PHASES", phases)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 4)
     monkeypatch.setattr(launch, "KEY_BLOCK", 32)
-    monkeypatch.setattr(launch, "_dot_code", lambda dtype: {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0))
+    monkeypatch.setattr(launch, "_dot_code", lambda dtype, half=True: {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0))
+    monkeypatch.setattr(type(classes.unit("scalar decay")), "output_tile", 32)      # as on the H200
     op = mixc.load("retention")
     args, _ = random_args(op.ir, B=2, T=150, H=2, sizes={"K": 64, "V": 64}, dtype=torch.bfloat16,
                           requires_grad=True, seed=5)
