@@ -36,6 +36,7 @@ import torch
 
 from .. import classes
 from .cache import load_module
+from .binding import _check_state
 from .signature import ArgumentError, Bound, bind, option_values
 
 
@@ -48,13 +49,22 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
     # Every rank checks its own arguments, then the ranks compare what they must agree on in one
     # small all_gather, before any other collective: a rank that raised alone would leave the
     # others waiting in a collective, and shapes that differ abort gloo's all_gather.
+    # Everything a rank can refuse is checked here, inside the agreement: the initial states too
+    # (a bad one raised on its rank alone and left the others in the all-gather until the
+    # group's timeout), a bare tensor for a one-state spec taken as the op takes it.
     try:
         bound = bind(op.ir, dict(kwargs, initial_state=None, cu_seqlens=None)).expanded()   # grouped heads per head
         fields, refused = describe(op, bound, cu_seqlens), None
+        initial_state = _check_initial_state(op, bound, initial_state, cu_seqlens)
     except ArgumentError as err:
         bound, fields, refused = None, (), str(err)
     lengths = torch.tensor([t for t, _ in agree(group, rank, world, fields, refused, bound.T if bound else 0)],
                            dtype=torch.int64)
+    if (lengths == 0).any():            # every rank sees the same lengths: the same error everywhere
+        empty = [r for r, t in enumerate(lengths.tolist()) if t == 0]
+        raise ArgumentError(f"cp_group: rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
+                            f"hold{'' if len(empty) > 1 else 's'} no tokens (T = 0): give every rank a shard of "
+                            "at least one token, or leave the empty ranks out of the group")
     plan = op.plan(**bound.flags)
     if not plan.layout.torch_chunked:     # Phi comes from the torch form's pieces (its unit's cp_transition)
         raise ArgumentError(f"cp_group: mixer '{op.name}' has no chunked form (its transition is "
@@ -148,6 +158,17 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
 DESCRIPTOR_BYTES = 4096
 
 
+def _check_initial_state(op, bound: Bound, initial_state, cu_seqlens):
+    """The initial states as the op checks them: [B, H, *dims], or [N, H, *dims] for the N
+    sequences of the whole packed stream (every rank passes the same)."""
+    if initial_state is None:
+        return None
+    n = bound.B if cu_seqlens is None else len(cu_seqlens) - 1
+    x0 = next(iter(bound.inputs.values()))
+    return _check_state(op.ir, initial_state, n, bound.H, dict(bound.sizes), packed=cu_seqlens is not None,
+                        devices={"device": (x0.device, next(iter(bound.inputs)))})
+
+
 def describe(op, bound: Bound, cu_seqlens) -> tuple[tuple[str, str], ...]:
     """What every rank must agree on, as (what, value) pairs: the spec, B and H, the dims, each
     tensor's dtype, the options and flags, and the packed stream's offsets. T may differ."""
@@ -161,7 +182,13 @@ def describe(op, bound: Bound, cu_seqlens) -> tuple[tuple[str, str], ...]:
     if cu_seqlens is None:
         out.append(("cu_seqlens", "None"))
     else:
-        cu = torch.as_tensor(cu_seqlens).tolist()
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \
+                or cu_seqlens.dim() != 1 or cu_seqlens.device.type == "meta":
+            got = (f"dtype {cu_seqlens.dtype}, shape {list(cu_seqlens.shape)}, device {cu_seqlens.device}"
+                   if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
+            raise ArgumentError(f"cu_seqlens: expected a 1-D int32 or int64 tensor of the whole packed stream's "
+                                f"offsets, got {got}")
+        cu = cu_seqlens.tolist()
         text = repr(cu) if len(cu) <= 8 else hashlib.sha1(repr(cu).encode()).hexdigest()[:12] + f" ({len(cu)} offsets)"
         out.append(("cu_seqlens", text))
     return tuple(out)

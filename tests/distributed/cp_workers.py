@@ -182,6 +182,23 @@ def disagreeing_ranks(rank: int, world: int, store: str) -> None:
             call("gla", replace={"g": torch.randn(2, 6, 2)} if other else {})
         with pytest.raises(ArgumentError, match="the ranks disagree on spec: rank 0 has gla"):
             call("simple_gla" if other else "gla")
+        # a bad initial state on one rank: refused on every rank, before any other collective (it
+        # raised on that rank alone and left rank 0 in the all-gather until the group's timeout)
+        good = {"S": torch.randn(2, 2, 4, 4)}
+        with pytest.raises(ArgumentError, match=r"cp_group: rank 1 refused its arguments: initial_state\['S'\]: "
+                                                r"expected shape \[B=2, H=2, K=4, V=4\], got \[2, 2, 4, 5\]"):
+            call("gla", initial_state={"S": torch.randn(2, 2, 4, 5)} if other else good)
+        with pytest.raises(ArgumentError, match="cp_group: rank 1 refused its arguments: cu_seqlens: expected a 1-D "
+                                                "int32 or int64 tensor"):
+            call("gla", B=1, cu_seqlens=[0, 3, 12] if other else torch.tensor([0, 3, 12]))
+        # a shard of no tokens: one error on every rank (it crashed that rank, gloo errors elsewhere)
+        with pytest.raises(ArgumentError, match=r"cp_group: rank 1 holds no tokens \(T = 0\)"):
+            call("gla", B=1, T=0 if other else 6, cu_seqlens=torch.tensor([0, 2, 6]))
+        # a bare tensor for a one-state spec, as the op takes it: the same numbers as the dict
+        st = torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(7))
+        o_bare, _ = call("gla", initial_state=st)
+        o_dict, _ = call("gla", initial_state={"S": st})
+        assert torch.equal(o_bare, o_dict)
         # the group still works: an agreeing call, shards of 6 and 5 tokens
         o, _ = call("gla", T=6 - rank)
         assert o.shape == (2, 6 - rank, 2, 4) and torch.isfinite(o).all()
