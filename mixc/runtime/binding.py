@@ -95,6 +95,11 @@ def _check_tensor(name: str, x, expected_names, sizes, what: str, devices: dict,
     not checked here (an input's heads: _bind_heads)."""
     if not isinstance(x, torch.Tensor):
         raise ArgumentError(f"{name}: expected a tensor of shape {_fmt(expected_names)}, got {type(x).__name__}")
+    if x.is_nested or x.layout != torch.strided:
+        kind, fix = (("a nested tensor", "pack sequences of different lengths along T and pass cu_seqlens")
+                     if x.is_nested else (f"layout {x.layout}", "call .to_dense() first"))
+        raise ArgumentError(f"{name}: expected a dense (strided) tensor of shape {_fmt(expected_names)}, got {kind}; "
+                            f"{fix}")
     if x.dtype not in FLOAT_DTYPES:
         raise ArgumentError(f"{name}: expected a floating-point tensor (float16, bfloat16, float32 or "
                             f"float64), got dtype {x.dtype}")

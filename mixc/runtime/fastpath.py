@@ -94,6 +94,8 @@ def step_key(mode, kwargs: dict, state) -> tuple | None:
     key = [mode, torch.is_grad_enabled(), launch.settings()]
     for k, v in kwargs.items():
         if isinstance(v, torch.Tensor):
+            if v.is_nested or v.layout != torch.strided:    # no shape to key: the binder names it
+                return None
             key.append((k, _meta(v)))
         elif v is None or type(v) in (bool, int, float):
             key.append((k, type(v), v))

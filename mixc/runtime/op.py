@@ -88,6 +88,7 @@ class MixerOp(HeldBySpec):
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         device = next(iter(bound.inputs.values())).device
         asked, mode = mode, self._resolve(mode, device)
+        _refuse_meta(bound, mode)
         plan = self._plan_for(bound.flags)
         if mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
             # grouped inputs repeated per head here (the kernels alone read a shared head in place)
@@ -202,6 +203,7 @@ class MixerOp(HeldBySpec):
         bound = bind(self.ir, dict(kwargs, initial_state=state), step=True)
         device = next(iter(bound.inputs.values())).device
         mode = self._resolve(mode, device)
+        _refuse_meta(bound, mode)
         if mode == "conv":            # one token: the convolution form has nothing to gain; the torch step
             mode = "torch"
         if mode == "torch" and self._plan_for(bound.flags).layout.torch_chunked:
@@ -295,3 +297,13 @@ def use_conv_form(plan: Plan, bound) -> bool:
     whose kernel comes from the params alone, from AUTO_MIN_T tokens on (derive/convform.py)."""
     cf = conv_form(plan)
     return cf is not None and cf.fft and bound.T >= AUTO_MIN_T
+
+
+def _refuse_meta(bound, mode: str) -> None:
+    """Tensors on the meta device hold no values: the float64 reference propagates their shapes
+    (a loop of torch ops), every other mode reads values (the torch backend's host checks, the
+    kernels) and raised torch's own errors from inside mixc."""
+    name, x = next(iter(bound.inputs.items()))
+    if x.device.type == "meta" and mode != "reference":
+        raise ArgumentError(f"{name}: on device meta, which holds no values; mode {mode!r} computes on cpu or "
+                            "cuda (mode='reference' propagates meta shapes)")

@@ -178,6 +178,35 @@ def test_mixed_devices(request, spec, change, match):
     _raises(op, args, match, **kw)
 
 
+@pytest.mark.parametrize("mode", ["torch", "recurrent", "chunk", "auto"])
+def test_every_tensor_on_meta_is_refused_where_values_are_read(gla, mode):
+    """Inputs all on the meta device: mode torch raised torch's 'Tensor.item() cannot be called
+    on meta tensors' from inside mixc (issue 30); every mode that reads values names the input,
+    the float64 reference propagates the shapes."""
+    meta = {n: x.to("meta") for n, x in _args(gla).items()}
+    with pytest.raises(ArgumentError, match=rf"q: on device meta, which holds no values; mode '\w+' computes"):
+        gla(**meta, mode=mode)
+    with pytest.raises(ArgumentError, match=r"q: on device meta, which holds no values"):
+        gla.step(**_token(meta), state={"S": torch.zeros(B, H, K, V, device="meta")}, mode=mode)
+    o, _ = gla(**meta, mode="reference")
+    assert o.device.type == "meta" and o.shape == (B, T, H, V)
+
+
+@pytest.mark.parametrize("kind", ["nested", "jagged", "sparse"])
+def test_nested_and_sparse_tensors_are_refused_by_name(gla, kind):
+    """A nested (strided or jagged) or sparse input raised torch's internal errors ('NestedTensorImpl
+    doesn't support sizes', 'expand is unsupported for Sparse tensors')."""
+    args = _args(gla)
+    if kind == "sparse":
+        args["k"] = args["k"].to_sparse()
+        match = r"k: expected a dense \(strided\) tensor of shape \[B, T, H, K\], got layout torch.sparse_coo"
+    else:
+        rows = [args["k"][0], args["k"][0, :3]]
+        args["k"] = torch.nested.nested_tensor(rows, layout=torch.jagged if kind == "jagged" else torch.strided)
+        match = r"k: expected a dense \(strided\) tensor .* got a nested tensor; pack sequences"
+    _raises(gla, args, match)
+
+
 def test_step_state_on_another_device(gla):
     with pytest.raises(ArgumentError, match=r"state\['S'\]: on device meta, but q is on cpu"):
         gla.step(**_token(_args(gla)), state={"S": torch.zeros(B, H, K, V, device="meta")})
