@@ -90,6 +90,7 @@ class MixerOp(HeldBySpec):
             recipe = self._fast.get(key) if key is not None else None
             if recipe is not None:
                 return fastpath.run_step(recipe, kwargs, initial_state, cu_seqlens=cu_seqlens)
+        _refuse_option_gradients(self.ir, kwargs)
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         device = next(iter(bound.inputs.values())).device
         asked, mode = mode, self._resolve(mode, device)
@@ -200,6 +201,7 @@ class MixerOp(HeldBySpec):
             raise ArgumentError(f"inplace: expected True or False, got {inplace!r}")
         if state_indices is not None and not inplace:
             raise ArgumentError("state_indices: a cache of slots is updated in place; pass inplace=True too")
+        _refuse_option_gradients(self.ir, kwargs)
         if inplace:
             return step_inplace(self, state=state, state_indices=state_indices, mode=mode, kwargs=kwargs)
         if not isinstance(state, (dict, torch.Tensor)):
@@ -254,6 +256,19 @@ def _unstabilize(plan: Plan, st: dict) -> dict:
         x = st[name]
         st[name] = x * torch.exp(mf).reshape(mf.shape + (1,) * (x.dim() - 2))
     return st
+
+
+def _refuse_option_gradients(mixer, kwargs: dict) -> None:
+    """A number option is a constant of the call (read as a float, a kernel scalar): given as a
+    tensor that requires grad, its gradient would silently be lost (issue 30)."""
+    if not torch.is_grad_enabled():
+        return
+    for opt in mixer.options:
+        v = kwargs.get(opt.name)
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            raise ArgumentError(f"{opt.name}: a tensor that requires grad, but number options are constants of "
+                                "the call (read as a float), so no gradient would reach it; pass a float (or "
+                                ".detach() it), or make it a `param` of the spec to learn it")
 
 
 def check_flag_argument(name: str, value) -> None:
