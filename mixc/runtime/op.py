@@ -297,9 +297,12 @@ def _state_dtype(st, bound):
 
 
 def _compute_dtype(bound) -> torch.dtype:
-    """The torch backend computes in float32 at least (bf16/fp16 inputs are upcast)."""
-    dtypes = {x.dtype for x in bound.inputs.values()}
-    return torch.float64 if dtypes == {torch.float64} else torch.float32
+    """The torch backend computes in float32 at least (bf16/fp16 inputs are upcast), in float64
+    where any input or param is float64: torch's type promotion (float64 q, k, v with a float32
+    gate, as Kimi-Linear's layer passes them, were computed in float32, issue 30). The output
+    keeps the first input's dtype, as fla's ops return q's."""
+    dtypes = {x.dtype for x in (*bound.inputs.values(), *bound.params.values())}
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 @lru_cache(maxsize=256)
