@@ -102,7 +102,8 @@ class MixerOp(HeldBySpec):
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode == "torch" and plan.layout.torch_chunked:
             o, st = torch_chunked(plan, bound.expanded(), output_final_state=output_final_state,
-                                  dtype=_compute_dtype(bound), C=chunk)          # None: the torch backend's own C
+                                  dtype=_compute_dtype(bound), C=_clamp_chunk(chunk, bound.T, False))
+            # chunk None: the torch backend's own C
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
@@ -119,7 +120,7 @@ class MixerOp(HeldBySpec):
                     raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
                                         "use mode='recurrent'")
             else:
-                C = chunk_size_for(plan, bound) if chunk is None else chunk
+                C = chunk_size_for(plan, bound) if chunk is None else _clamp_chunk(chunk, bound.T, True)
                 return self._kernels_recorded(key, kwargs, bound, output_final_state, C, True)
         return self._kernels_recorded(key, kwargs, bound, output_final_state, CK, False)
 
@@ -188,13 +189,13 @@ class MixerOp(HeldBySpec):
         A step whose arguments look like an earlier kernel step's (shapes, dtypes, devices, flags
         and numbers: runtime/fastpath.py) replays that step's launch without binding again."""
         key = None
+        if mode not in MODES:       # before the fast path's key: a list there was a TypeError (unhashable)
+            raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
         if inplace is False and state_indices is None and not torch.compiler.is_compiling():
             key = fastpath.step_key(mode, kwargs, state)
             recipe = self._fast.get(key) if key is not None else None
             if recipe is not None:
                 return fastpath.run_step(recipe, kwargs, state)
-        if mode not in MODES:
-            raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
         if "initial_state" in kwargs:
             raise ArgumentError("initial_state: step() takes the state as state=..., not initial_state=")
         if not isinstance(inplace, bool):
@@ -294,6 +295,17 @@ def _state_dtype(st, bound):
     gradients that flow through it)."""
     dtype = _compute_dtype(bound)
     return {k: v.to(dtype) for k, v in st.items()} if st is not None else None
+
+
+def _clamp_chunk(chunk: int | None, T: int, kernel: bool) -> int | None:
+    """A chunk past the sequence computes what one of T tokens does (the kernels': the power of
+    two >= T, at least 16), so it is clamped there: chunk=10**6 at T = 8 allocated 62.5 GB in
+    the torch backend, and 2**20 passed Triton's block limit (issue 30)."""
+    if chunk is None:
+        return None
+    if not kernel:
+        return min(chunk, max(T, 1))
+    return min(chunk, max(16, 1 << max(T - 1, 0).bit_length()))
 
 
 def _compute_dtype(bound) -> torch.dtype:
