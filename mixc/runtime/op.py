@@ -95,12 +95,17 @@ class MixerOp(HeldBySpec):
         device = next(iter(bound.inputs.values())).device
         asked, mode = mode, self._resolve(mode, device)
         plan = self._plan_for(bound.flags)
-        if mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
+        # no sequence or no head (B = 0, H = 0): the token loop returns the empty outputs the
+        # kernels do; the chunked and convolution forms' reshapes could not infer a size of 0
+        empty = bound.B == 0 or bound.H == 0
+        if empty and mode in ("conv", "torch"):
+            mode = "torch"
+        elif mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
             # grouped inputs repeated per head here (the kernels alone read a shared head in place)
             o, st = conv_forward(plan, bound.expanded(), output_final_state=output_final_state,
                                  dtype=_compute_dtype(bound))
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
-        if mode == "torch" and plan.layout.torch_chunked:
+        if mode == "torch" and plan.layout.torch_chunked and not empty:
             o, st = torch_chunked(plan, bound.expanded(), output_final_state=output_final_state,
                                   dtype=_compute_dtype(bound), C=_clamp_chunk(chunk, bound.T, False))
             # chunk None: the torch backend's own C

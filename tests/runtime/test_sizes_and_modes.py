@@ -36,3 +36,26 @@ def test_a_mode_that_is_not_a_string_is_named(call):
         else:
             state = {"S": torch.zeros(1, 2, 4, 4)}
             op.step(**one, state=state, mode=["auto"], inplace=call == "step-inplace")
+
+
+def _recurrences():
+    from mixc.dsl import library_names
+    return library_names("recurrent")
+
+
+@pytest.mark.parametrize("B,H", [(0, 2), (2, 0)], ids=["B0", "H0"])
+@pytest.mark.parametrize("name", _recurrences())
+def test_the_torch_backend_returns_empty_outputs_for_no_sequence_or_head(name, B, H):
+    """B = 0 or H = 0 in mode torch: op() and step() return empty outputs and states of the
+    reference's shapes (the chunked and convolution forms raised reshape errors, issue 30)."""
+    op = mixc.load(name)
+    args, sizes = random_args(op.ir, B=B, T=5, H=H, sizes={"K": 4, "V": 4, "N": 4, "P": 4, "D": 4},
+                              dtype=torch.float32, seed=37)
+    want_o, want = op(**args, mode="reference", output_final_state=True)
+    o, st = op(**args, mode="torch", output_final_state=True)
+    assert o.shape == want_o.shape and o.numel() == 0
+    assert {k: v.shape for k, v in st.items()} == {k: v.shape for k, v in want.items()}
+    names = {d.name for d in op.ir.inputs}
+    o1, st1 = op.step(**{k: (v[:, 0] if k in names else v) for k, v in args.items()}, state=st, mode="torch")
+    assert o1.shape == want_o[:, 0].shape
+    assert {k: v.shape for k, v in st1.items()} == {k: v.shape for k, v in want.items()}
