@@ -9,7 +9,7 @@ from collections import defaultdict
 
 from ..dsl import ir
 from ..dsl.functions import FUNCTIONS
-from .triton_expr import Emitter, canon, expand, number
+from .triton_expr import Emitter, canon, constant_exponent, expand, number
 
 
 def leaf_key(e: ir.Expr) -> tuple[str, str] | None:
@@ -157,14 +157,17 @@ class Adjoint:
         # power
         ov, od = self.val(node)
         O = expand(ov, od, full)
-        if isinstance(b, ir.Num):
-            p = b.value
-            if p == int(p) and 1 <= p <= 5:         # p a^(p-1) as a product: exact at a = 0
-                code = f"{G} * {number(p)}" + "".join(f" * {A}" for _ in range(int(p) - 1))
+        p = constant_exponent(b)
+        if p is not None:
+            if p == int(p):             # p a^(p-1), itself an integer power: right for a <= 0
+                if p == 0:
+                    return []
+                pm1, _ = self.out.int_power(A, full, int(p) - 1)
+                code = f"{G} * {number(p)} * {pm1}"
             elif p == 0.5:
                 code = f"{G} * 0.5 / {O}"
-            else:
-                code = f"{G} * {number(p)} * {O} / {A}"
+            else:                       # p a^(p-1) as a power, not p O / a: 0/0 at a = 0
+                code = f"{G} * {number(p)} * tl.exp({number(p - 1)} * tl.log({A}))"
             return [(a, unb(self.emit(code, full), ad))]
         out = []
         if isinstance(a, ir.Num):

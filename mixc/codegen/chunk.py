@@ -69,6 +69,7 @@ class ChunkCode:
         self.states = tuple(self._stabilized(st) for st in plan.states)
         self.extra: dict[str, dict[str, str]] = {}      # state -> its class's own matrices (rank-1: L, R)
         self.row_vectors: set[str] = set()               # of those, the [C] vectors (row_vector)
+        self.g_axes: dict[str, tuple[str, ...] | None] = {}      # state -> its log decay's axes
         self.tile = plan.layout.tile
         # the forward stages its intra-chunk matrices (PHASE 4 -> PHASE 2: hooks sets it; the
         # backward, which reuses forward_body, computes them): intra_slot hands out their places
@@ -212,7 +213,7 @@ class ChunkCode:
             g = None
             unit = classes.unit(st.transition)
             self.extra[st.name] = unit.chunk_inputs(self, st, em, kd)
-            g_axes = unit.decay_axes(st, kd, vd)
+            g_axes = self.g_axes[st.name] = unit.decay_axes(st, kd, vd)
             if g_axes is not None:                # the log decay: [C] or [C, key or value axes]
                 gv = em(pieces.log_decay)
                 if not g_axes:
@@ -363,6 +364,12 @@ class ChunkCode:
         # counts, not 0/1: a count sums over the key dim's blocks (codegen/key_split.py)
         checks = [f"tl.where(tl.abs({x}) < float('inf'), 0.0, 1.0)" if x in self.row_vectors else
                   f"tl.sum(tl.where(tl.abs({x}) < float('inf'), 0.0, 1.0), axis=1)" for _, x in parts]
+        if g is not None:
+            # a NaN or +inf log decay (-inf is a reset) makes its token bad as a key does, and is
+            # 0 in b: its NaN in b_C or a reference row reached the earlier rows (issue 30)
+            checks.append(f"tl.where({g} < float('inf'), 0.0, 1.0)" if g in self.row_vectors else
+                          f"tl.sum(tl.where({g} < float('inf'), 0.0, 1.0), axis=1)")
+            parts = parts + [("V" if set(self.g_axes[n]) & set(vd) else "G", g)]
         if self.staged and any(role == "V" for role, _ in parts) and len(parts) > 1:
             # PHASE 4 (the intra-chunk matrices of every tile block at once) zeroes the keys
             # that are not finite only: one tile block's values must not zero another's keys
@@ -386,6 +393,10 @@ class ChunkCode:
         else:
             lines = [f"{I}_bad_{n} = {' + '.join(checks)}"]
         clean = {}
+        if g is not None:
+            parts.pop()
+            lines.append(f"{I}_gc_{n} = tl.where({g} < float('inf'), {g}, 0.0)")
+            g = f"_gc_{n}"
         for role, x in parts:
             clean[role] = f"_{role}c_{n}"
             bad = f"_badv_{n}" if role == "V" and n in self.badv else f"_bad_{n}"

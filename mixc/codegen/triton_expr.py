@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from ..dsl import ir
+from ..dsl import ir, scalar
 from ..dsl.functions import FUNCTIONS
 
 
@@ -26,6 +26,20 @@ def expand(var: str, have: tuple[str, ...], want: tuple[str, ...]) -> str:
     if have == want or not have:
         return var
     return f"{var}[{', '.join(':' if d in have else 'None' for d in want)}]"
+
+
+# integer powers beyond this many are taken as exp(p log |a|) with a's sign: by squaring they
+# would cost 2 log2(p) multiplications, and their values over- or underflow past it anyway
+MAX_MULTIPLIED_POWER = 64
+
+
+def constant_exponent(e: ir.Expr) -> float | None:
+    """The value of an exponent made of numbers only (`-1` is Neg(Num 1), `1/16` a BinOp),
+    None when it reads anything known only at run time (a dim, an option, an input)."""
+    try:
+        return scalar.evaluate(e)
+    except (scalar.NotConstant, scalar.ScalarError):
+        return None
 
 
 def number(v: float) -> str:
@@ -116,19 +130,47 @@ class Emitter:
 
     def power(self, e: ir.BinOp):
         a, da = self(e.left)
-        if isinstance(e.right, ir.Num):
-            p = e.right.value
-            if p == int(p) and 0 < abs(p) <= 4:
-                prod = " * ".join([a] * int(abs(p)))
-                return self.emit(prod if p > 0 else f"1.0 / ({prod})", da)
+        p = constant_exponent(e.right)
+        if p is not None:
+            if p == int(p):
+                return self.int_power(a, da, int(p))
             if p == 0.5:
                 return self.emit(f"tl.sqrt({a})", da)
             if p == -0.5:
                 return self.emit(f"1.0 / tl.sqrt({a})", da)
+            # a fractional power of a negative number has no real value: NaN, as in torch
+            return self.emit(f"tl.exp({number(p)} * tl.log({a}))", da)
         b, db = self(e.right)
-        if isinstance(e.left, ir.Num) and e.left.value > 0:
+        if isinstance(e.left, ir.Num) and e.left.value > 0:         # a base provably > 0
             return self.emit(f"tl.exp({b} * {number(math.log(e.left.value))})", db)
-        return self.emit(f"tl.exp({b} * tl.log({a}))", da)     # fractional powers need a > 0
+        # an exponent known only at run time: |a| ** b, negated for a < 0 and an odd integer b,
+        # NaN for a < 0 and a fractional b (torch.pow's values; exp(b log a) was NaN for all a < 0)
+        out = canon(self.order, set(da) | set(db))
+        A, B = expand(a, da, out), expand(b, db, out)
+        m, _ = self.emit(f"tl.exp({B} * tl.log(tl.abs({A})))", out)
+        odd, _ = self.emit(f"{B} - 2.0 * tl.floor(0.5 * {B}) == 1.0", out)
+        neg, _ = self.emit(f"tl.where({B} == tl.floor({B}), tl.where({odd}, -{m}, {m}), float('nan'))", out)
+        return self.emit(f"tl.where({A} < 0.0, {neg}, {m})", out)
+
+    def int_power(self, a: str, dims: tuple[str, ...], p: int) -> tuple[str, tuple[str, ...]]:
+        """a ** p for an integer p, right for every sign of a (exp(p log a) is NaN for a < 0):
+        by repeated squaring up to |p| = MAX_MULTIPLIED_POWER, beyond by exp(p log |a|) with the
+        sign of a for an odd p; a reciprocal for p < 0."""
+        if p == 0:
+            return number(1.0), ()          # torch's x ** 0 = 1 for every x (inf and NaN too)
+        n = abs(p)
+        if n > MAX_MULTIPLIED_POWER:
+            m, _ = self.emit(f"tl.exp({number(float(p))} * tl.log(tl.abs({a})))", dims)
+            return self.emit(f"tl.where({a} < 0.0, -{m}, {m})", dims) if n % 2 else (m, dims)
+        result, square = None, a
+        while True:
+            if n & 1:
+                result = square if result is None else self.emit(f"{result} * {square}", dims)[0]
+            n >>= 1
+            if not n:
+                break
+            square, _ = self.emit(f"{square} * {square}", dims)
+        return self.emit(f"1.0 / {result}", dims) if p < 0 else (result, dims)
 
     def x_Contract(self, e: ir.Contract):
         (a, da), (b, db) = self(e.left), self(e.right)

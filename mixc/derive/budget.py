@@ -6,6 +6,7 @@ and a spec past either gets a SpecError at the line it was deriving, not a hang.
 MIXC_DERIVE_SECONDS sets the time (default 60 s: the library derives in well under 1 s each)."""
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -21,11 +22,26 @@ DERIVE_SECONDS = 60.0
 MAX_EXPR_NODES = 200_000
 
 
+def env_seconds() -> float:
+    """MIXC_DERIVE_SECONDS, checked: a finite number >= 0 (0 refuses every derivation, as the
+    tests use it); `abc` was float()'s bare ValueError, which named no variable."""
+    text = os.environ.get("MIXC_DERIVE_SECONDS")
+    if text is None:
+        return DERIVE_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 <= value < math.inf):
+        raise ValueError(f"MIXC_DERIVE_SECONDS: expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 class Budget:
     def __init__(self, mixer: ir.MixerIR, seconds: float | None = None):
         self.mixer = mixer
         if seconds is None:
-            seconds = float(os.environ.get("MIXC_DERIVE_SECONDS", DERIVE_SECONDS))
+            seconds = env_seconds()
         self.seconds = seconds
         self.start = time.perf_counter()
         self.memo: dict = {}

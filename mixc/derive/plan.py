@@ -292,7 +292,7 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     combine = conv(combine_ir)
     budget.check(spec.output.span, "the output", combine)
     readout_syms = {sp.Symbol(r.name, real=True) for r in r_plans}
-    kind = _combine_kind(combine, readout_syms)
+    kind = _combine_kind(combine, readout_syms, table.nodes)
     out = OutputPlan(spec.output.name, spec.output.expr.shape, tuple(r_plans), combine, kind,
                      _partials(spec.output.name, combine, table, ("input", "param", "node", "let", "readout")),
                      combine_ir)
@@ -321,13 +321,33 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     return replace(plan, layout=kernel_layout(plan))
 
 
-def _combine_kind(combine: sp.Expr, readout_syms) -> str:
-    if all(sp.diff(combine, r, 2) == 0 for r in readout_syms):
-        cross = any(sp.diff(combine, a, b) != 0 for a in readout_syms for b in readout_syms if a != b)
+def _combine_kind(combine: sp.Expr, readout_syms, nodes=None) -> str:
+    """linear, normalized or nonlinear in the readouts. A node over the readouts (a sum, a
+    max, a norm, a dot) is a symbol to sp.diff, which took `r / max(abs(r), P)` and a softmax
+    over a readout for linear (issue 30: the recurrent kernels then split a dim into blocks
+    and summed out(S_j) - out(0), 0/0). A linear node of readouts (a sum, a rename, a dot
+    with a readout-free side) counts as one more readout; any other makes the combine
+    nonlinear."""
+    nodes = nodes or {}
+    syms = set(readout_syms)
+
+    def reads(e: sp.Expr) -> bool:
+        return any(x in readout_syms or (x in nodes and any(reads(o) for o in nodes[x].operands))
+                   for x in e.free_symbols)
+    for x in combine.free_symbols:
+        if x in nodes and reads(x):
+            nd = nodes[x]
+            over = [o for o in nd.operands if reads(o)]
+            if nd.kind not in ("sum", "rename", "dot") or len(over) > 1 or \
+                    _combine_kind(over[0], readout_syms, nodes) != "linear":
+                return "nonlinear"
+            syms.add(x)
+    if all(sp.diff(combine, r, 2) == 0 for r in syms):
+        cross = any(sp.diff(combine, a, b) != 0 for a in syms for b in syms if a != b)
         if not cross:
             return "linear"
     num, den = sp.fraction(sp.together(combine))
-    if all(sp.diff(num, r, 2) == 0 for r in readout_syms) and den.free_symbols & readout_syms:
+    if all(sp.diff(num, r, 2) == 0 for r in syms) and den.free_symbols & syms:
         return "normalized"
     return "nonlinear"
 

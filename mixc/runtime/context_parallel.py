@@ -94,6 +94,10 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
         cuts, seq_ids, enters, local_cu = [0, T], None, rank > 0, None
     n_local = len(cuts) - 1
 
+    # the states' dtype as a call without cp_group keeps it: float64 for float64 inputs (a
+    # float32 cast here cost float64 callers 1e-8 against 1e-16, issue 30), float32 otherwise
+    state_dtype = torch.float64 if x0.dtype == torch.float64 else torch.float32
+
     def local_init(entering):
         """Initial states of the local sequences: `entering` for one that entered from the previous
         shard, the given initial state for one that starts here, zeros where none is given."""
@@ -111,8 +115,8 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
                     rows.append(given if seq_ids is None else given[seq_ids[i]:seq_ids[i] + 1])
                 else:
                     n = bound.B if seq_ids is None else 1
-                    rows.append(torch.zeros((n, bound.H) + shape, dtype=torch.float32, device=x0.device))
-            out[s.name] = torch.cat(rows, 0).to(torch.float32)
+                    rows.append(torch.zeros((n, bound.H) + shape, dtype=state_dtype, device=x0.device))
+            out[s.name] = torch.cat([r.to(state_dtype) for r in rows], 0)
         return out
 
     # 1. this shard from what it knows
@@ -124,8 +128,7 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
     # 2. one all-gather of every rank's summary and its shape of segments
     flat = [Z[s.name] for s in op.ir.states] + [Phi[s.name] for s in op.ir.states]
     sizes = [t.numel() for t in flat]
-    packed = torch.cat([t.reshape(-1).to(torch.float64 if x0.dtype == torch.float64 else torch.float32)
-                        for t in flat])
+    packed = torch.cat([t.reshape(-1).to(state_dtype) for t in flat])
     everyone = _AllGather.apply(packed, group)
     meta = torch.tensor([n_local, int(enters)], dtype=torch.int64)
     metas = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]

@@ -17,6 +17,7 @@ import torch
 from ..derive.plan import Plan
 from .launch import (checkpoint_dtype, checkpoint_every, checkpoint_slots, chunk_backward, chunk_forward,
                      recurrent_backward, recurrent_forward)
+from .errors import ArgumentError
 from .signature import Bound, head_groups
 
 _OPS: dict[tuple, object] = {}
@@ -192,6 +193,13 @@ class _EagerKernels(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            # create_graph=True: the kernels' backward records no graph, so a second derivative
+            # (a gradient penalty) would silently lose this op's term (issue 30)
+            raise ArgumentError(
+                "create_graph: a second derivative through mixc's kernels (modes 'chunk', 'recurrent', 'auto' "
+                "on a GPU) is not supported: their backward records no graph. Call the op with mode='torch' "
+                "(or 'reference'), which supports create_graph=True")
         dins, dpars, dinit, *_ = ctx.backward_impl(ctx, list(grads))
         n_init = ctx.counts[2]
         dinit = list(dinit) if dinit else [None] * n_init

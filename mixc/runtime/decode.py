@@ -51,6 +51,7 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
     buffers = _state_dict(m, state)
     bound = bind(m, dict(kwargs), step=True)
     x0 = next(iter(bound.inputs.values()))
+    _refuse_gradients(bound, buffers)
     idx = _check_indices(state_indices, bound.B, x0.device)
     rows = _check_buffers(m, buffers, bound, idx, x0.device)
     if idx is not None:
@@ -79,6 +80,19 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
             else:
                 v.copy_(new[k])
     return o, state
+
+
+def _refuse_gradients(bound, buffers) -> None:
+    """An in-place step writes the cache outside autograd: an input, param or state that
+    requires grad (with grad enabled) would silently get none back through it (issue 30)."""
+    if not torch.is_grad_enabled():
+        return
+    named = [*bound.inputs.items(), *bound.params.items(), *((f"state['{k}']", v) for k, v in buffers.items())]
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ArgumentError(f"{name}: requires grad, but op.step(..., inplace=True) updates the state in "
+                                "place outside autograd, so no gradient would flow back; use inplace=False (it "
+                                "returns the new state, with gradients) or call under torch.no_grad()")
 
 
 def _needs_grad(bound) -> bool:

@@ -85,19 +85,26 @@ class MixerOp(HeldBySpec):
             recipe = self._fast.get(key) if key is not None else None
             if recipe is not None:
                 return fastpath.run_step(recipe, kwargs, initial_state, cu_seqlens=cu_seqlens)
+        _refuse_option_gradients(self.ir, kwargs)
         bound = bind(self.ir, dict(kwargs, initial_state=initial_state, cu_seqlens=cu_seqlens))
         device = next(iter(bound.inputs.values())).device
         asked, mode = mode, self._resolve(mode, device)
         _refuse_meta(bound, mode)
         plan = self._plan_for(bound.flags)
-        if mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
+        # no sequence or no head (B = 0, H = 0): the token loop returns the empty outputs the
+        # kernels do; the chunked and convolution forms' reshapes could not infer a size of 0
+        empty = bound.B == 0 or bound.H == 0
+        if empty and mode in ("conv", "torch"):
+            mode = "torch"
+        elif mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
             # grouped inputs repeated per head here (the kernels alone read a shared head in place)
             o, st = conv_forward(plan, bound.expanded(), output_final_state=output_final_state,
                                  dtype=_compute_dtype(bound))
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
-        if mode == "torch" and plan.layout.torch_chunked:
+        if mode == "torch" and plan.layout.torch_chunked and not empty:
             o, st = torch_chunked(plan, bound.expanded(), output_final_state=output_final_state,
-                                  dtype=_compute_dtype(bound), C=chunk)          # None: the torch backend's own C
+                                  dtype=_compute_dtype(bound), C=_clamp_chunk(chunk, bound.T, False))
+            # chunk None: the torch backend's own C
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
@@ -114,7 +121,7 @@ class MixerOp(HeldBySpec):
                     raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
                                         "use mode='recurrent'")
             else:
-                C = chunk_size_for(plan, bound) if chunk is None else chunk
+                C = chunk_size_for(plan, bound) if chunk is None else _clamp_chunk(chunk, bound.T, True)
                 return self._kernels_recorded(key, kwargs, bound, output_final_state, C, True)
         return self._kernels_recorded(key, kwargs, bound, output_final_state, CK, False)
 
@@ -183,19 +190,20 @@ class MixerOp(HeldBySpec):
         A step whose arguments look like an earlier kernel step's (shapes, dtypes, devices, flags
         and numbers: runtime/fastpath.py) replays that step's launch without binding again."""
         key = None
+        if mode not in MODES:       # before the fast path's key: a list there was a TypeError (unhashable)
+            raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
         if inplace is False and state_indices is None and not torch.compiler.is_compiling():
             key = fastpath.step_key(mode, kwargs, state)
             recipe = self._fast.get(key) if key is not None else None
             if recipe is not None:
                 return fastpath.run_step(recipe, kwargs, state)
-        if mode not in MODES:
-            raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
         if "initial_state" in kwargs:
             raise ArgumentError("initial_state: step() takes the state as state=..., not initial_state=")
         if not isinstance(inplace, bool):
             raise ArgumentError(f"inplace: expected True or False, got {inplace!r}")
         if state_indices is not None and not inplace:
             raise ArgumentError("state_indices: a cache of slots is updated in place; pass inplace=True too")
+        _refuse_option_gradients(self.ir, kwargs)
         if inplace:
             return step_inplace(self, state=state, state_indices=state_indices, mode=mode, kwargs=kwargs)
         if not isinstance(state, (dict, torch.Tensor)):
@@ -253,6 +261,19 @@ def _unstabilize(plan: Plan, st: dict) -> dict:
     return st
 
 
+def _refuse_option_gradients(mixer, kwargs: dict) -> None:
+    """A number option is a constant of the call (read as a float, a kernel scalar): given as a
+    tensor that requires grad, its gradient would silently be lost (issue 30)."""
+    if not torch.is_grad_enabled():
+        return
+    for opt in mixer.options:
+        v = kwargs.get(opt.name)
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            raise ArgumentError(f"{opt.name}: a tensor that requires grad, but number options are constants of "
+                                "the call (read as a float), so no gradient would reach it; pass a float (or "
+                                ".detach() it), or make it a `param` of the spec to learn it")
+
+
 def _needs_grad(bound: Bound) -> bool:
     return any(t.requires_grad for t in (*bound.inputs.values(), *bound.params.values(),
                                          *(bound.initial_state or {}).values()))
@@ -272,10 +293,24 @@ def _state_dtype(st, bound):
     return {k: v.to(dtype) for k, v in st.items()} if st is not None else None
 
 
+def _clamp_chunk(chunk: int | None, T: int, kernel: bool) -> int | None:
+    """A chunk past the sequence computes what one of T tokens does (the kernels': the power of
+    two >= T, at least 16), so it is clamped there: chunk=10**6 at T = 8 allocated 62.5 GB in
+    the torch backend, and 2**20 passed Triton's block limit (issue 30)."""
+    if chunk is None:
+        return None
+    if not kernel:
+        return min(chunk, max(T, 1))
+    return min(chunk, max(16, 1 << max(T - 1, 0).bit_length()))
+
+
 def _compute_dtype(bound) -> torch.dtype:
-    """The torch backend computes in float32 at least (bf16/fp16 inputs are upcast)."""
-    dtypes = {x.dtype for x in bound.inputs.values()}
-    return torch.float64 if dtypes == {torch.float64} else torch.float32
+    """The torch backend computes in float32 at least (bf16/fp16 inputs are upcast), in float64
+    where any input or param is float64: torch's type promotion (float64 q, k, v with a float32
+    gate, as Kimi-Linear's layer passes them, were computed in float32, issue 30). The output
+    keeps the first input's dtype, as fla's ops return q's."""
+    dtypes = {x.dtype for x in (*bound.inputs.values(), *bound.params.values())}
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 @lru_cache(maxsize=256)

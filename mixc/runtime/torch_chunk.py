@@ -7,6 +7,8 @@ readouts, its update, the rank-1 solve) is its unit's torch form (mixc/classes/<
 looked up by TORCH_STATES' "class")."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import classes
@@ -106,7 +108,8 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
         for c0 in range(start, end, C):
             c1 = min(c0 + C, end)
             ci += 1
-            K_, V_, L_, R_ = ({n: v[ci] for n, v in ch[k].items() if v is not None} for k in ("K", "V", "L", "R"))
+            K_, V_, L_, R_, g_ = ({n: v[ci] for n, v in ch[k].items() if v is not None}
+                                  for k in ("K", "V", "L", "R", "g"))
             # causality under non-finite input: the key-side rows of a token holding inf or NaN
             # are zeroed before the matmuls, and the readouts from that token on are NaN
             gi = ch_gate[ci] if TORCH_STABILIZED else None
@@ -114,6 +117,12 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
             bad = {}
             for name in TORCH_STATES:
                 bad[name] = _nonfinite_rows(K_[name], V_[name], L_.get(name), R_.get(name))
+                if name in g_:
+                    # a NaN or +inf log decay (-inf is a reset): its token is bad too and its
+                    # log 0 in the chunk's sums, where its NaN reached the earlier rows (issue 30)
+                    g_bad = ~(g_[name] < math.inf)
+                    bad[name] = bad[name] | (g_bad.flatten(3).any(-1) if g_bad.dim() > 3 else g_bad)
+                    g_[name] = g_[name].masked_fill(g_bad, 0.0)
                 if name in TORCH_STABILIZED:
                     bad[name] = bad[name] | gate_bad
                 for part in (K_, V_, L_, R_):
@@ -125,8 +134,8 @@ def torch_forward_loop(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_se
                 gi = gi.masked_fill(gate_bad, 0.0)
             chunk_b = {}
             for name in TORCH_STATES:
-                if ch["g"][name] is not None:
-                    chunk_b[name] = loop_chunk_logs(ch["g"][name][ci])
+                if name in g_:
+                    chunk_b[name] = loop_chunk_logs(g_[name])
             logs = None
             if TORCH_STABILIZED:
                 b, bl, _, sfx, g = chunk_b[TORCH_STABILIZED[0]]

@@ -247,6 +247,26 @@ def _readout_part(unit, dec, terms, K, V, L, S_starts, U, prev):
     return total
 
 
+def below_inf(g) -> bool:
+    """Whether a log decay holds no NaN and no +inf (-inf is a state reset, which the decays
+    take), by one max; False under torch.compile (a host read is a graph break)."""
+    if g is None:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return bool(g.detach().max() < math.inf) if g.numel() else True
+
+
+def nonfinite_decay_rows(g):
+    """[BH, N, C]: the tokens whose log decay g [BH, N, C(, F)] holds a NaN or +inf (None:
+    none do, or no decay)."""
+    if g is None:
+        return None
+    bad = ~(g.detach() < math.inf)
+    bad = bad.any(-1) if bad.dim() == 4 else bad
+    return bad if torch.compiler.is_compiling() or bool(bad.any()) else None
+
+
 def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens=None,
                           output_final_state=False, C=64):
     """torch_chunk.torch_forward for the specs batched_supported admits: (o [B, T, H, *out dims],
@@ -276,7 +296,7 @@ def torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu
     # each state's key-side inputs checked once for inf / NaN over the whole sequence: where
     # they are finite no group repeats the test (nonfinite_rows)
     lay.finite = {name: all_finite(pc["K"][name], pc["V"][name], pc.get("Lc", {}).get(name, pc["L"].get(name)),
-                                   pc["R"].get(name)) for name in live}
+                                   pc["R"].get(name)) and below_inf(pc["g"][name]) for name in live}
     carry = {name: None for name in STATES}
     finals = {name: {} for name in STATES}
     parts = {rname: [] for rname in READOUTS}
@@ -358,12 +378,19 @@ def _state_group(lay, s, st, pc, name, S, init, finals):
     R = lay.chunks(pc["R"].get(name), s)
     # causality under non-finite input: a token's key-side rows holding inf or NaN are zeroed
     # before the matmuls; the readouts from it on and the states after are NaN
-    bad = None if lay.finite.get(name) else nonfinite_rows(K, V, L.unsqueeze(-1) if scaled else L, R)
+    bad, g = None, lay.chunks(pc["g"][name], s)
+    if not lay.finite.get(name):
+        # a NaN or +inf log decay makes its token bad too, and is 0 in the cumulative sums:
+        # there its NaN reached the earlier rows of its chunk (issue 30); -inf is a reset
+        bad, gbad = nonfinite_rows(K, V, L.unsqueeze(-1) if scaled else L, R), nonfinite_decay_rows(g)
+        bad = gbad if bad is None else bad if gbad is None else bad | gbad
+        if gbad is not None:
+            g = g.masked_fill(~(g < math.inf), 0.0)
     if bad is not None:
         K, V, R = (t.masked_fill(bad.unsqueeze(-1), 0.0) if t is not None else None for t in (K, V, R))
         if L is not None:
             L = L.masked_fill(bad if scaled else bad.unsqueeze(-1), 0.0)
-    dec = unit.torch_decay(st, lay.chunks(pc["g"][name], s), lay.fast)
+    dec = unit.torch_decay(st, g, lay.fast)
     dec.arena = lay.arena
     rank1 = unit.torch_chunks_setup(dec, K, V, L, R)          # rank-1: the WY/UT solve, U = W0 + Wm S0
     # with left = c * key the rank-1 unit's U holds the values too: no separate K^T V

@@ -40,3 +40,11 @@ def test_an_expression_past_the_size_budget_is_refused_at_its_line(monkeypatch):
     with pytest.raises(mixc.SpecError) as err:
         derive(mixc.parse(chain(4)))
     assert err.value.line == 6 and "the derivation grew too large at the derivatives of let 'a2'" in err.value.message
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", ""])
+def test_a_bad_budget_variable_is_named(monkeypatch, value):
+    """MIXC_DERIVE_SECONDS=abc was float()'s bare ValueError (issue 30)."""
+    monkeypatch.setenv("MIXC_DERIVE_SECONDS", value)
+    with pytest.raises(ValueError, match="^MIXC_DERIVE_SECONDS: expected a number of seconds >= 0"):
+        derive(mixc.parse(chain(2)))

@@ -75,3 +75,26 @@ def test_the_fft_convolution_form_stays_causal(name):
     dirty, _ = op(**_with(args, "x", BAD, float("inf")), mode="conv")
     _same(dirty[:, :BAD], clean[:, :BAD], fft=True)
     assert not torch.isfinite(dirty[:, BAD:]).all()
+
+
+DECAYS = {"gla": "g", "rwkv6": "w", "hgrn2": "g", "gated_delta_rule": "g", "kda": "g", "rwkv7": "w",
+          "gated_delta_product": "g"}
+
+
+@pytest.mark.parametrize("mode", ["chunk", "torch", pytest.param("recurrent", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", list(DECAYS))
+def test_a_late_nan_or_inf_log_decay_leaves_earlier_outputs_right(name, mode):
+    """B1-T40-H2-K8, the default chunk (one chunk holds every token): the log decay is NaN at
+    token 20 in head 0 and +inf in head 1 (garbage in a padded tail). The outputs of tokens
+    0..19 equal the float64 reference's (were all NaN: the bad log entered the chunk's
+    cumulative sums and reference rows); from token 21 on no row is finite (issue 30)."""
+    op = mixc.load(name)
+    args, _ = random_args(op.ir, B=1, T=T, H=2, sizes={"K": 8, "V": 8}, dtype=torch.float32, seed=14, bounded=True)
+    ref, _ = op(**{k: v.double() for k, v in args.items()}, mode="reference")
+    g = DECAYS[name]
+    args[g] = args[g].clone()
+    args[g][:, 20, 0] = float("nan")
+    args[g][:, 20, 1] = float("inf")
+    got, _ = op(**args, mode=mode)
+    torch.testing.assert_close(got[:, :20].double(), ref[:, :20], rtol=1e-5, atol=1e-5)
+    assert not torch.isfinite(got[:, 21:]).all(dim=-1).any()

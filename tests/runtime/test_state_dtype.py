@@ -35,3 +35,31 @@ def test_states_keep_the_inputs_precision(name, mode, dtype):
     if dtype == torch.float64:
         for k in rs1:
             torch.testing.assert_close(st1[k], rs1[k], rtol=1e-10, atol=1e-12, msg=f"step {k}")
+
+
+MIXED = [("kda", "g", "torch"), ("gla", "g", "torch"), ("mamba", "dt", "torch"), ("mamba2", "A", "torch"),
+         ("s4d", "C", "conv")]
+
+
+@pytest.mark.parametrize("name,low,mode", MIXED, ids=[f"{n}-{x}-{m}" for n, x, m in MIXED])
+def test_one_float32_argument_among_float64_computes_in_float64(name, low, mode):
+    """B2-T9-H2: float64 inputs with one float32 input or param (Kimi-Linear's layer passes its
+    gate so) compute in float64, torch's type promotion: output (float64, the first input's
+    dtype), final states (float64) and a step within 1e-12 of the float64 reference on the
+    same values (were float32: 2.7e-7 off, issue 30)."""
+    op = mixc.load(name)
+    args, sizes = random_args(op.ir, B=2, T=9, H=2, dtype=torch.float64, seed=8)
+    args[low] = args[low].float()
+    exact = {k: v.double() for k, v in args.items()}
+    want_o, want = op.reference(**exact, output_final_state=True)
+    o, st = op(**args, output_final_state=True, mode=mode)
+    assert o.dtype == torch.float64 and {v.dtype for v in st.values()} == {torch.float64}
+    torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
+    for k in want:
+        torch.testing.assert_close(st[k], want[k], rtol=1e-12, atol=1e-12, msg=f"final {k}")
+    names = {d.name for d in op.ir.inputs}
+    init = random_state(op.ir, 2, 2, sizes)
+    o1, _ = op.step(**{k: (v[:, 0] if k in names else v) for k, v in args.items()}, state=init, mode="torch")
+    want1, _ = op.reference(**{k: (v[:, :1] if k in names else v) for k, v in exact.items()}, initial_state=init)
+    assert o1.dtype == torch.float64
+    torch.testing.assert_close(o1, want1[:, 0], rtol=1e-12, atol=1e-12)
