@@ -172,6 +172,9 @@ def bind(mixer, kwargs: dict, *, step: bool = False) -> Bound:
                 flags[opt.name] = v
             else:
                 if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    if torch.compiler.is_compiling():   # float(v) is a data-dependent guard: no graph
+                        raise ArgumentError(f"{opt.name}: a tensor under torch.compile, but number options are "
+                                            "constants of the call (read as a float); pass a Python float")
                     v = float(v)
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise ArgumentError(f"{opt.name}: expected a number, got {v!r}")
@@ -240,15 +243,17 @@ def _bind_heads(inputs: dict, axis: int, sizes: dict) -> None:
 
 
 def _check_cu_seqlens(cu, B: int, T: int, device: tuple[torch.device, str]) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # no host read while torch.compile traces (a data-dependent guard: no graph); the kernels'
+        # custom op checks the values when it runs (runtime/custom_op.py), the torch modes refuse
+        _cu_seqlens_kind(cu, B, device)
+        return cu
     cu_seqlens_values(cu, B, T, device)
     return cu
 
 
-def cu_seqlens_values(cu, B: int, T: int, device: tuple[torch.device, str]) -> list[int]:
-    """The offsets of a packed call, checked: a 1-D int tensor on the inputs' device or the
-    CPU, B = 1, from 0 to T, non-decreasing (what keeps every kernel's reads and writes inside
-    [0, T)). device: (the inputs' device, the argument that gives it). Reads the values on the
-    host (on CUDA a sync: see runtime/fastpath.py for why every call pays it)."""
+def _cu_seqlens_kind(cu, B: int, device: tuple[torch.device, str]) -> None:
+    """What can be checked of the offsets without reading them: kind, dtype, rank, device, B."""
     if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1:
         got = f"dtype {cu.dtype}, shape {list(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
         raise ArgumentError(f"cu_seqlens: expected a 1-D int32 or int64 tensor of sequence offsets, got {got}")
@@ -260,6 +265,14 @@ def cu_seqlens_values(cu, B: int, T: int, device: tuple[torch.device, str]) -> l
                             f"pass it on {where}")
     if B != 1:
         raise ArgumentError(f"cu_seqlens: packed sequences need B = 1 (the batch is the packing), got B = {B}")
+
+
+def cu_seqlens_values(cu, B: int, T: int, device: tuple[torch.device, str]) -> list[int]:
+    """The offsets of a packed call, checked: a 1-D int tensor on the inputs' device or the
+    CPU, B = 1, from 0 to T, non-decreasing (what keeps every kernel's reads and writes inside
+    [0, T)). device: (the inputs' device, the argument that gives it). Reads the values on the
+    host (on CUDA a sync: see runtime/fastpath.py for why every call pays it)."""
+    _cu_seqlens_kind(cu, B, device)
     values = cu.tolist()
     if len(values) < 2 or values[0] != 0 or values[-1] != T:
         raise ArgumentError(f"cu_seqlens: must start at 0 and end at T = {T}, got {values[:4]}"

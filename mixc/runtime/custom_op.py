@@ -18,6 +18,7 @@ from ..derive.plan import Plan
 from .launch import (checkpoint_dtype, checkpoint_every, checkpoint_slots, chunk_backward, chunk_forward,
                      recurrent_backward, recurrent_forward)
 from .errors import ArgumentError
+from .binding import cu_seqlens_values
 from .signature import Bound, head_groups
 
 _OPS: dict[tuple, object] = {}
@@ -87,7 +88,17 @@ def kernel_ops(plan: Plan) -> KernelOps:
         return ([o] + [finals[s.name] if finals else empty() for s in m.states]
                 + [ckpts[s.name] if ckpts else empty() for s in m.states])
 
-    fwd = torch.library.custom_op(base + "_fwd", fwd_impl, mutates_args=(), schema=FWD_SCHEMA)
+    def fwd_checked(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward,
+                    chunked, CK):
+        """The registered op (torch.compile's graphs call it): the packed offsets' values are checked
+        here, where they exist (bind checked only their kind while tracing: binding.py)."""
+        if cu_seqlens is not None:
+            x = inputs[0]
+            cu_seqlens_values(cu_seqlens, int(x.shape[0]), int(x.shape[1]), (x.device, plan.ir.inputs[0].name))
+        return fwd_impl(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward,
+                        chunked, CK)
+
+    fwd = torch.library.custom_op(base + "_fwd", fwd_checked, mutates_args=(), schema=FWD_SCHEMA)
 
     @fwd.register_fake
     def _(inputs, params, initial_state, options, cu_seqlens, output_final_state, save_for_backward, chunked, CK):

@@ -58,7 +58,10 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
         _check_index_values(idx, rows)
     mode = op._resolve(mode, x0.device)
     plan = op._plan_for(bound.flags)
-    if mode in ("auto", "recurrent", "chunk") and plan.stabilizer is None:
+    # while torch.compile traces, the functional step (the kernels' custom op) and index_copy_
+    # below: the in-place launch writes the buffers outside any op torch can trace (and loads
+    # the module under a lock, a context manager dynamo refuses)
+    if mode in ("auto", "recurrent", "chunk") and plan.stabilizer is None and not torch.compiler.is_compiling():
         seq = {k: v.unsqueeze(1) for k, v in bound.inputs.items()}        # [B, 1, H, ...]: T = 1
         b = dataclasses.replace(bound, T=1, inputs=seq, initial_state={k: buffers[k] for k in names})
         with recording() as log:

@@ -90,6 +90,10 @@ class MixerOp(HeldBySpec):
         device = next(iter(bound.inputs.values())).device
         asked, mode = mode, self._resolve(mode, device)
         _refuse_meta(bound, mode)
+        if cu_seqlens is not None and mode in ("torch", "reference", "conv") and torch.compiler.is_compiling():
+            raise ArgumentError(f"cu_seqlens: mode {mode!r} splits the packed sequences by their offsets on the "
+                                "host, which torch.compile cannot trace; inside a compiled region use a kernel mode "
+                                "('chunk', 'recurrent': their custom op checks the offsets), or call the op outside it")
         plan = self._plan_for(bound.flags)
         # no sequence or no head (B = 0, H = 0): the token loop returns the empty outputs the
         # kernels do; the chunked and convolution forms' reshapes could not infer a size of 0
