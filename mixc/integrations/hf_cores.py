@@ -43,15 +43,27 @@ def spec_op(spec: str):
     return _OPS[spec]
 
 
+# families whose layers do not pass the packing marks on to the core: their conv refuses them
+# (with the marks the conv would keep the sequences apart and the scan would not)
+UNPACKED = {"mamba": "transformers' Mamba layers (Mamba, FalconMamba, Jamba) pass no packing marks to their scan "
+                     "(mamba_selective_scan), so mixc cannot keep packed sequences apart in it"}
+
+
 def make(family: str, *, mode: str, op_kwargs: dict, module_globals: dict | None = None) -> dict:
     """{global name in the modeling module: replacement} for one layer. module_globals: the
     layer forward's globals; its causal_conv1d_fn, if any, is wrapped to keep packed sequences
-    apart (hf_packing.packed_conv)."""
+    apart (conv)."""
     out = _FACTORIES[family](mode, dict(op_kwargs))
-    conv = (module_globals or {}).get("causal_conv1d_fn")
-    if conv is not None:
-        out["causal_conv1d_fn"] = hf_packing.packed_conv(conv)
+    original = (module_globals or {}).get("causal_conv1d_fn")
+    if original is not None:
+        out["causal_conv1d_fn"] = conv(family, original)
     return out
+
+
+def conv(family: str, original):
+    """transformers' causal_conv1d_fn of a layer of the family, keeping packed sequences apart
+    (hf_packing.packed_conv), or refusing them where the family's core cannot (UNPACKED)."""
+    return hf_packing.packed_conv(original, refuse=UNPACKED.get(family))
 
 
 def _cast_state(st: dict | None, name: str = "S"):
@@ -172,6 +184,10 @@ def _mamba2(mode: str, op_kwargs: dict) -> dict:
         D_op, D_out = _d_parts(D, heads, A)
         bias = dt_bias if dt_bias is not None else A.new_zeros(heads)
         init = None if initial_states is None else {"S": initial_states.transpose(-1, -2)}
+        if cu_seqlens is None and seq_idx is None:
+            # flash-attention's marks (return_flash_attn_kwargs=True), which the Mamba-2 layers pass
+            # on in their keyword arguments; mamba_ssm's scan would ignore them and mix the sequences
+            cu_seqlens = kwargs.get("cu_seq_lens_q")
         y, st = _call(op, dict(x=x, dt=dt, B=Bh, C=Ch), init=init, final=bool(return_final_states),
                       cu_seqlens=cu_seqlens, seq_idx=seq_idx, A=A, D=D_op, dt_bias=bias,
                       **_dt_options(dt_softplus, dt_limit), mode=mode, **op_kwargs)

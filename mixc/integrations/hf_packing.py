@@ -84,11 +84,16 @@ def token_sequences(batch: int, length: int, seq_idx, cu_seqlens, device) -> tor
     return torch.cat([seq[:, :1].expand(-1, length - seq.shape[1]), seq], dim=1)
 
 
-def packed_conv(original):
+def packed_conv(original, refuse: str | None = None):
     """transformers' causal_conv1d_fn(x [batch, D, T], weight [D, W], bias, activation, **kwargs),
     with packed sequences kept apart: tap j of token t reads token t - j only when both are in
-    one sequence. Without seq_idx or cu_seq_lens_q it is the original function."""
+    one sequence. Without seq_idx or cu_seq_lens_q it is the original function. refuse: a reason
+    to raise an ArgumentError on packed sequences instead (the layer's core cannot keep them apart)."""
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+        if refuse is not None and (seq_idx is not None or kwargs.get("cu_seq_lens_q") is not None
+                                   or kwargs.get("cu_seqlens") is not None):
+            raise ArgumentError(f"packed sequences (seq_idx, cu_seq_lens_q): {refuse}; run the sequences in "
+                                "rows of their own (padding) instead")
         batch, _, length = hidden_states.shape
         seq = token_sequences(batch, length, seq_idx, kwargs.get("cu_seq_lens_q"), hidden_states.device)
         if seq is None:

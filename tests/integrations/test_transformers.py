@@ -5,6 +5,8 @@ prefill through the op and every decoded token through op.step; gradients match 
 unpatch restores the class's forward; errors are named."""
 import collections
 import copy
+import re
+import types
 
 import pytest
 import torch
@@ -147,17 +149,27 @@ def test_training_gradients_match(name):
         torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-5 * max(1.0, g.abs().max().item()), msg=n)
 
 
+def _swapped(layer):
+    """What a patch changes in a layer: its forward (the globals route) and the forwards of its
+    private kernel functions (the kernel route, transformers 5.25)."""
+    funcs = layer.__dict__.get("_kernel_funcs", {})
+    return {"forward": layer.__dict__.get("forward"), **{k: f.__dict__.get("forward") for k, f in funcs.items()}}
+
+
 def test_unpatch_restores_the_class_forward_and_nothing_global_changes():
     module_fn = modeling_qwen3_next.torch_chunk_gated_delta_rule
+    module_state = dict(getattr(module_fn, "__dict__", {}))
     model = build("qwen3_next")
     layer = model.model.layers[0].linear_attn
+    assert not any(_swapped(layer).values())
     mixc_hf.patch(model, mode="torch")
-    assert "forward" in layer.__dict__ and mixc_hf.patched(model)
+    assert any(_swapped(layer).values()) and mixc_hf.patched(model)
     assert modeling_qwen3_next.torch_chunk_gated_delta_rule is module_fn       # the module is untouched
+    assert dict(getattr(module_fn, "__dict__", {})) == module_state            # (5.25: a kernels module)
     other = build("qwen3_next", seed=1).model.layers[0].linear_attn
-    assert "forward" not in other.__dict__                                       # other models too
+    assert not any(_swapped(other).values())                                   # other models too
     assert mixc_hf.unpatch(model) is model
-    assert "forward" not in layer.__dict__ and mixc_hf.patched(model) == {}
+    assert not any(_swapped(layer).values()) and mixc_hf.patched(model) == {}
     assert layer.forward.__func__ is type(layer).forward
 
 
@@ -177,3 +189,56 @@ def test_errors_name_the_problem():
     with pytest.raises(ArgumentError, match=r"mode='chunk': layer backbone.layers.0.mixer runs mixc's mamba, "
                                             r"which has no chunked form"):
         mixc_hf.patch(build("mamba"), mode="chunk")
+
+
+# a layer built as transformers 5.25 builds Qwen3-Next's when the `kernels` package is missing or
+# of a version it does not accept (use_kernelized_func is then a no-op): its forward calls the
+# core itself but the conv through causal_conv1d_forward, whose own globals a copied forward
+# cannot reach. Patching its core alone would let packed sequences leak through the conv.
+def causal_conv1d_forward(conv1d, hidden_states, cache, layer_idx, activation=None, **kwargs):
+    return torch.nn.functional.conv1d(hidden_states, conv1d.weight, padding=3, groups=hidden_states.shape[1])[
+        ..., :hidden_states.shape[-1]]
+
+
+def torch_chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+    return value, None
+
+
+class _PlainGatedDeltaNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1d = torch.nn.Conv1d(8, 8, 4, groups=8)
+
+    def forward(self, hidden_states, cache=None, **kwargs):
+        x = causal_conv1d_forward(self.conv1d, hidden_states.transpose(1, 2), cache, 0, **kwargs).transpose(1, 2)
+        q = x[..., None, :]
+        return torch_chunk_gated_delta_rule(q, q, q, g=x[..., :1], beta=x[..., :1], **kwargs)[0]
+
+
+def test_a_layer_mixc_cannot_take_over_whole_is_refused_by_name_and_version():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _PlainGatedDeltaNet(), _PlainGatedDeltaNet())
+    assert mixc_hf.find_mixers(model) == {"1": "gated_delta_rule", "2": "gated_delta_rule"}
+    version = re.escape(transformers.__version__)
+    with pytest.raises(ArgumentError, match=rf"layer 1 \(_PlainGatedDeltaNet, transformers {version}\): its forward "
+                                            r"calls causal_conv1d_forward, .*mixc patches no layer"):
+        mixc_hf.patch(model, mode="torch")
+    assert mixc_hf.patched(model) == {} and not any("forward" in m.__dict__ for m in model)
+
+
+def test_a_kernelized_scan_wrapper_is_refused_and_nothing_is_patched():
+    """transformers 5.25 lets kernelize() replace a layer's mamba2_scan_forward (the scan with its
+    cache handling); mixc's core inside it would then never be called. patch() refuses the model,
+    naming the layer, and leaves every layer as it was (the first layer, which it could patch,
+    too)."""
+    model = build("mamba2")
+    layers = [m for n, m in model.named_modules() if n in mixc_hf.find_mixers(model)]
+    if "mamba2_scan_forward" not in layers[1].__dict__.get("_kernel_funcs", {}):
+        pytest.skip(f"transformers {transformers.__version__}'s Mamba2Mixer calls no mamba2_scan_forward")
+    wrapper = layers[1]._kernel_funcs["mamba2_scan_forward"]
+    wrapper.forward = types.MethodType(lambda self, *args, **kwargs: None, wrapper)     # as kernelize does
+    before = [_swapped(layer) for layer in layers]
+    with pytest.raises(ArgumentError, match=r"layer backbone.layers.1.mixer \(Mamba2Mixer, transformers "
+                                            rf"{re.escape(transformers.__version__)}\): its mamba2_scan_forward "
+                                            r"was replaced \(kernelize\)"):
+        mixc_hf.patch(model, mode="torch")
+    assert mixc_hf.patched(model) == {} and [_swapped(layer) for layer in layers] == before
