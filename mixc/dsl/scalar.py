@@ -93,9 +93,11 @@ def apply(e: ir.Expr, args: list[float]) -> float:
         raise ScalarError(e, "divides by zero") from None
     if isinstance(v, complex):
         raise ScalarError(e, "is not a real number")
-    if math.isnan(v):
+    # comparisons, not math.isnan / isinf: under torch.compile(dynamic=True) a dim is a symbolic
+    # int, which comparisons guard on and math's tests refuse
+    if v != v:
         raise ScalarError(e, "is not a number (NaN)")
-    if math.isinf(v):
+    if v == math.inf or v == -math.inf:
         raise ScalarError(e, "is too large for a float (past 1.8e308)")
     return float(v)
 
