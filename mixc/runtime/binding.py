@@ -331,6 +331,23 @@ def check_flag_argument(name: str, value) -> None:
         raise ArgumentError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
 
 
+def clamp_chunk(chunk: int | None, T: int, kernel: bool) -> int | None:
+    """A chunk past the sequence computes what one of T tokens does (the kernels': the power of
+    two >= T, at least 16), so it is clamped there: chunk=10**6 at T = 8 allocated 62.5 GB in
+    the torch backend, and 2**20 passed Triton's block limit (issue 30)."""
+    if chunk is None:
+        return None
+    if not kernel:
+        return min(chunk, max(T, 1))
+    return min(chunk, max(16, 1 << max(T - 1, 0).bit_length()))
+
+
+def clamp_ck(CK: int, T: int) -> int:
+    """The recurrent backward's tokens per checkpoint, at most T: past it one checkpoint per
+    sequence holds all (CK = 2**40 sized a 281 TB scratch buffer, issue 30)."""
+    return min(CK, max(T, 1))
+
+
 def check_chunking(mode, CK, chunk) -> None:
     """CK (tokens per backward checkpoint of the recurrent kernels) a positive int; chunk (the
     chunked form's C) None, or a power of two >= 16 for the kernels (a matmul block; Triton's

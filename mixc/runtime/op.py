@@ -37,6 +37,7 @@ from .decode import step_inplace
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
 from .launch import chunk_size_for
+from .binding import clamp_chunk, clamp_ck
 from .signature import ArgumentError, Bound, bind, check_chunking, check_flag_argument, option_values  # noqa: F401
 from .spec_held import HeldBySpec
 
@@ -107,7 +108,7 @@ class MixerOp(HeldBySpec):
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode == "torch" and plan.layout.torch_chunked and not empty:
             o, st = torch_chunked(plan, bound.expanded(), output_final_state=output_final_state,
-                                  dtype=_compute_dtype(bound), C=_clamp_chunk(chunk, bound.T, False))
+                                  dtype=_compute_dtype(bound), C=clamp_chunk(chunk, bound.T, False))
             # chunk None: the torch backend's own C
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode in ("torch", "reference"):
@@ -125,9 +126,9 @@ class MixerOp(HeldBySpec):
                     raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
                                         "use mode='recurrent'")
             else:
-                C = chunk_size_for(plan, bound) if chunk is None else _clamp_chunk(chunk, bound.T, True)
+                C = chunk_size_for(plan, bound) if chunk is None else clamp_chunk(chunk, bound.T, True)
                 return self._kernels_recorded(key, kwargs, bound, output_final_state, C, True)
-        return self._kernels_recorded(key, kwargs, bound, output_final_state, CK, False)
+        return self._kernels_recorded(key, kwargs, bound, output_final_state, clamp_ck(CK, bound.T), False)
 
     def _kernels_recorded(self, key, kwargs, bound, output_final_state: bool, CK: int, chunked: bool,
                           one_token: bool = False):
@@ -295,17 +296,6 @@ def _state_dtype(st, bound):
     gradients that flow through it)."""
     dtype = _compute_dtype(bound)
     return {k: v.to(dtype) for k, v in st.items()} if st is not None else None
-
-
-def _clamp_chunk(chunk: int | None, T: int, kernel: bool) -> int | None:
-    """A chunk past the sequence computes what one of T tokens does (the kernels': the power of
-    two >= T, at least 16), so it is clamped there: chunk=10**6 at T = 8 allocated 62.5 GB in
-    the torch backend, and 2**20 passed Triton's block limit (issue 30)."""
-    if chunk is None:
-        return None
-    if not kernel:
-        return min(chunk, max(T, 1))
-    return min(chunk, max(16, 1 << max(T - 1, 0).bit_length()))
 
 
 def _compute_dtype(bound) -> torch.dtype:

@@ -24,7 +24,8 @@ import torch
 import triton
 
 from ..derive.kernel_args import metadata_kernel_args
-from .binding import FLOAT_DTYPES, Signature, bind, check_chunking, check_flag_argument  # noqa: F401
+from .binding import (FLOAT_DTYPES, Signature, bind, check_chunking, check_flag_argument, clamp_chunk,  # noqa: F401
+                      clamp_ck)
 from .errors import ArgumentError  # noqa: F401  (mixc's own: one class everywhere)
 
 MODES = ("auto", "chunk", "recurrent")
@@ -285,7 +286,7 @@ class CompiledOp:
             raise ArgumentError(f"mode='chunk': mixer '{self.meta['mixer']}' has no chunked kernel "
                                 f"({self.meta['chunk_unsupported']}); use mode='recurrent'")
         chunked = has_chunk and mode != "recurrent"
-        C = (chunk or self.meta["chunk_size"]) if chunked else CK
+        C = (clamp_chunk(chunk, b.T, True) or self.meta["chunk_size"]) if chunked else clamp_ck(CK, b.T)
         return _run(self, b, chunked, C, output_final_state)
 
     def step(self, *, state, mode: str = "auto", **kwargs):

@@ -59,3 +59,29 @@ def test_the_torch_backend_returns_empty_outputs_for_no_sequence_or_head(name, B
     o1, st1 = op.step(**{k: (v[:, 0] if k in names else v) for k, v in args.items()}, state=st, mode="torch")
     assert o1.shape == want_o[:, 0].shape
     assert {k: v.shape for k, v in st1.items()} == {k: v.shape for k, v in want.items()}
+
+
+def test_tokens_per_checkpoint_past_the_sequence_are_clamped(tmp_path):
+    """CK = 2**40 sized the recurrent backward's scratch at 281 TB; clamped to T it gives CK = 8's
+    output and gradients, bit for bit, in mixc.load's op and in the compiled module."""
+    import subprocess
+    import sys
+    op, args = _gla()
+
+    def run(call, CK):
+        leaves = {k: v.detach().requires_grad_(True) for k, v in args.items()}
+        o, _ = call(**leaves, mode="recurrent", CK=CK)
+        o.square().sum().backward()
+        return [o.detach()] + [leaves[k].grad for k in leaves]
+    for a, b in zip(run(op, 2 ** 40), run(op, 8)):
+        assert torch.equal(a, b)
+    subprocess.run([sys.executable, "-m", "mixc.cli", "compile", "gla", "-o", str(tmp_path)], check=True,
+                   capture_output=True)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import gla as compiled
+        for a, b in zip(run(compiled.op, 2 ** 40), run(compiled.op, 8)):
+            assert torch.equal(a, b)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gla", None)
