@@ -79,7 +79,7 @@ ROLES: dict[str, Role] = {
     "store_ckpt": Role("STORE_CHECKPOINTS", "constexpr", None, "write the states at chunk starts"),
     "use_dfinal": Role("USE_FINAL_STATE_GRAD", "constexpr", None, "read the final states' gradient"),
     "use_indices": Role("USE_STATE_INDICES", "constexpr", None, "states live in a cache of slots"),
-    "dot": Role("DOT", "constexpr", None, "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16"),
+    "dot": Role("DOT", "constexpr", None, "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16, 3 fp32 (tf32x3)"),
     "key_block": Role("KEY_BLOCK", "constexpr", None, "the key dim's block in PHASE 4 and 2's loop over it"),
     "staged_intra": Role("STAGED_INTRA", "constexpr", None, "PHASE 2 reads the intra-chunk matrices PHASE 4 wrote"),
     "phase": Role("PHASE", "constexpr", None, "0: one walk; 1 and 2: the two launches; 3: every chunk's state; "
@@ -246,7 +246,7 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
                               "computes them)"),
         *_one("key_block", "PHASE 4 and 2 loop over the key dim in blocks of this, where less than its block "
                            "(codegen/key_split.py; PHASE 2 walking chunks: static blocks, key_walk.py)"),
-        *_one("dot", "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16"),
+        *_one("dot", "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16, 3 fp32 (tf32x3)"),
         *_one("phase", "0: all in one pass; 1: the states (checkpoints) only; 2: the output; "
                        "3: the state at every chunk start from the checkpoints (the backward's); "
                        "4: the intra-chunk matrices (before 1 and 2)"),

@@ -39,7 +39,11 @@ class KernelLayout:
     # or nonlinear output (aft_simple's num / den, rwkv4, based) divides sums that cancel, and
     # rounding a chunk-end state to bf16 cost aft_simple 0.1 relative error in the output and
     # 0.2-0.3 in the gradients (the 2026-12-04 H200 run and the dry run). A class may keep fp32
-    # checkpoints (classes/base.py half_checkpoints: the rank-r class)
+    # checkpoints (classes/base.py half_checkpoints: the rank-r class). fp32 matmuls (tf32x3: three
+    # TF32 products on tensor cores, fp32's accuracy) where no state has a key dim (aft_simple,
+    # rwkv4: their products run over the chunk's tokens only, small); a normalized output over
+    # [K, V] states (based, performer, linear_transformer, mlstm) keeps bf16 matmuls: fp32 operands
+    # took based's PHASE 2 past sm_90's shared memory (340 KB) and no run showed it needed
     half_states: bool = True
     half_matmuls: bool = True
     kernel_args: dict[str, KernelArgs] = field(default_factory=dict, compare=False)
@@ -63,7 +67,8 @@ def kernel_layout(plan) -> KernelLayout:
                         split_dim(plan), chunk_size(plan), intra_matrices(plan) if chunked is None else 0,
                         plan.output.kind == "linear" and all(classes.unit(st.transition).half_checkpoints
                                                              for st in plan.states),
-                        plan.output.kind == "linear", plan_kernel_args(plan, forms))
+                        plan.output.kind == "linear" or any(st.key_dims for st in plan.states),
+                        plan_kernel_args(plan, forms))
 
 
 def chunk_supported(plan) -> str | None:

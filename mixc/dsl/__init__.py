@@ -43,8 +43,6 @@ def read_spec(name_or_path: str | Path) -> Source:
                 raise SpecError(f"spec file '{text_name}' is too long ({path.stat().st_size} bytes; the limit is "
                                 f"{MAX_SPEC_CHARS} characters)")
             return Source(path.read_text(encoding="utf-8-sig"), str(path))
-        except OSError as e:
-            raise SpecError(f"spec file '{text_name}' cannot be read: {e.strerror or e}") from None
         except UnicodeDecodeError as e:
             raise SpecError(f"spec file '{text_name}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
     lib = SPEC_DIR / f"{text_name}.mix"

@@ -377,8 +377,12 @@ def _dot_code(dtype: torch.dtype, half_matmuls: bool = True) -> int:
     """Matmul inputs of the chunked kernels: the inputs' precision on a GPU (tensor cores), fp32
     otherwise. Triton's interpreter (3.9) computes a bf16 tl.dot wrongly (garbage of 1e10,
     while fp16 and fp32 are right), so under the interpreter bf16 inputs multiply in fp32."""
-    if (dtype == torch.bfloat16 and interpreting()) or not half_matmuls:
-        return 0                    # not half_matmuls: plan.layout.half_matmuls (derive/layout.py)
+    if not half_matmuls and dtype in (torch.bfloat16, torch.float16):
+        # plan.layout.half_matmuls (derive/layout.py): fp32 operands on tensor cores (tf32x3), as
+        # accurate as fp32's own (ieee on CUDA cores compiled 10x slower and ran without them)
+        return 3
+    if dtype == torch.bfloat16 and interpreting():
+        return 0
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
 
 

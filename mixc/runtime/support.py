@@ -158,8 +158,10 @@ class CompiledOp:
         splits = max(1, -(-b.sizes[split] // kw["block", split])) if split and not chunked else 1
         if chunked:
             x0 = next(iter(b.inputs.values()))
-            dot = 0 if ((x0.dtype == torch.bfloat16 and _interpreting()) or not self.meta.get("half_matmuls", True)) \
-                else {torch.bfloat16: 1, torch.float16: 2}.get(x0.dtype, 0)
+            half = x0.dtype in (torch.bfloat16, torch.float16)
+            dot = (3 if half and not self.meta.get("half_matmuls", True)      # launch._dot_code's rule
+                   else 0 if (x0.dtype == torch.bfloat16 and _interpreting())
+                   else {torch.bfloat16: 1, torch.float16: 2}.get(x0.dtype, 0))
             # one walk (PHASE 0) with a checkpoint at every chunk start (what the backward reads)
             kw.update(chunk=C, unit=16, dot=dot, n_seqs=b.n, chunk_seq=x0, phase=0, ckpt_every=1)
             # PHASE 0 has no loop over key blocks: KEY_BLOCK no less than any dim's block

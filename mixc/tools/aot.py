@@ -68,7 +68,7 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
         elif a.role == "chunk":
             const[a.name] = plan.layout.chunk_size
         elif a.role == "dot":
-            const[a.name] = _DOT[dtype] if plan.layout.half_matmuls else 0     # as launch._dot_code
+            const[a.name] = _DOT[dtype] if plan.layout.half_matmuls or not _DOT[dtype] else 3   # launch._dot_code
         elif a.role == "ckpt_every":        # the policy's at long sequences (launch.checkpoint_every)
             const[a.name] = max(1, checkpoint_tokens(plan) // plan.layout.chunk_size)
         elif a.role == "staged_intra":      # the launch's policy (launch.stages)

@@ -71,12 +71,17 @@ def test_fp32_checkpoints_on_request(monkeypatch):
 
 
 def test_stabilizer_m_checkpoint_stays_fp32():
+    """The stabilizer's m stays fp32 where the plan lets the other states be bf16 (rwkv4's
+    normalized output keeps every state fp32 now: derive/layout.py half_states; the rule for
+    m is checked with the plan's permission forced on)."""
     op = mixc.load("rwkv4")
     args, _ = random_args(op.ir, B=1, T=40, H=2, sizes={"V": 16}, dtype=torch.bfloat16, seed=7)
     plan = op._plan_for({})
-    dtypes = dict(zip([s.name for s in plan.kernel_ir.states], _ckpt_dtypes(op, args, fake=False)))
-    assert dtypes.pop("_m") == torch.float32
-    assert set(dtypes.values()) == {torch.bfloat16}
+    names = [s.name for s in plan.kernel_ir.states]
+    assert not plan.layout.half_states
+    assert set(_ckpt_dtypes(op, args, fake=False)) == {torch.float32}
+    assert launch.checkpoint_dtype(True, torch.bfloat16, "_m", True) == torch.float32
+    assert {launch.checkpoint_dtype(True, torch.bfloat16, n, True) for n in names if n != "_m"} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("name,phases", [("simple_gla", 1), ("gated_delta_rule", 1), ("gla", 2)])
