@@ -75,8 +75,10 @@ def bounds_checked():
     from triton.runtime import interpreter as I
     seen = {"launches": [], "errors": []}
     builder = I.InterpreterBuilder
+    # the builder's memory operations of this Triton (3.6 has no atomic load / store)
     orig = {n: getattr(builder, n) for n in ("create_masked_load", "create_masked_store", "create_atomic_rmw",
-                                             "create_atomic_cas", "create_atomic_load", "create_atomic_store")}
+                                             "create_atomic_cas", "create_atomic_load", "create_atomic_store")
+            if hasattr(builder, n)}
     orig_init, orig_call = I.GridExecutor._init_args_hst, I.GridExecutor.__call__
 
     def init(self, args_dev, kwargs):
@@ -120,9 +122,10 @@ def bounds_checked():
         _check(ptr, mask, "atomic store")
         return orig["create_atomic_store"](self, ptr, val, mask, *a)
 
-    builder.create_masked_load, builder.create_masked_store = load, store
-    builder.create_atomic_rmw, builder.create_atomic_cas = rmw, cas
-    builder.create_atomic_load, builder.create_atomic_store = aload, astore
+    checked = {"create_masked_load": load, "create_masked_store": store, "create_atomic_rmw": rmw,
+               "create_atomic_cas": cas, "create_atomic_load": aload, "create_atomic_store": astore}
+    for n in orig:
+        setattr(builder, n, checked[n])
     I.GridExecutor._init_args_hst, I.GridExecutor.__call__ = init, call
     try:
         yield seen

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import torch
@@ -245,8 +245,19 @@ def typed_spec(draw):
     return text
 
 
+# the checker's refusals of a constant part without a finite value (log(1 + -1), 0 ** -1): the
+# generator can draw one (hypothesis 6.0 did), and refusing it is the documented behaviour
+_NO_VALUE = re.compile(r"is (minus )?infinity|is not a number|no finite real value|divides by zero|"
+                       r"too large for a float|is not a real number")
+
+
 def _typed(text):
-    mixc.parse(text, "typed.mix")          # well-typed by construction: the checker must accept it
+    try:
+        mixc.parse(text, "typed.mix")      # well-typed by construction: the checker must accept it
+    except mixc.SpecError as err:
+        if not _NO_VALUE.search(str(err)):
+            raise
+        assume(False)
     parse_and_derive(text, "typed.mix")
 
 
