@@ -32,6 +32,9 @@ RANK1 = rank1.UNIT.name
 VALUE_COLUMN = value_column.UNIT.name
 GENERAL = general.UNIT.name
 
+# the class a stabilized state's kernels take (codegen/chunk.py): its log decay is the stabilizer's
+STABILIZED_CLASS = scalar.UNIT.name
+
 # the classes with the chunked kernels (the recurrent and step forms exist for every class)
 CHUNK_CLASSES = tuple(u.name for u in CLASSES if u.parallel_form == "chunk")
 
@@ -48,4 +51,4 @@ def classify(u: UpdateShape) -> TransitionClass:
 
 __all__ = ["CLASSES", "BY_NAME", "unit", "classify", "TransitionClass", "UpdateShape", "Projection",
            "PREFIX_SUM", "SCALAR", "KEY_DIAG", "VALUE_DIAG", "ELEMENTWISE", "RANK1", "VALUE_COLUMN", "GENERAL",
-           "CHUNK_CLASSES"]
+           "CHUNK_CLASSES", "STABILIZED_CLASS"]

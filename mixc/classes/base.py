@@ -55,6 +55,15 @@ class TransitionClass:
     conv_form: bool = False                # a time-invariant state of the class: the convolution form
     stabilizable: bool = False             # the exponential-gate max-stabilizer can rescale it
     template: str | None = None            # its kernel macros: mixc/classes/<template>
+    # the update is one term left * (right @ S) whose left the plan keeps apart (StateIR.left,
+    # .right): the rank-1 and value-column classes
+    single_projection: bool = False
+    # the plan scales the key by the term's left (StateIR.left_scale) and calls the state gated
+    # when its diagonal decay is not 1: the rank-1 class's WY/UT form reads them
+    keyed_left: bool = False
+    # the stabilizer's rescaled state keeps this class's own log decay (a scalar decay); the
+    # others' log decay is 0 there (a prefix sum)
+    stabilizer_keeps_decay: bool = False
 
     def claims(self, u: UpdateShape) -> bool:
         raise NotImplementedError

@@ -8,6 +8,8 @@ from .base import TransitionClass, UpdateShape, projection_shard_apply, projecti
 
 class Rank1(TransitionClass):
     name = "rank-1 correction"
+    single_projection = True
+    keyed_left = True
     hardness = 5
     parallel_form = "chunk"
     torch_chunked = True

@@ -7,6 +7,7 @@ from .base import TransitionClass, UpdateShape, torch_form
 
 class ScalarDecay(TransitionClass):
     name = "scalar decay"
+    stabilizer_keeps_decay = True
     hardness = 1
     parallel_form = "chunk"
     torch_chunked = True

@@ -24,6 +24,7 @@ from .base import TransitionClass, UpdateShape, torch_form
 
 class ValueColumn(TransitionClass):
     name = "per-value-column rank-1"
+    single_projection = True
     hardness = 5.25                         # between rank-1 (5) and rank-r (5.5)
     parallel_form = None                    # no chunked Triton kernels (the module docstring)
     torch_chunked = True                    # the torch form below serves mode='torch'

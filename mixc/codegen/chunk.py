@@ -88,7 +88,7 @@ class ChunkCode:
             return st
         key, value = self.stab.key_value(st.name)
         pieces = replace(st.ir_pieces, key=key, value=value, log_decay=self.stab.log_decay)
-        return replace(st, transition=P.SCALAR, ir_pieces=pieces)
+        return replace(st, transition=classes.STABILIZED_CLASS, ir_pieces=pieces)
 
     def macros(self, unit: classes.TransitionClass):
         """The unit's kernel macros (mixc/classes/<unit.template>)."""

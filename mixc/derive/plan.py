@@ -379,7 +379,7 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
         tuple(classes.Projection(t.scale.shape if t.scale is not None else None, t.proj.shape, t.over) for t in proj))
     unit = classes.classify(shape)
     transition = unit.name
-    gated = transition == RANK1 and decay != 1
+    gated = unit.keyed_left and decay != 1
 
     log_decay = log_of(decay) if decay != 0 else sp.S.NegativeInfinity
     log_partials = _partials(f"log decay of {upd.state}", log_decay, table) if decay != 0 else ()
@@ -404,9 +404,9 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     decay_ir = functools.reduce(lambda a, b: affine.add(a, b), [t.scale or affine.num(1) for t in diag]) \
         if diag else affine.num(0)
     left = right = None
-    if transition == RANK1 or unit.left_per_value:      # one term left * (right @ S)
+    if unit.single_projection:      # one term left * (right @ S)
         left, right = proj[0].scale or affine.num(1), proj[0].proj
-    scale = _key_scale(left, key) if transition == RANK1 else None
+    scale = _key_scale(left, key) if unit.keyed_left else None
     pieces = StateIR(decay_ir, log_ir(spec, decay_ir), key, value, left, right, terms=terms, inputs=inputs,
                      left_scale=scale)
     return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,

@@ -37,7 +37,6 @@ from dataclasses import dataclass, replace
 from ..dsl import ir
 from . import affine
 from .. import classes
-from ..classes import SCALAR
 
 M = "_m"                  # the stabilizer's name in the kernels (spec names never start with '_')
 M_PREV = "_mp"            # in the chunked forms' combine: m_{t-1} per token, prev(S~)'s scale
@@ -105,7 +104,7 @@ def find(spec: ir.MixerIR, states, combine_ir: ir.Expr, readouts, notes: list[st
         if not classes.unit(st.transition).stabilizable:
             notes.append(f"state {st.name} has an exponential input gate but a {st.transition}: not stabilized")
             return None
-        log_decay = p.log_decay if st.transition == SCALAR else affine.num(0)
+        log_decay = p.log_decay if classes.unit(st.transition).stabilizer_keeps_decay else affine.num(0)
         gated.append((st.name, gate, log_decay, key if key is not None else affine.num(1), value))
     if not gated:
         return None
