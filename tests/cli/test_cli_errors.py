@@ -146,11 +146,18 @@ def test_real_pipe_full_disk_and_sigint():
         p = subprocess.run(cmd + ["compile", "gla", "--dump", "source"], stdout=full, stderr=subprocess.PIPE,
                            text=True, timeout=300)
     assert p.returncode == 1 and p.stderr == "error: No space left on device\n"
+    # SIGINT's default disposition in the child: a suite started in the background by a
+    # non-interactive shell (`pytest ... &`) ignores SIGINT, and Python then installs no
+    # KeyboardInterrupt handler in what it starts (the mixc run ran on, orphaned, for minutes)
     p = subprocess.Popen(cmd + ["run", "based", "--T", "4000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=dict(os.environ, TRITON_INTERPRET="0"))
-    time.sleep(8)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+                         text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        time.sleep(8)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()            # never leave it running
     assert p.returncode == 130 and err == "mixc: interrupted\n"
 
 
