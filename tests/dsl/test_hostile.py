@@ -705,9 +705,12 @@ def _hostile_library(case) -> None:
     if parse_and_derive(text, f"<library>/{name}.mix") is not None:    # nothing but a SpecError comes out
         return
     # Accepted: the hostile name names something (it is no word of the language). Its twin
-    # calls that something `<hostile>zq` (which sorts like it) wherever it occurs.
+    # calls that something `<hostile>zq` (which sorts like it) wherever it put it. A word the
+    # spec had already keeps its meaning there (aft_full's `w[T, T]`: the call's time axis,
+    # beside an input the draw named T), so the twin renames those only where the spec lacked it.
     neutral = hostile + "zq"
-    twin = _put(toks, [j for j, t in enumerate(toks) if t == hostile] + list(where), neutral)
+    ours = [] if hostile in toks else [j for j, t in enumerate(toks) if t == hostile]
+    twin = _put(toks, ours + list(where), neutral)
     assert_behind_prefixes(text, twin, {hostile: neutral})
 
 
@@ -728,3 +731,12 @@ def test_hostile_names_in_library_specs(case):
 @given(hostile_library_spec())
 def test_hostile_names_in_library_specs_slow(case):
     _hostile_library(case)
+
+
+def test_hostile_name_beside_the_same_word_of_the_spec():
+    """The slow fuzz's find: aft_full with its input k named T beside `param w[T, T]` (T the
+    call's time axis there) is accepted, and its T stays apart from the axis in generated code."""
+    toks = tuple(_LEX.findall(LIBRARY["aft_full"]))
+    where = tuple(j for j, t in enumerate(toks) if t == "k")         # the input k, renamed T everywhere
+    assert parse_and_derive(_put(toks, where, "T"), "aft_full.mix") is None       # accepted: the check runs
+    _hostile_library(("aft_full", toks, where, "T"))
