@@ -98,7 +98,7 @@ def test_the_forward_key_loop_compiles(tmp_path, specs, forms):
     for r in reports:
         assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= 227 * 1024, r
         # kda's and rwkv7's PHASE 4 have no matmul (a per-key rank-1 decay: A a [C, C, K] sum, as
-        # test_chunk_kernels_compile_for_sm90 finds: its per_key)
+        # test_every_kernel_compiles finds: its per_key)
         assert r["tensor_cores"] in ("wgmma", "mma.sync") or \
             (r["spec"], r["kernel"]) in {("kda", "chunk_fwd[4]"), ("rwkv7", "chunk_fwd[4]")}, r
 
