@@ -217,9 +217,10 @@ def cmd_run(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    """Write the generated module (kernels, metadata, the op) to DIR/NAME.py, or print it."""
+    """Write the generated module (kernels, metadata, the op) to DIR/NAME.py with its runtime
+    (DIR/_mixc_standalone: mixc/standalone copied), or print it."""
     from .codegen.module import metadata        # lazy: jinja2 and sympy only when compiling
-    from .runtime.cache import write_output     # lazy: imports Triton
+    from .runtime.cache import write_output, write_runtime     # lazy: imports Triton
     if _dump(args):
         return 0
     pipeline = _pipeline()
@@ -237,7 +238,9 @@ def cmd_compile(args) -> int:
     if plan.sequence is not None:
         print(f"wrote {path} ({plan.transition}; no Triton kernel: computed by torch)")
         return 0
-    print(f"wrote {path} ({plan.transition}; kernels: {', '.join(metadata(plan)['kernels'])})")
+    runtime = write_runtime(path.parent)    # what the module imports without mixc (mixc/standalone, verbatim)
+    print(f"wrote {path} ({plan.transition}; kernels: {', '.join(metadata(plan)['kernels'])}) "
+          f"and its runtime {runtime}{os.sep}")
     return 0
 
 

@@ -22,8 +22,8 @@ ahead-of-time compiler (mixc/tools/aot.py) go through these functions.
         |                                                              --dump render (source)
         |  load     runtime.cache            content-hashed, verified, imported once per plan
         v
-    module          its kernels, launched by runtime/launch.py (or by runtime/support.py
-                    from METADATA in a module that `mixc compile -o` wrote)
+    module          its kernels, launched by runtime/launch.py (or by standalone/support.py
+                    from METADATA in a module that `mixc compile -o` wrote, from its copy)
 
 and beside the chain, the op a user calls: op(mixer) = runtime.op.make_op, a MixerOp whose
 calls derive per flag values, load the module and launch its kernels (or the torch backend,

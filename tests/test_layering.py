@@ -1,7 +1,9 @@
-"""The stages only look down: dsl <- classes <- derive <- codegen <- runtime <- (pipeline, tools, nn, cli).
-Every module's imports, at module and function level, are read with ast: a stage that imports
-a stage above it (or the pipeline, the tools, the layers, the CLI) fails here, and so does an
-import cycle between modules."""
+"""The stages only look down: standalone <- dsl <- classes <- derive <- codegen <- runtime <-
+(pipeline, tools, nn, cli). Every module's imports, at module and function level, are read with
+ast: a stage that imports a stage above it (or the pipeline, the tools, the layers, the CLI)
+fails here, and so does an import cycle between modules. mixc/standalone, the runtime that
+`mixc compile -o DIR` copies beside a compiled module, imports only its own files (relatively),
+the standard library, torch and Triton."""
 import ast
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 import mixc
 
 ROOT = Path(mixc.__file__).resolve().parent
-STAGES = ("dsl", "classes", "derive", "codegen", "runtime")
+STAGES = ("standalone", "dsl", "classes", "derive", "codegen", "runtime")
 
 
 def _module_name(path: Path) -> str:
@@ -72,6 +74,39 @@ def test_stages_only_import_downwards(path):
     bad = [f"{path.relative_to(ROOT.parent)}:{line}: imports {dst}" + (" (in a function)" if fn else "")
            for line, dst, fn in _imports(path) if not _allowed(src, dst)]
     assert not bad, "\n".join(bad)
+
+
+STANDALONE = ROOT / "standalone"
+
+
+@pytest.mark.parametrize("path", sorted(STANDALONE.glob("*.py")), ids=lambda p: p.name)
+def test_the_standalone_runtime_imports_only_itself_torch_and_triton(path):
+    """A compiled module's runtime is a verbatim copy of mixc/standalone in a folder beside it,
+    imported under another name where only torch and Triton are installed: its files import one
+    another relatively (`from .binding import ...`), and besides only the standard library,
+    torch and triton; nothing of mixc by name, no package of its own beyond the folder."""
+    import sys
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.level != 1 or not node.module or not (STANDALONE / f"{node.module}.py").exists():
+                bad.append(f"{path.name}:{node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
+            continue
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) else [])
+        for name in names:
+            top = name.split(".")[0]
+            if top not in ("torch", "triton", "__future__") and top not in sys.stdlib_module_names:
+                bad.append(f"{path.name}:{node.lineno}: imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_standalone_runtime_is_a_flat_folder_of_python_files():
+    """`mixc compile -o DIR` copies mixc/standalone's .py files (write_runtime): a subfolder or
+    a data file there would not travel with the module."""
+    extra = [p.name for p in STANDALONE.iterdir() if p.name != "__pycache__" and p.suffix != ".py"]
+    assert not extra, extra
 
 
 def test_no_import_cycles():

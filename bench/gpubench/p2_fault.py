@@ -29,7 +29,7 @@ def one(spec: str, variant: str, B: int, T: int, H: int, D: int) -> str:
     import torch
     sys.path.insert(0, str(ROOT))
     from mixc import classes
-    from mixc.derive import kernel_args
+    from mixc.standalone import kernel_args
     from mixc.runtime import launch
     v = VARIANTS[variant]
     if "tile" in v:

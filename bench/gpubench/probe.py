@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from gpubench.timing import make_inputs
-    from mixc.derive import kernel_args
+    from mixc.standalone import kernel_args
     spec, B, T, H, D = argv[0], *map(int, argv[1:5])
     passes = argv[5] if len(argv) > 5 else "bwd"
     chunk = int(argv[6]) if len(argv) > 6 else None

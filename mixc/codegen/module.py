@@ -10,7 +10,7 @@ import jinja2
 import triton
 
 from .. import __version__
-from .. import classes
+from .. import classes, standalone
 from ..derive.plan import Plan
 from ..dsl import ir
 from ..dsl.functions import FUNCTIONS
@@ -52,9 +52,9 @@ def metadata(plan: Plan) -> dict:
         "options": [o.name for o in m.options if o.kind == "float"],
         "states": {s.name: list(s.shape) for s in m.states},
         "output": {"name": m.output.name, "shape": list(m.output.expr.shape)},
-        # what mixc.runtime.support needs to bind a call and launch the kernels without the spec
+        # what mixc.standalone.support needs to bind a call and launch the kernels without the spec
         "dim_roots": {d.name: m.root_dim(d.name) for d in m.dims if d.alias_of},
-        # what runtime/binding.py's Signature reads (the binder of mixc.load's op): the options
+        # what standalone/binding.py's Signature reads (the binder of mixc.load's op): the options
         # in the spec's order with their kinds, each alias as declared
         "option_kinds": {o.name: o.kind for o in m.options},
         "dim_aliases": {d.name: d.alias_of for d in m.dims if d.alias_of},
@@ -77,7 +77,7 @@ def metadata(plan: Plan) -> dict:
 
 
 def _scalar_tree(e: ir.Expr) -> list:
-    """An option's default as nested lists (mixc.runtime.support.scalar evaluates them)."""
+    """An option's default as nested lists (mixc.standalone.support.scalar evaluates them)."""
     if isinstance(e, ir.Num):
         return ["num", e.value]
     if isinstance(e, ir.Ref):
@@ -95,21 +95,14 @@ def _scalar_tree(e: ir.Expr) -> list:
 
 
 def op_functions(plan: Plan) -> str:
-    """SPEC_TEXT, FLAGS and the module's op() and step(), which launch THIS module's kernels
-    through mixc.runtime.support (torch and triton only: no spec parsing, no derivation). The
-    spec text travels as a Python string literal (repr), never as code."""
-    return (f"SPEC_TEXT = {plan.ir.source.text!r}\n"
-            f"SPEC_FILE = {plan.ir.source.filename!r}\n"
-            f"FLAGS = {dict(plan.flags)!r}\n\n"
-            "from mixc.runtime.support import CompiledOp as _CompiledOp  # noqa: E402\n\n"
-            "_OP = _CompiledOp(METADATA, globals())\n\n\n"
-            "def op(**kwargs):\n"
-            '    """o, state = op(<inputs, params, options>, initial_state=None, output_final_state=False,\n'
-            '    cu_seqlens=None, mode="auto"): this module\'s kernels (mixc.runtime.support)."""\n'
-            "    return _OP(**kwargs)\n\n\n"
-            "def step(**kwargs):\n"
-            '    """o, new_state = step(<one token of each input>, state=...)"""\n'
-            "    return _OP.step(**kwargs)\n")
+    """SPEC_TEXT, SPEC_FILE, FLAGS and the module's op() and step(), which launch THIS module's
+    kernels through its runtime, mixc/standalone's support.py (torch and triton only: no spec
+    parsing, no derivation), imported from the copy `mixc compile -o DIR` writes beside the
+    module, else from mixc (templates/op.py.j2 says how). The spec text travels as a Python
+    string literal (repr), never as code."""
+    return _env().get_template("op.py.j2").render(
+        spec_text=repr(plan.ir.source.text), spec_file=repr(plan.ir.source.filename), flags=repr(dict(plan.flags)),
+        folder=standalone.FOLDER)
 
 
 # what each kernel form is, for the comment above it
@@ -142,7 +135,7 @@ def _kernel_comment(plan: Plan, form: str) -> str:
 
 def _render_kernel(plan: Plan, form: str, hooks: dict) -> str:
     """One kernel form from its template: its name, its arguments (the one definition,
-    plan.layout.kernel_args: derive/kernel_args.py) and the hooks of its body, under a comment
+    plan.layout.kernel_args: standalone/kernel_args.py) and the hooks of its body, under a comment
     that says which kernel and class it is."""
     return _kernel_comment(plan, form) + _env().get_template(f"{form}.py.j2").render(
         kernel=kernel_name(plan, form), arguments=plan.layout.kernel_args[form], **hooks)
@@ -177,7 +170,6 @@ def generate(plan: Plan) -> str:
 
     if plan.layout.torch_chunked:
         body += "\n\n" + _env().get_template("torch_chunk.py.j2").render(**torch_hooks(plan))
-    trailer = ("\n\n# The op: this module's kernels, launched by mixc.runtime.support from METADATA.\n"
-               + op_functions(plan))
+    trailer = "\n" + op_functions(plan)
     return (header + "import triton\nimport triton.language as tl\n\n"
             f"METADATA = {pprint.pformat(meta, width=100, sort_dicts=False)}\n\n\n" + body + trailer)

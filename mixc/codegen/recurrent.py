@@ -138,7 +138,7 @@ def common_hooks(plan: Plan) -> dict[str, object]:
     for d in m.inputs:
         params.append(f"{I1}_heads_{d.name} = H // _group_{d.name}")
         params.append(f"{I1}_head_{d.name} = i_h // _group_{d.name}")
-    # the arguments are not hooks: plan.layout.kernel_args (derive/kernel_args.py)
+    # the arguments are not hooks: plan.layout.kernel_args (standalone/kernel_args.py)
     return {
         "dims": list(order),
         "tile": plan.layout.tile,

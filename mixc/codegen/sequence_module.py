@@ -1,9 +1,11 @@
 """The module `mixc compile` writes for a sequence mixer (conv, mix, attend).
 
 There is no Triton kernel to generate: the ops are torch's (FFT, einsum,
-scaled_dot_product_attention / flex_attention), run by mixc.runtime.sequence. The module is
-still importable on its own and has the same face as a recurrent spec's: METADATA, the spec
-text, and op / step."""
+scaled_dot_product_attention / flex_attention), run by mixc.runtime.sequence from the spec. The
+module is still importable on its own and has the same face as a recurrent spec's: METADATA,
+the spec text, and op / step; its first call parses the spec with mixc, so it needs mixc
+installed (where it is not, that call's ImportError says so), unlike a recurrence's module,
+which carries its runtime (mixc/standalone)."""
 from __future__ import annotations
 
 import pprint
@@ -47,6 +49,11 @@ def generate_sequence(plan: Plan) -> str:
     return header + "\n" + body
 
 
+# what the module's first call says where mixc cannot be imported
+NO_MIXC = ("mixer '{name}' is a sequence mixer: its module has no kernels and no runtime of its own; torch computes "
+           "it through mixc (mixc.runtime.sequence, from the spec), so its op needs mixc installed")
+
+
 def reparse_functions(plan: Plan) -> str:
     """A sequence mixer's op() and step() (no kernels: torch ops driven by mixc.runtime.sequence
     from the spec): the spec parsed once, at the first call."""
@@ -56,7 +63,10 @@ def reparse_functions(plan: Plan) -> str:
             "_OP = []\n\n\n"
             "def _op():\n"
             "    if not _OP:\n"
-            "        from mixc.pipeline import from_text\n"
+            "        try:\n"
+            "            from mixc.pipeline import from_text\n"
+            "        except ImportError as _e:\n"
+            f"            raise ImportError({NO_MIXC.format(name=plan.name)!r}) from _e\n"
             "        _OP.append(from_text(SPEC_TEXT, SPEC_FILE))\n"
             "    return _OP[0]\n\n\n"
             "def op(**kwargs):\n"

@@ -10,7 +10,7 @@ it without asking the code generator (the generated module's METADATA carries th
 - intra_matrices: how many intra-chunk matrices [C, C] the chunked forward's PHASE 4 stores for
   its PHASE 2 to read (one per readout term of a class that stages them: classes/<unit>.py
   stages_intra); 0: PHASE 2 computes every one itself;
-- kernel_args: each kernel form's argument list (derive/kernel_args.py), from which the
+- kernel_args: each kernel form's argument list (standalone/kernel_args.py), from which the
   template signature, the launch call and the ahead-of-time signature are made."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ..dsl import ir
 from .. import classes
 from .decay_sign import negative_decay
-from .kernel_args import KernelArgs, plan_kernel_args
+from ..standalone.kernel_args import KernelArgs, plan_kernel_args
 
 __all__ = ["KernelLayout", "kernel_layout", "chunk_supported", "torch_chunk_supported", "chunk_size", "intra_matrices",
            "tile_dim", "split_dim"]

@@ -7,7 +7,7 @@ function is here, as text, and each stage builds its own form from it:
                         function; `python` again for the lint's float evaluation
     codegen/triton_expr.py, codegen/adjoint.py   `triton`, `triton_derivative`
     codegen/torch_expr.py, runtime/reference.py  `torch` (autograd differentiates it)
-    codegen/module.py -> runtime/support.py      `python`, carried in a compiled module's
+    codegen/module.py -> standalone/support.py   `python`, carried in a compiled module's
                         METADATA for the option defaults that call a function
 
 Adding a function is one entry in FUNCTIONS; tests/dsl/test_functions.py walks the registry

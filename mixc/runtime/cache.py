@@ -29,16 +29,19 @@ from pathlib import Path
 
 import triton
 
-from .. import __version__
+from .. import __version__, standalone
 from ..derive.plan import Plan
 
 # Everything a generated module is a function of besides the spec: the front end (the
 # function registry lives in dsl), the class units (their kernel macros, chunk policies and
-# hooks), the derivation (a stabilizer rewrite changes the kernels) and the code generator.
+# hooks), the derivation (a stabilizer rewrite changes the kernels), the code generator and
+# the kernels' argument lists (standalone/kernel_args.py: the signatures are printed from it).
 # Hashing codegen alone kept serving modules from before a derive fix; leaving out classes
 # kept serving kernels from before an edit of a class's macros.
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-GENERATOR_DIRS = tuple(PACKAGE_DIR / d for d in ("dsl", "classes", "derive", "codegen"))
+GENERATOR_DIRS = tuple(PACKAGE_DIR / d for d in ("standalone", "dsl", "classes", "derive", "codegen"))
+# a compiled module's runtime: the package `mixc compile -o DIR` copies beside the module
+RUNTIME_DIR = Path(standalone.__file__).resolve().parent
 CODEGEN_DIR = PACKAGE_DIR / "codegen"
 
 
@@ -182,6 +185,36 @@ def write_output(path: Path, text: str) -> None:
     write_atomic(path, text, mode=0o644)
 
 
+def write_runtime(out: Path) -> Path:
+    """DIR/_mixc_standalone (standalone.FOLDER): mixc/standalone's .py files copied verbatim
+    (shutil.copyfile: the bytes, no edit), the runtime a module in DIR imports where mixc is not
+    installed. Filled in a fresh folder, then renamed into place, replacing what was there (a
+    symlink or a file too, never written through); readable by all, writable by the user."""
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / standalone.FOLDER
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{standalone.FOLDER}."))
+    old = None
+    try:
+        for src in sorted(RUNTIME_DIR.glob("*.py")):
+            shutil.copyfile(src, tmp / src.name)
+        os.chmod(tmp, 0o755)                    # mkdtemp's is 0700
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.exists():
+            old = Path(tempfile.mkdtemp(dir=out, prefix=f".{standalone.FOLDER}.old."))
+            os.replace(target, old / "runtime")
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not target.exists():         # put the previous one back
+            os.replace(old / "runtime", target)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
 def module_path(plan: Plan) -> Path:
     return cache_dir() / f"{plan.name}-{cache_key(plan)}.py"
 
@@ -268,6 +301,7 @@ def _import(path: Path, text: str) -> types.ModuleType:
     code = compile(text, str(path), "exec")
     mod = types.ModuleType(name)
     mod.__file__ = str(path)
+    mod._MIXC_RUNTIME = standalone.__name__     # its op runs on mixc's own runtime (templates/op.py.j2)
     linecache.cache[str(path)] = (len(text), None, text.splitlines(True), str(path))
     sys.modules[name] = mod
     exec(code, mod.__dict__)

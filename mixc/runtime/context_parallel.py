@@ -36,7 +36,7 @@ import torch
 
 from .. import classes
 from .cache import load_module
-from .binding import _check_state
+from ..standalone.binding import _check_state
 from .signature import ArgumentError, Bound, bind, option_values
 
 

@@ -17,8 +17,8 @@ import torch
 from ..derive.plan import Plan
 from .launch import (checkpoint_dtype, checkpoint_every, checkpoint_slots, chunk_backward, chunk_forward,
                      recurrent_backward, recurrent_forward)
-from .errors import ArgumentError
-from .binding import cu_seqlens_values
+from ..standalone.errors import ArgumentError
+from ..standalone.binding import cu_seqlens_values
 from .signature import Bound, head_groups
 
 _OPS: dict[tuple, object] = {}

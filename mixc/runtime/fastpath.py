@@ -7,7 +7,7 @@ length or packed (cu_seqlens).
 
 What a call's launches need is fixed by what its arguments look like: the bound sizes, the
 option values, the plan, the launch config, the buffers' shapes and dtypes, the grids, each
-kernel's arguments (their order from derive/kernel_args.py, as the recorded launch's) with
+kernel's arguments (their order from standalone/kernel_args.py, as the recorded launch's) with
 their numbers and constexprs. step_key() reduces the arguments to that look (per tensor its
 shape, dtype, device, contiguity and requires_grad; numbers and flags by type and value; the
 grad mode, the mode asked and launch.settings()), and the first call with a key records its
@@ -43,9 +43,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..derive.kernel_args import LAUNCH_OPTIONS
+from ..standalone.kernel_args import LAUNCH_OPTIONS
 from . import launch
-from .binding import cu_seqlens_values
+from ..standalone.binding import cu_seqlens_values
 
 _F32 = torch.float32
 MAX_RECIPES = 64          # per op: a serving loop sees a few batch sizes; a key per shape beyond is a leak

@@ -50,7 +50,7 @@ def checkpoint_dtype(chunked: bool, dtype: torch.dtype, state: str = "", half: b
 
 
 def dim_kwargs(plan: Plan, bound: Bound, config: autotune.Config | None = None) -> dict:
-    """Sizes and blocks of the recurrent kernels, keyed as their arguments (derive/kernel_args.py:
+    """Sizes and blocks of the recurrent kernels, keyed as their arguments (standalone/kernel_args.py:
     ("size", dim), ("block", dim)); a tuned config may set the tile and split blocks."""
     kw = {}
     tile, split = plan.layout.tile, plan.layout.split
@@ -349,7 +349,7 @@ def _backward(plan: Plan, bound: Bound, form: str, per_state, do: torch.Tensor, 
 
 
 def group_values(m, inputs: dict, H: int) -> dict:
-    """The kernels' _group_x (derive/kernel_args.py's role "group"): heads per head of each
+    """The kernels' _group_x (standalone/kernel_args.py's role "group"): heads per head of each
     input [B, T, H_x, *dims], H / H_x (1 where it has every head)."""
     return {("group", d.name): H // inputs[d.name].shape[2] if inputs[d.name].shape[2] else 1 for d in m.inputs}
 

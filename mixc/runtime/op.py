@@ -37,7 +37,7 @@ from .decode import step_inplace
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
 from .launch import chunk_size_for
-from .binding import clamp_chunk, clamp_ck
+from ..standalone.binding import clamp_chunk, clamp_ck
 from .signature import ArgumentError, Bound, bind, check_chunking, check_flag_argument, option_values  # noqa: F401
 from .spec_held import HeldBySpec
 
@@ -75,7 +75,7 @@ class MixerOp(HeldBySpec):
             return cp_call(self, cp_group, kwargs=kwargs, initial_state=initial_state,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                            call=lambda **local: self(**kwargs, mode=mode, CK=CK, chunk=chunk, **local))
-        check_chunking(mode, CK, chunk)          # as a compiled module's (runtime/binding.py)
+        check_chunking(mode, CK, chunk)          # as a compiled module's (standalone/binding.py)
         key = None
         if ((cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)) and type(mode) is str and type(CK) is int
                 and (chunk is None or type(chunk) is int) and not torch.compiler.is_compiling()):

@@ -1,17 +1,17 @@
 """Call arguments -> bound sizes and checked tensors, with errors that name the argument.
 
-The binder itself is runtime/binding.py (torch only, so that a compiled module binds with the
-same code: runtime/support.py); this module re-exports it and adds what needs the spec
+The binder itself is standalone/binding.py (torch only, so that a compiled module binds with the
+same code: standalone/support.py); this module re-exports it and adds what needs the spec
 language: option defaults evaluated from the spec's expressions (dsl/scalar.py), with errors
 that quote the expression."""
 from __future__ import annotations
 
 from ..dsl import ir, scalar
 from ..dsl.unparse import expr_text
-from .binding import (FLOAT_DTYPES, Bound, _check_cu_seqlens, _check_device, _check_state,  # noqa: F401
-                      _check_tensor, _fmt, bind, check_chunking, check_flag_argument, cu_seqlens_values,
-                      expand_heads, head_groups)
-from .errors import ArgumentError  # noqa: F401  (one class for ops and compiled modules)
+from ..standalone.binding import (FLOAT_DTYPES, Bound, _check_cu_seqlens, _check_device,  # noqa: F401
+                                  _check_state, _check_tensor, _fmt, bind, check_chunking, check_flag_argument,
+                                  cu_seqlens_values, expand_heads, head_groups)
+from ..standalone.errors import ArgumentError  # noqa: F401  (one class for ops and compiled modules)
 
 
 def _scalar(e: ir.Expr, sizes: dict[str, int], values: dict[str, float], head: str = "the value",

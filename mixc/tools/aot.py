@@ -28,7 +28,7 @@ from ..runtime.cache import interpreting
 from ..runtime.launch import block, checkpoint_tokens, key_block, stages
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# constexpr values of the switches of every template, by role (derive/kernel_args.py)
+# constexpr values of the switches of every template, by role (standalone/kernel_args.py)
 _SWITCHES = {"use_initial": True, "store_final": True, "varlen": False, "store_ckpt": True, "use_dfinal": True,
              "use_indices": False, "ck": 32, "unit": 16, "phase": 0}
 _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}

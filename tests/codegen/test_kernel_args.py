@@ -1,5 +1,5 @@
-"""Each kernel's argument list has one definition (mixc/derive/kernel_args.py): the template
-signature is printed from it, runtime/launch.py and runtime/support.py launch by it, and
+"""Each kernel's argument list has one definition (mixc/standalone/kernel_args.py): the template
+signature is printed from it, runtime/launch.py and standalone/support.py launch by it, and
 tools/aot.py types it. Checked on every library spec, and by changing the definition: a renamed
 argument and a reordered list change all three, and the kernels still compute the same."""
 import dataclasses
@@ -14,12 +14,12 @@ import torch
 import mixc
 from helpers import random_args
 from mixc import pipeline
-from mixc.derive import kernel_args as ka
+from mixc.standalone import kernel_args as ka
 from mixc.derive.layout import kernel_layout
 from mixc.dsl import library_names
 from mixc.runtime import launch
 from mixc.runtime.signature import bind
-from mixc.runtime.support import CompiledOp
+from mixc.standalone.support import CompiledOp
 from mixc.tools import aot
 
 
@@ -153,7 +153,7 @@ def _shuffled(build):
 def test_a_reordered_definition_launches_the_same_numbers(name, mode, monkeypatch, tmp_path, fresh_definition):
     """Reordering the definition reorders the kernel's parameters and both launches' arguments
     with it: the generated kernels, launched by runtime/launch.py (the chunked forms in one walk
-    and in two launches) and by a compiled module's runtime/support.py, compute what the
+    and in two launches) and by a compiled module's standalone/support.py, compute what the
     unchanged ones do (outputs and gradients), and match the float64 reference."""
     op = mixc.load(name)
     args, _ = random_args(op.ir, B=2, T=9, H=2, sizes={}, dtype=torch.float32, seed=21, requires_grad=True)
@@ -182,7 +182,7 @@ def test_a_reordered_definition_launches_the_same_numbers(name, mode, monkeypatc
             o, _, ck = launch.recurrent_forward(plan, bound, output_final_state=False, checkpoints=True)
             dx, dp, _ = launch.recurrent_backward(plan, bound, ck, do, None)
         got[f"launch {phases}"], grads[f"launch {phases}"] = o, dx | dp
-    # runtime/support.py (a compiled module's op) on the same kernels, with gradients
+    # standalone/support.py (a compiled module's op) on the same kernels, with gradients
     o, _ = mod.op(**args, mode=mode)
     got["support"], grads["support"] = o, dict(zip(args, torch.autograd.grad((o * do).sum(), leaves)))
     for k, v in got.items():

@@ -146,11 +146,11 @@ def test_the_language_doc_lists_every_function():
 
 
 def test_a_compiled_module_evaluates_an_option_default_that_calls_a_function():
-    """The compiled module's runtime (runtime/support.py) has no registry: the call in METADATA
+    """The compiled module's runtime (standalone/support.py) has no registry: the call in METADATA
     carries the function's float64 form."""
     from mixc.codegen.module import _scalar_tree
     from mixc.dsl import ir
-    from mixc.runtime.support import scalar
+    from mixc.standalone.support import scalar
     for name in NAMES:
         x = _points(name, 1)[0]
         tree = _scalar_tree(ir.Call((), None, name, (ir.Num((), None, x),)))

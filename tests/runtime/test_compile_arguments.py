@@ -11,7 +11,7 @@ import torch
 
 import mixc
 from helpers import random_args
-from mixc.runtime.errors import ArgumentError
+from mixc.standalone.errors import ArgumentError
 
 B, T, H, K = 1, 12, 2, 4
 

@@ -1,5 +1,5 @@
 """A compiled module (`mixc compile -o DIR`) binds and checks a call's arguments with the same
-code as mixc.load's op (runtime/binding.py; issue 30, memory safety): the reproducers that
+code as mixc.load's op (standalone/binding.py; issue 30, memory safety): the reproducers that
 crashed the compiled module (bad cu_seqlens values: heap corruption; CK <= 0; chunk = 7, a
 Triton error) or that it took wrongly (output_final_state='no', an int64 or meta state), and a
 fuzz of both with the same random arguments, valid and not: one refuses exactly where the

@@ -155,7 +155,7 @@ def test_a_replayed_grouped_call_reads_new_values(monkeypatch):
 
 
 def test_a_compiled_module_takes_grouped_heads(tmp_path):
-    """A compiled module's runtime (runtime/support.py: its own binding and launches) on grouped
+    """A compiled module's runtime (standalone/support.py: its own binding and launches) on grouped
     B and C: the op's numbers, gradients summed per group; a bad head count refused there too."""
     import importlib.util
 

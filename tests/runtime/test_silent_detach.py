@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mixc
-from mixc.runtime.errors import ArgumentError
+from mixc.standalone.errors import ArgumentError
 
 from helpers import random_args, random_state
 

@@ -8,14 +8,16 @@ parameter name, its kind and its dtype rule. From this one list:
 
 - the template signature: templates/kernel_args.j2 prints `arguments.lines` (the lines and
   comments of the `def kernel(...)` block), so the kernel text is rendered from it;
-- the launch call: runtime/launch.py, runtime/fastpath.py and runtime/support.py fill a value
+- the launch call: runtime/launch.py, runtime/fastpath.py and support.py fill a value
   per Arg.key and call KernelArgs.launch: the arguments before the first constexpr
   positionally, the rest by name; the orders are computed once per plan (plan.layout carries
   the KernelArgs of each form), per replay recipe or per compiled module;
 - the ahead-of-time signature: tools/aot.py types each argument by its role's dtype rule.
 
 It imports nothing from mixc and no third-party module: a compiled module's runtime
-(runtime/support.py) builds the same lists from METADATA's names without the compiler."""
+(support.py, in the copy of this package beside the module) builds the same lists from
+METADATA's names without the compiler. It lives in mixc/standalone, below every stage, so that
+derive (plan.layout), codegen, the runtime and a compiled module read the one definition."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -301,7 +303,7 @@ def plan_kernel_args(plan, forms=FORMS) -> dict[str, KernelArgs]:
 
 
 def metadata_kernel_args(meta: dict) -> dict[str, KernelArgs]:
-    """The same from a generated module's METADATA (runtime/support.py: no plan there)."""
+    """The same from a generated module's METADATA (support.py: no plan there)."""
     names = (tuple(meta["inputs"]), tuple(meta["params"]), tuple(meta["options"]), tuple(meta["kernel_states"]),
              tuple(meta["dims"]))
     return {form: kernel_args(form, *names) for form in meta["kernels"]}

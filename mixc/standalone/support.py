@@ -1,18 +1,25 @@
 """The runtime of a compiled module (`mixc compile -o DIR`): binds a call's arguments and
 launches the module's OWN kernels from its METADATA alone.
 
-It imports torch and triton only (no spec parsing, no derivation, no code generation: none of
-mixc.dsl, mixc.codegen, sympy or lark, and of mixc.derive only kernel_args, the kernels'
-argument lists: plain Python that builds them from METADATA's names, the one definition the
-code generator printed the signatures from), so a compiled module runs without the compiler,
-and an edit to the module's kernels changes what runs. A call's arguments are checked by
-mixc.load's own binder (runtime/binding.py, torch only): what one refuses the other refuses,
-with the same message (tests/runtime/test_compiled_binding.py fuzzes both). The launches are the untuned ones
-mixc.load's op takes under Triton's interpreter: the recurrent kernels (tile and split blocks
-of 32 and 64) and the chunked kernels in one walk (PHASE 0), each with its backward through an
-autograd.Function. mixc.load's op adds the torch and reference backends, autotuning on CUDA,
-the two-launch chunked form, torch.compile custom ops and context parallelism (runtime/op.py);
-the numbers are the same kernels' (tested in tests/codegen/test_module.py)."""
+It imports torch, triton and the files beside it only (no spec parsing, no derivation, no code
+generation: none of mixc.dsl, mixc.derive, mixc.codegen, sympy, lark or jinja2; kernel_args.py
+is the kernels' argument lists, plain Python that builds them from METADATA's names, the one
+definition the code generator printed the signatures from), so `mixc compile -o DIR` copies
+this package into DIR/_mixc_standalone and the module runs where only torch and Triton are
+installed; an edit to the module's kernels changes what runs. A call's arguments are checked
+by mixc.load's own binder (binding.py, torch only): what one refuses the other refuses, with
+the same message (tests/runtime/test_compiled_binding.py fuzzes both). The launches are the
+untuned ones mixc.load's op takes under Triton's interpreter: the recurrent kernels (tile and
+split blocks of 32 and 64) and the chunked kernels in one walk (PHASE 0), each with its
+backward through an autograd.Function. mixc.load's op adds the torch and reference backends,
+autotuning on CUDA, the two-launch chunked form, torch.compile custom ops and context
+parallelism (runtime/op.py); the numbers are the same kernels' (tests/codegen/test_module.py,
+and tests/codegen/test_standalone.py where mixc cannot be imported).
+
+CPU tensors without Triton's interpreter are refused with an ArgumentError that says why: the
+torch form of mixc.load's op (mode='torch': the chunk loop of runtime/torch_chunk*.py and each
+transition class's chunked form in mixc/classes) belongs to the compiler's class units, which
+a compiled module does not carry."""
 from __future__ import annotations
 
 import functools
@@ -23,10 +30,10 @@ import os
 import torch
 import triton
 
-from ..derive.kernel_args import metadata_kernel_args
 from .binding import (FLOAT_DTYPES, Signature, bind, check_chunking, check_flag_argument, clamp_chunk,  # noqa: F401
                       clamp_ck)
-from .errors import ArgumentError  # noqa: F401  (mixc's own: one class everywhere)
+from .errors import ArgumentError  # noqa: F401  (one class: mixc.load's op raises it too)
+from .kernel_args import metadata_kernel_args
 
 MODES = ("auto", "chunk", "recurrent")
 RECURRENT_TILE, RECURRENT_SPLIT, CHUNK_TILE = 32, 64, 64       # as runtime/launch.py
@@ -123,7 +130,7 @@ class CompiledOp:
 
     # ---- binding ----
     def _bind(self, kw: dict, state, cu, step: bool) -> Bound:
-        """The call's arguments checked by mixc.load's binder (runtime/binding.py: the same
+        """The call's arguments checked by mixc.load's binder (binding.py: the same
         checks and messages), then this module's own: its flags, its option defaults."""
         meta = self.meta
         bound = bind(self.signature, dict(kw, initial_state=state, cu_seqlens=cu), step=step)
@@ -145,7 +152,7 @@ class CompiledOp:
     # ---- launches ----
     def _blocks(self, b: Bound, chunked: bool, C: int) -> tuple[dict, int, int]:
         meta, tile, split = self.meta, self.meta["tile"], self.meta["split"]
-        kw = {}           # keyed as the arguments (derive/kernel_args.py)
+        kw = {}           # keyed as the arguments (standalone/kernel_args.py)
         for d in meta["dims"]:
             kw["size", d] = b.sizes[d]
             blk = _block(b.sizes[d])
@@ -185,8 +192,11 @@ class CompiledOp:
 
     def _kernel(self, form: str, device):
         if device.type == "cpu" and not _interpreting():
-            raise ArgumentError("Triton kernels run on CPU tensors only in Triton's interpreter: set "
-                                "TRITON_INTERPRET=1 before Python starts (or use mixc.load's op, mode='torch')")
+            raise ArgumentError(
+                "the tensors are on the CPU and Triton's interpreter is off: a compiled module runs its Triton "
+                "kernels only, on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1 set before Python starts; "
+                "it has no torch form (mode='torch' is mixc.load's op: its chunk loop and each class's chunked "
+                "form are mixc's, not the module's)")
         return self.ns[self.meta["kernels"][form]]
 
     def forward(self, b: Bound, chunked: bool, C: int, output_final_state: bool, checkpoints: bool):

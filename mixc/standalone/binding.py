@@ -1,7 +1,7 @@
 """Binding a call's arguments: -> bound sizes and checked tensors, with errors that name the
 argument. The one binder of mixc.load's op (runtime/signature.py re-exports it) and of the
-modules `mixc compile -o DIR` writes (runtime/support.py): it imports torch and mixc's
-ArgumentError only, so a compiled module binds its calls with this same code without the
+modules `mixc compile -o DIR` writes (support.py, from their copy of this package): it imports
+torch and errors.py only, so a compiled module binds its calls with this same code without the
 compiler (no mixc.dsl, which loads lark). `bind` reads the spec's signature by duck typing: a
 MixerIR, or a Signature that support.py builds from a compiled module's METADATA.
 
