@@ -6,7 +6,7 @@ on the CPU in about a minute, then generate from it with the state cache.
     python examples/train_tiny_lm.py --spec gla --attention-every 2    # a hybrid
 
 Prints the loss as it goes and writes OUT/loss.csv (step, train loss, held-out loss) and
-OUT/loss.png when matplotlib is installed (pip install 'mixc[bench]'). The held-out loss is
+OUT/loss.png when matplotlib is installed (pip install -e '.[bench]'). The held-out loss is
 on the text's last tenth. 3.5 KB is far too little text for 120k parameters: the model
 memorizes it (train loss near 0.3 nats per character after 300 steps, about 20 s on 2
 cores) while the held-out loss bottoms out near 2.3 around step 50 and then rises, which the
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # run from a checkout without install
+from mixc.argtypes import PLOT_HINT  # noqa: E402
 from mixc.nn import MixerLM  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "tiny_text.txt"
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
         w.writerows(rows)
     plotted = _plot(rows, out / "loss.png", "/".join(model.specs))
     print(f"wrote {out / 'loss.csv'}" + (f" and {out / 'loss.png'}" if plotted else
-                                          " (no plot: matplotlib is not installed)"))
+                                          f" (no plot: matplotlib is not installed; {PLOT_HINT})"))
 
     model.eval()
     prompt = torch.tensor([[index[c] for c in "The keeper "]])

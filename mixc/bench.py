@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from . import pipeline
-from .bench_fla import fla_table, side_by_side
+from .argtypes import PLOT_HINT
+from .bench_fla import FLA_COLUMNS, fla_table, side_by_side
 from .runtime.inputs import random_args
 
 # torch at module level: `mixc bench` imports this module only when it runs (cli.py); mixc.recall
@@ -129,24 +130,43 @@ def table(result: dict) -> str:
     return "\n".join(out)
 
 
-def plot(result: dict, path: Path) -> bool:
+def plot(result: dict, path: Path, fla: dict | None = None) -> bool:
+    """Time and peak memory against T for each implementation; with fla's rows (side_by_side),
+    a third panel: mixc's time over fla's per spec (the table fla_table prints), forward +
+    backward solid, forward dashed. False when matplotlib is missing."""
     try:
         import matplotlib       # optional: no plot without it
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt      # optional
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fla_rows = [r for r in (fla or {}).get("rows", []) if r.get("ratio") is not None]
+    fig, axes = plt.subplots(1, 3 if fla_rows else 2, figsize=(15 if fla_rows else 10, 4))
     for impl in IMPLS:
-        rs = [r for r in result["rows"] if r["impl"] == impl and r["backward"]]
+        rs = [r for r in result["rows"] if r["impl"] == impl and r["backward"]] or \
+             [r for r in result["rows"] if r["impl"] == impl]
         if rs:
             axes[0].loglog([r["T"] for r in rs], [r["ms"] for r in rs], "o-", label=impl)
             axes[1].loglog([r["T"] for r in rs], [max(r["peak_mib"], 0.1) for r in rs], "o-", label=impl)
-    axes[0].set(xlabel="T", ylabel="ms (fwd+bwd)", title="time")
+    passes = "fwd+bwd" if any(r["backward"] for r in result["rows"]) else "fwd"
+    axes[0].set(xlabel="T", ylabel=f"ms ({passes})", title="time")
     axes[1].set(xlabel="T", ylabel="peak MiB", title="memory")
     axes[0].legend()
+    if fla_rows:
+        ax = axes[2]
+        specs = list(dict.fromkeys(r["spec"] for r in fla_rows))
+        for k, spec in enumerate(specs):
+            for bwd, style in ((True, "o-"), (False, "s--")):
+                rs = sorted((r["T"], r["ratio"]) for r in fla_rows if r["spec"] == spec and r["backward"] == bwd)
+                if rs:
+                    ax.semilogx([t for t, _ in rs], [x for _, x in rs], style, color=f"C{k % 10}",
+                                label=f"{spec} {'fwd+bwd' if bwd else 'fwd'}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xlabel="T", ylabel="mixc ms / fla ms", title=f"mixc (torch backend) vs {fla.get('fla', 'fla')} naive chunked")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
     return True
 
 
@@ -168,21 +188,25 @@ def main(args) -> int:
         writable_folder(args.out)
     result = run(Ts, H=args.H, D=args.D, max_reference_T=args.max_reference_T,
                  max_quadratic_T=args.max_quadratic_T, backward=not args.forward_only)
+    print(table(result))
+    fla = None
+    if not getattr(args, "no_fla", False):
+        # the fla column: the torch backend against fla's naive chunked references, where fla is
+        # importable (mixc/bench_fla.py; one process, calls interleaved)
+        fla = side_by_side([T for T in Ts if T % 64 == 0], H=4, D=64, backward=not args.forward_only, threads=None)
+        print(fla_table(fla))
+        if fla["rows"]:
+            print(FLA_COLUMNS)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "cpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-        if plot(result, out / "cpu_bench.png"):
-            print(f"wrote {out / 'cpu_bench.json'} and cpu_bench.png")
+        written = ["cpu_bench.json"]
+        if fla is not None and fla["rows"]:
+            (out / "cpu_bench_fla.json").write_text(json.dumps(fla, indent=1) + "\n")
+            written.append("cpu_bench_fla.json")
+        if plot(result, out / "cpu_bench.png", fla):
+            print(f"wrote {out}/: {', '.join(written)}, cpu_bench.png")
         else:
-            print(f"wrote {out / 'cpu_bench.json'} (no plot: matplotlib is not installed)")
-    print(table(result))
-    if getattr(args, "no_fla", False):
-        return 0
-    # the fla column: the torch backend against fla's naive chunked references, where fla is
-    # importable (mixc/bench_fla.py; one process, calls interleaved)
-    fla = side_by_side([T for T in Ts if T % 64 == 0], H=4, D=64, backward=not args.forward_only, threads=None)
-    if args.out and fla["rows"]:
-        (Path(args.out) / "cpu_bench_fla.json").write_text(json.dumps(fla, indent=1) + "\n")
-    print(fla_table(fla))
+            print(f"wrote {out}/: {', '.join(written)} (no plot: matplotlib is not installed; {PLOT_HINT})")
     return 0

@@ -161,6 +161,20 @@ def side_by_side(Ts, *, specs=SPECS, B: int = 1, H: int = 4, D: int = 64, reps: 
     return {"fla": why, "threads": torch.get_num_threads(), "reps": reps, "rows": rows}
 
 
+# what each column of fla_table means (printed under the table by `mixc bench`; bench/README.md)
+FLA_COLUMNS = """\
+  mixc ms, fla ms  median thread CPU time of one call (time.thread_time: other processes' turns not counted)
+  x fla            mixc ms / fla ms (below 1: mixc is faster)
+  q1-q3            quartiles of the per-pair ratios (call i of mixc over call i of fla): the spread
+  rel diff         max |mixc - fla| / max |fla| of the two outputs
+  mixc us/tok      mixc's time per token (flat across T when the backend is linear in T)
+  faults m/f       minor page faults per call, mixc / fla: pages touched for the first time (a fresh tensor
+                   whose memory glibc returned to the OS costs one per 4 KB), time that shows in neither
+                   implementation's arithmetic
+  load             the 1-minute load average when the row was measured: above the cores in use, other
+                   processes competed for the CPU and the row's times are less reliable"""
+
+
 def fla_table(result: dict, header: bool = True) -> str:
     if not result["rows"] and "fla" in result:
         return f"fla column: {result['fla']}"

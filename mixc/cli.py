@@ -1,4 +1,5 @@
-"""mixc command line: list | check | explain | run. Spec errors print and exit 1."""
+"""mixc command line: list | check | explain | compile | run | bench | recall (and --version).
+Spec errors print and exit 1."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from .argtypes import nonnegative_int, positive_float, positive_int, positive_ints
+from . import __version__
+from .argtypes import DefaultsHelpFormatter, nonnegative_int, positive_float, positive_int, positive_ints
 from .dsl import SpecError, library_names
 
 # the stages `--dump` prints (mixc/pipeline.py's DUMPS; named here so that argparse needs no import)
@@ -256,22 +258,29 @@ def _report(spec: str, archs=(90, 80)) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mixc", description="Compile sequence-mixer specs to kernels and ops.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="library specs and their class")
+    fmt = DefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="mixc", description="Compile sequence-mixer specs to kernels and ops.",
+                                formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"mixc {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name, hlp, description=None):
+        return sub.add_parser(name, help=hlp, description=description or hlp[:1].upper() + hlp[1:] + ".",
+                              formatter_class=fmt)
+    command("list", "library specs and their class")
     for name, fn, hlp in (("check", cmd_check, "parse, check and derive a spec"),
                           ("explain", cmd_explain, "class, shapes, recurrent and chunked forms, backward")):
-        c = sub.add_parser(name, help=hlp)
+        c = command(name, hlp)
         c.add_argument("spec", help="a library spec name (see `mixc list`) or a .mix file")
-        c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option")
+        c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option (repeatable)")
         c.add_argument("--dump", choices=DUMPS[:3] + ("ir", "plan"), metavar="STAGE",
                        help=f"print a stage's result instead (mixc/pipeline.py): {', '.join(DUMPS[:3])}; "
                             "ir and plan name check and derive")
         c.set_defaults(fn=fn)
-    c = sub.add_parser("compile", help="generate the module of a spec (Triton kernels, metadata, the op)")
+    c = command("compile", "generate the module of a spec (Triton kernels, metadata, the op)")
     c.add_argument("spec", help="a library spec name or a .mix file")
     c.add_argument("-o", "--output", metavar="DIR", help="write DIR/NAME.py (default: print the source)")
-    c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option")
+    c.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option (repeatable)")
     c.add_argument("--dump", choices=DUMPS + ("ir", "plan", "source"), metavar="STAGE",
                    help=f"print a stage's result instead (mixc/pipeline.py): {', '.join(DUMPS)}; "
                         "ir, plan and source name check, derive and render")
@@ -280,32 +289,42 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", type=int, action="append", metavar="SM",
                    help="with --report: only this arch (90, 80; repeatable)")
     c.set_defaults(fn=cmd_compile)
-    r = sub.add_parser("run", help="run a spec on random inputs and diff it against the float64 reference")
-    r.add_argument("spec")
-    r.add_argument("--B", type=positive_int, default=2)
-    r.add_argument("--T", type=positive_int, default=64)
-    r.add_argument("--H", type=positive_int, default=4)
-    r.add_argument("--dim", action="append", metavar="NAME=SIZE", help="a dim size (default 16)")
-    r.add_argument("--set", action="append", metavar="FLAG=true|false")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--mode", default="auto", choices=("auto", "chunk", "recurrent", "conv", "torch", "reference"))
+    r = command("run", "run a spec on random inputs and diff it against the float64 reference",
+                "Run a spec's op on random inputs, forward and backward, and diff it against the float64 "
+                "reference; exit 1 when an error exceeds --tol.")
+    r.add_argument("spec", help="a library spec name or a .mix file")
+    r.add_argument("--B", type=positive_int, default=2, help="batch size")
+    r.add_argument("--T", type=positive_int, default=64, help="sequence length")
+    r.add_argument("--H", type=positive_int, default=4, help="heads")
+    r.add_argument("--dim", action="append", metavar="NAME=SIZE", help="a dim's size (repeatable; default 16 each)")
+    r.add_argument("--set", action="append", metavar="FLAG=true|false", help="set a flag option (repeatable)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    r.add_argument("--mode", default="auto", choices=("auto", "chunk", "recurrent", "conv", "torch", "reference"),
+                   help="the op's mode (auto: the Triton kernels on CUDA or under TRITON_INTERPRET=1, "
+                        "the torch backend otherwise)")
     r.add_argument("--tol", type=positive_float, default=RUN_TOL,
-                   help=f"largest relative error (max |x - ref| / max |ref|) that passes (default {RUN_TOL:g})")
+                   help="largest relative error (max |x - ref| / max |ref|) that passes")
     r.set_defaults(fn=cmd_run)
-    b = sub.add_parser("bench", help="CPU benchmarks: the torch backend, the reference and a quadratic form vs T")
+    b = command("bench", "CPU benchmarks: the torch backend, the reference and a quadratic form vs T; "
+                         "mixc against fla's naive chunked forms where fla is importable",
+                "CPU benchmarks of gla at growing T: the torch backend (chunked), the float64 reference "
+                "and a quadratic masked form, time and peak memory; then, where fla is importable, mixc's "
+                "torch backend against fla's naive chunked references (bench/README.md explains the columns).")
     b.add_argument("--T", type=positive_ints, default=(256, 1024, 4096, 16384), help="comma-separated sequence lengths")
-    b.add_argument("--H", type=positive_int, default=2)
-    b.add_argument("--D", type=positive_int, default=32, help="K = V")
+    b.add_argument("--H", type=positive_int, default=2, help="heads")
+    b.add_argument("--D", type=positive_int, default=32, help="head size: K = V")
     b.add_argument("--max-reference-T", type=nonnegative_int, default=4096, help="the float64 loop only up to this T")
     b.add_argument("--max-quadratic-T", type=nonnegative_int, default=2048, help="the [T, T, K] form only up to this T")
-    b.add_argument("--forward-only", action="store_true")
+    b.add_argument("--forward-only", action="store_true", help="time the forward pass only (default: forward, "
+                                                               "and forward + backward)")
     b.add_argument("--no-fla", action="store_true",
                    help="skip the side-by-side with fla's naive chunked references (run where fla is importable)")
-    b.add_argument("-o", "--out", metavar="DIR", help="write DIR/cpu_bench.json (and cpu_bench.png)")
+    b.add_argument("-o", "--out", metavar="DIR", help="write DIR/cpu_bench.json, cpu_bench_fla.json and "
+                                                      "cpu_bench.png (with matplotlib)")
     b.set_defaults(fn=lambda a: __import__("mixc.bench", fromlist=["main"]).main(a))
     from .recall import add_arguments as recall_arguments     # light: torch loads only when it runs
-    rc = sub.add_parser("recall", help="multi-query associative recall (MQAR): train small models per spec on "
-                                       "the CPU, table and plot of accuracy vs state size")
+    rc = command("recall", "multi-query associative recall (MQAR): train small models per spec on "
+                           "the CPU, table and plot of accuracy vs state size")
     recall_arguments(rc)
     rc.set_defaults(fn=lambda a: __import__("mixc.recall", fromlist=["main"]).main(a))
     sub.choices["list"].set_defaults(fn=cmd_list)

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .argtypes import nonnegative_int, positive_float, positive_int, positive_ints
+from .argtypes import PLOT_HINT, nonnegative_int, positive_float, positive_int, positive_ints
 from .dsl import library_names
 
 # torch is imported inside the functions: `mixc --help` and the other commands build this
@@ -183,45 +183,114 @@ def train_one(pattern: str, seq_len: int, width: int, cfg: RecallConfig, progres
             "accuracy": round(acc, 4), "final_loss": round(loss_v, 4), "train_s": round(train_s, 1)}
 
 
-class Progress:
-    """A progress bar on stderr: runs done, the running model's step and loss (redrawn in place
-    on a terminal; with jobs > 1 only finished runs are shown), the time spent and left."""
+def time_left(elapsed: float, frac: float, start: float = 0.0) -> float | None:
+    """Seconds left at the pace so far: `elapsed` seconds took the work from fraction `start` to
+    `frac`, and 1 - frac is left. Never below 0 (frac may pass 1 by rounding); None before any
+    progress."""
+    if not frac - start > 0:
+        return None
+    return max(0.0, elapsed * (1.0 - min(frac, 1.0)) / (frac - start))
 
-    def __init__(self, costs: list[float], steps: int, stream=None):
+
+def duration_text(seconds: float) -> str:
+    """'42 s', '3.5 min', '1.2 h' (never negative: -0.0 and rounding below 0 read 0 s)."""
+    s = max(0.0, float(seconds)) + 0.0            # + 0.0 turns -0.0 into 0.0
+    if s < 59.5:
+        return f"{s:.0f} s"
+    if s < 90 * 60:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def eta_text(seconds: float | None) -> str:
+    """The remaining-time part of a progress line: '~3.5 min left', '~0 s left' at the end,
+    'time left: ?' before the first step; never negative."""
+    if seconds is None or seconds != seconds:
+        return "time left: ?"
+    return f"~{duration_text(seconds)} left"
+
+
+# seconds between progress lines in a log (stderr not a terminal; a terminal redraws every step)
+LOG_EVERY = 10.0
+
+
+class Progress:
+    """Progress on stderr while models train: the runs done, each running model's step and
+    smoothed loss, the time spent and an estimate of the time left (the runs weighed by their
+    cost). On a terminal one line redrawn at every step; in a log (not a terminal) a line every
+    `every` seconds. Each finished run gets its own line either way."""
+
+    def __init__(self, costs: list[float], steps: int, stream=None, labels: list[str] | None = None,
+                 every: float | None = None):
         self.total, self.steps = len(costs), steps
         self.weights = [c / sum(costs) for c in costs] if costs else []   # the time left weighs runs by cost
+        self.labels = list(labels) if labels is not None else [f"run {i + 1}" for i in range(len(costs))]
         self.stream = stream if stream is not None else sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = LOG_EVERY if every is None else every
         self.t0 = time.perf_counter()
         self.done = 0
-        self.frac = 0.0
-        self.weight = 0.0
-        self.label = ""
-
-    def start(self, label: str, cost_index: int) -> None:
-        self.label = label
-        self.weight = self.weights[cost_index]
+        self.frac = 0.0                          # the finished runs' share of the work
+        self.running: dict[int, tuple[int, float]] = {}     # run index -> (step, smoothed loss)
+        self.finished: set[int] = set()
+        self.last_line = self.t0                 # a log's last progress line
+        self.last_draw = 0.0                     # a terminal's last redraw
+        self.first: tuple[float, float] | None = None     # (time, fraction done) at the first step
 
     def _bar(self, frac: float) -> str:
-        el = time.perf_counter() - self.t0
-        eta = el / frac - el if frac > 0 else 0.0
-        return f"[{'#' * int(24 * frac):<24}] {el / 60:.1f} min, ~{eta / 60:.1f} min left"
+        now = time.perf_counter()
+        # the pace from the first step on: starting the workers and loading the ops (seconds
+        # before any step) would make the first estimates hours
+        left = time_left(now - self.first[0], frac, self.first[1]) if self.first else None
+        return f"[{'#' * int(24 * min(frac, 1.0)):<24}] {duration_text(now - self.t0)}, {eta_text(left)}"
+
+    def _frac(self) -> float:
+        return self.frac + sum(self.weights[i] * step / self.steps for i, (step, _) in self.running.items())
+
+    def header(self, jobs: int) -> None:
+        self.stream.write(f"training {self.total} model{'s' if self.total != 1 else ''}, {self.steps} steps each, "
+                          f"{jobs} at a time\n")
+        self.stream.flush()
+
+    def step(self, index: int, step: int, loss: float) -> None:
+        """Run `index` has taken `step` steps (its smoothed loss)."""
+        if index in self.finished:
+            return                               # a late message from a run already reported
+        self.running[index] = (step, loss)
+        if self.first is None:
+            self.first = (time.perf_counter(), self._frac())
+        now = time.perf_counter()
+        if self.tty and (now - self.last_draw >= 0.1 or step == self.steps):
+            self.last_draw = now
+            self.stream.write("\r" + self._line()[:150].ljust(150))
+            self.stream.flush()
+        elif not self.tty and now - self.last_line >= self.every:
+            self.last_line = now
+            self.stream.write(self._line() + "\n")
+            self.stream.flush()
 
     def __call__(self, step: int, loss: float) -> None:
-        """Within a run (a terminal only: a log gets one line per run)."""
-        if self.tty:
-            line = (f"{self._bar(self.frac + self.weight * step / self.steps)} | run {self.done + 1}/{self.total} "
-                    f"{self.label} step {step}/{self.steps} loss {loss:.3f}")
-            self.stream.write("\r" + line[:150].ljust(150))
-            self.stream.flush()
+        """The training loop's callback for the one run in progress (train_one's `progress`)."""
+        self.step(next(iter(self.running), 0), step, loss)
+
+    def start(self, index: int) -> None:
+        self.running[index] = (0, float("nan"))
+
+    def _line(self) -> str:
+        runs = "; ".join(f"{self.labels[i]} step {st}/{self.steps} loss {loss:.3f}"
+                         for i, (st, loss) in sorted(self.running.items()))
+        return f"{self._bar(self._frac())} | {self.done}/{self.total} done | {runs}"
 
     def finish_run(self, row: dict, cost_index: int) -> None:
         self.done += 1
         self.frac += self.weights[cost_index]
-        line = (f"{self._bar(self.frac)} | {self.done}/{self.total} {row['spec']} T={row['seq_len']} "
+        self.running.pop(cost_index, None)
+        self.finished.add(cost_index)
+        line = (f"{self._bar(self._frac())} | {self.done}/{self.total} {row['spec']} T={row['seq_len']} "
                 f"d={row['width']}: accuracy {row['accuracy']:.3f}, state {row['state_size']}, {row['train_s']:.0f} s")
         self.stream.write(("\r" if self.tty else "") + line.ljust(150 if self.tty else 0) + "\n")
         self.stream.flush()
+        self.last_line = time.perf_counter()
 
 
 # Relative cost of a training step on the CPU (the torch backend), from the train_s of the
@@ -237,36 +306,71 @@ def _cost(run) -> float:
     return T * d * sum(_STEP_COST.get(p, 1.0) for p in parts) / len(parts)
 
 
+_QUEUE = None          # a worker process's queue of progress messages to the parent (run())
+
+
+def _init_worker(queue) -> None:
+    global _QUEUE
+    _QUEUE = queue
+
+
 def _train_in_worker(args) -> dict:
     import torch        # lazy: torch only when training (see above)
-    pattern, T, d, cfg, threads = args
+    index, pattern, T, d, cfg, threads = args
     torch.set_num_threads(threads)
-    return train_one(pattern, T, d, cfg)
+    last = [0.0]
+
+    def progress(step, loss):
+        # a message every quarter second (and the last step): the parent redraws from them
+        now = time.perf_counter()
+        if _QUEUE is not None and (now - last[0] >= 0.25 or step == cfg.steps):
+            last[0] = now
+            _QUEUE.put((index, step, loss))
+    return train_one(pattern, T, d, cfg, progress)
+
+
+def _drain(queue, bar: Progress) -> None:
+    import queue as queues      # lazy: only for --jobs > 1 (its Empty)
+    while True:
+        try:
+            index, step, loss = queue.get_nowait()
+        except queues.Empty:
+            return
+        bar.step(index, step, loss)
 
 
 def run(cfg: RecallConfig, out: Path | None = None, stream=None) -> list[dict]:
     """Train every (spec, length, width) of cfg; write the results to out when given."""
     runs = [(s, T, d) for T in cfg.lengths for d in cfg.widths for s in cfg.specs]
-    bar = Progress([_cost(r) for r in runs], cfg.steps, stream)
+    bar = Progress([_cost(r) for r in runs], cfg.steps, stream, labels=[f"{s} T={T} d={d}" for s, T, d in runs])
+    bar.header(min(cfg.jobs, len(runs)))
     t0 = time.perf_counter()
     if cfg.jobs > 1:
         # one model per worker process, each on its share of the cores (small models use one
-        # core poorly with threads; processes side by side use them fully)
+        # core poorly with threads; processes side by side use them fully); the workers send
+        # their steps through a queue, which the parent drains between waits
         import multiprocessing as mp       # lazy: 6 ms each that `mixc --help` does without; only for --jobs > 1
-        from concurrent.futures import ProcessPoolExecutor, as_completed     # lazy: as multiprocessing
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait     # lazy: as multiprocessing
         threads = max(1, (os.cpu_count() or 1) // cfg.jobs)
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
         done = {}
-        with ProcessPoolExecutor(cfg.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futures = {pool.submit(_train_in_worker, (s, T, d, cfg, threads)): (s, T, d)
-                       for s, T, d in sorted(runs, key=_cost, reverse=True)}
-            for f in as_completed(futures):
-                done[futures[f]] = f.result()
-                bar.finish_run(done[futures[f]], runs.index(futures[f]))
-        rows = [done[r] for r in runs]
+        with ProcessPoolExecutor(cfg.jobs, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
+            order = sorted(range(len(runs)), key=lambda i: _cost(runs[i]), reverse=True)
+            futures = {pool.submit(_train_in_worker, (i, *runs[i], cfg, threads)): i for i in order}
+            pending = set(futures)
+            while pending:
+                finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                _drain(queue, bar)
+                for f in finished:
+                    i = futures[f]
+                    done[i] = f.result()
+                    bar.finish_run(done[i], i)
+        rows = [done[i] for i in range(len(runs))]
     else:
         rows = []
         for i, (s, T, d) in enumerate(runs):
-            bar.start(f"{s} T={T} d={d}", i)
+            bar.start(i)
             rows.append(train_one(s, T, d, cfg, bar))
             bar.finish_run(rows[-1], i)
     total = time.perf_counter() - t0
@@ -319,38 +423,48 @@ def write(rows: list[dict], cfg: RecallConfig, out: Path, total_s: float) -> Non
     (out / "results.md").write_text("\n".join(md))
     plotted = plot(rows, out / "recall.png")
     print(f"wrote {out / 'results.md'}, results.csv, config.json"
-          + (", recall.png" if plotted else " (no plot: matplotlib is not installed; pip install mixc[bench])"))
+          + (", recall.png" if plotted else f" (no plot: matplotlib is not installed; {PLOT_HINT})"))
 
 
 def plot(rows: list[dict], path: Path) -> bool:
     """Accuracy against state size, one panel per sequence length, a line per spec over the
     widths. False when matplotlib is missing."""
     try:
-        import matplotlib       # optional: no plot without it (pip install mixc[bench])
+        import matplotlib       # optional: no plot without it (pip install -e '.[bench]')
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt      # optional
     except ImportError:
         return False
+    fig = figure(rows, plt)
+    fig.savefig(path, dpi=120, bbox_inches="tight")     # "tight": the legend outside the panels is kept
+    plt.close(fig)
+    return True
+
+
+def figure(rows: list[dict], plt):
+    """The recall figure (plot() saves it). The legend sits right of the panels, outside them: a
+    legend inside a panel hid the points under it (accuracies fill the whole height)."""
     lengths = sorted({r["seq_len"] for r in rows})
     specs = list(dict.fromkeys(r["spec"] for r in rows))
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    lines = {}
     for ax, T in zip(axes[0], lengths):
-        for s in specs:
+        for k, s in enumerate(specs):
             pts = sorted((r["state_size"], r["accuracy"], r["width"]) for r in rows
                          if r["spec"] == s and r["seq_len"] == T)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=s)
+                # one color per spec in every panel (the legend names each once)
+                lines[s], = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{k % 10}", label=s)
         ax.set_xscale("log")
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("state size (floats per sequence)")
         ax.set_title(f"T = {T}, {rows_kv(rows, T)} key-value pairs")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("MQAR accuracy")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    fig.legend(list(lines.values()), list(lines), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5),
+               bbox_transform=axes[0][-1].transAxes, borderaxespad=0.5)
+    return fig
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -360,12 +474,14 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_arguments(p) -> None:
     d = RecallConfig()
     p.add_argument("--specs", default=",".join(d.specs),
-                   help="comma-separated spec names; 'a+b' is a hybrid whose layers cycle a, b")
+                   help="comma-separated spec names or .mix files; 'a+b' is a hybrid whose layers cycle a, b "
+                        f"(default: {', '.join(d.specs)})")
     p.add_argument("--lengths", type=positive_ints, default=d.lengths, help="sequence lengths (comma-separated)")
     p.add_argument("--widths", type=positive_ints, default=d.widths, help="model widths (d_model, comma-separated)")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="training steps per model")
-    p.add_argument("--batch", type=positive_int, default=d.batch)
-    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--batch", type=positive_int, default=d.batch, help="sequences per training step")
+    p.add_argument("--lr", type=positive_float, default=d.lr,
+                   help="peak learning rate of AdamW (warm-up over the first 10%% of steps, then cosine to 10%%)")
     p.add_argument("--kv-per-token", type=positive_float, default=d.kv_per_token,
                    help="key-value pairs per token of the sequence (default 1/4: 16 pairs at T = 64)")
     p.add_argument("--queries", choices=("dense", "once"), default="dense",
@@ -373,16 +489,18 @@ def add_arguments(p) -> None:
                         "filler (Zoology's layout)")
     p.add_argument("--fixed-pairs", action="store_true",
                    help="train on n pairs only (default: a mixture of 1 .. n pairs per batch)")
-    p.add_argument("--vocab", type=positive_int, default=d.vocab_size)
-    p.add_argument("--layers", type=positive_int, default=d.n_layers)
-    p.add_argument("--head-dim", type=positive_int, default=d.head_dim)
-    p.add_argument("--eval", type=positive_int, default=d.eval_sequences, help="held-out sequences")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--vocab", type=positive_int, default=d.vocab_size,
+                   help="vocabulary size: keys from the lower half, values from the upper half (token 0 is filler)")
+    p.add_argument("--layers", type=positive_int, default=d.n_layers, help="layers of each model")
+    p.add_argument("--head-dim", type=positive_int, default=d.head_dim, help="channels per head (heads = width / this)")
+    p.add_argument("--eval", type=positive_int, default=d.eval_sequences,
+                   help="held-out sequences each model is scored on")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the models' weights and of the data")
     p.add_argument("--mode", default=d.mode, choices=("auto", "chunk", "recurrent", "torch", "reference"),
                    help="the ops' mode (torch: the CPU backend)")
     p.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
-                   help="models trained at once in worker processes (default: 2 where there are 2 cores)")
-    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch CPU threads with --jobs 1 (0: torch's default)")
+                   help="models trained at once in worker processes (default: 2 where there are 2 cores or more)")
+    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch CPU threads with --jobs 1 (0: as many as torch picks)")
     p.add_argument("-o", "--out", metavar="DIR", help="write results.md/.csv, config.json, recall.png to DIR")
 
 

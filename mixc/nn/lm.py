@@ -115,21 +115,32 @@ class MixerLM(nn.Module):
                 nn.init.normal_(b.mlp.down.weight, std=0.02 / (2 * n_layers) ** 0.5)
 
     def forward(self, ids: torch.Tensor, state: list | None = None, use_cache: bool = False):
-        x = self.embed(ids)
+        h, state = self.trunk(self.embed(ids), state, use_cache)
+        return self.head(h), state
+
+    def step(self, ids: torch.Tensor, state: list | None = None):
+        """One token per sequence: ids [B] -> (logits [B, vocab], state)."""
+        h, state = self.trunk_step(self.embed(ids), state)
+        return self.head(h), state
+
+    def trunk(self, x: torch.Tensor, state: list | None = None, use_cache: bool = False):
+        """The blocks and the final norm over embeddings x [B, T, d_model] -> (hidden [B, T, d_model],
+        state or None): forward() without the embedding and the output projection (what
+        mixc.integrations.hf_model's base model returns)."""
         new = []
         for i, b in enumerate(self.blocks):
             x, st = b(x, None if state is None else state[i], use_cache=use_cache)
             new.append(st)
-        return self.head(self.norm(x)), (new if use_cache else None)
+        return self.norm(x), (new if use_cache else None)
 
-    def step(self, ids: torch.Tensor, state: list | None = None):
-        """One token per sequence: ids [B] -> (logits [B, vocab], state)."""
-        x = self.embed(ids)
+    def trunk_step(self, x: torch.Tensor, state: list | None = None):
+        """step() without the embedding and the output projection: x [B, d_model] -> (hidden
+        [B, d_model], state)."""
         new = []
         for i, b in enumerate(self.blocks):
             x, st = b.step(x, None if state is None else state[i])
             new.append(st)
-        return self.head(self.norm(x)), new
+        return self.norm(x), new
 
     def state_size(self, state: list) -> int:
         """Floats per sequence in the mixers' states (for attention: its KV cache at that length)."""

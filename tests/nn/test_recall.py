@@ -1,6 +1,7 @@
 """The MQAR data, `mixc recall` end to end on a tiny grid, and the tiny LM example."""
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,7 @@ def test_recall_command_end_to_end(tmp_path, capsys, monkeypatch):
     recurrent spec and a hybrid, files written, the plot skipped with a message when
     matplotlib cannot be imported."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)               # as if not installed
+    monkeypatch.setattr("mixc.recall.LOG_EVERY", 0.0)                  # a progress line at every message
     out = tmp_path / "res"
     rc = cli.main(["recall", "--specs", "retention,retention+attention", "--lengths", "16", "--widths", "16",
                    "--steps", "3", "--batch", "4", "--eval", "8", "--vocab", "16", "--kv-per-token", "0.125",
@@ -64,6 +66,9 @@ def test_recall_command_end_to_end(tmp_path, capsys, monkeypatch):
     captured = capsys.readouterr()
     assert "no plot: matplotlib is not installed" in captured.out
     assert "| 1/2 retention" in captured.err and "| 2/2 retention" in captured.err    # the progress lines
+    # the workers' steps reach the parent's progress lines (a worker sends its first step at once)
+    assert re.search(r"\| [01]/2 done \| .*T=16 d=16 step [123]/3 loss", captured.err), captured.err
+    assert "training 2 models, 3 steps each, 2 at a time" in captured.err
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [(r["spec"], r["layers"]) for r in rows] == [("retention", "retention/retention"),
                                                         ("retention+attention", "retention/attention")]
