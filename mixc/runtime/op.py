@@ -37,6 +37,7 @@ from .decode import step_inplace
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
 from .launch import chunk_size_for
+from .op_doc import call_doc, call_signature
 from ..standalone.binding import clamp_chunk, clamp_ck
 from .signature import ArgumentError, Bound, bind, check_chunking, check_flag_argument, option_values  # noqa: F401
 from .spec_held import HeldBySpec
@@ -52,6 +53,9 @@ class MixerOp(HeldBySpec):
         self._plans: dict[tuple, Plan] = {}
         self._ops: dict[tuple, tuple] = {}
         self._fast: dict[tuple, fastpath.StepRecipe] = {}     # replayable launches of op(), step() by argument look
+        # what inspect.signature(op) and help(op) show: the spec's arguments (runtime/op_doc.py)
+        self.__signature__ = call_signature(mixer)
+        self.__doc__ = call_doc(mixer)
 
     @property
     def name(self) -> str:

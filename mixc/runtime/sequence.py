@@ -24,6 +24,7 @@ import torch
 
 from ..derive.plan import Plan, derive
 from ..dsl import MixerIR, ir
+from .op_doc import call_doc, call_signature
 from .sequence_eval import Run, evaluate, leaves
 from .signature import ArgumentError, _scalar, bind, option_values
 from .spec_held import HeldBySpec
@@ -37,6 +38,9 @@ class SequenceOp(HeldBySpec):
     def __init__(self, mixer: MixerIR):
         self.ir = mixer
         self._plans: dict[tuple, Plan] = {}
+        # what inspect.signature(op) and help(op) show: the spec's arguments (runtime/op_doc.py)
+        self.__signature__ = call_signature(mixer)
+        self.__doc__ = call_doc(mixer)
 
     @property
     def name(self) -> str:
