@@ -204,8 +204,12 @@ class MixerLayer(nn.Module):
         out = self.conv.bias + sum(full[:, j:j + T] * w[:, j] for j in range(k))
         return out, full[:, full.shape[1] - (k - 1):].transpose(1, 2)
 
-    def _finish(self, o: torch.Tensor, gate) -> torch.Tensor:
-        """o [*lead, H, *out dims] -> norm, gate, output projection -> [*lead, d_model]."""
+    def _finish(self, o: torch.Tensor, gate, dtype: torch.dtype) -> torch.Tensor:
+        """o [*lead, H, *out dims] -> norm, gate, output projection -> [*lead, d_model], in the
+        layer input's dtype (mode="reference" computes and returns float64: the layer around it
+        keeps the model's dtype; other dtypes, autocast's bf16 among them, pass as they are)."""
+        if o.dtype == torch.float64 and dtype != torch.float64:
+            o = o.to(dtype)
         lead = o.shape[:o.dim() - 1 - len(self.out_shape)]
         o = o.reshape(lead + (self.n_heads, self.out_per_head))
         if self.norm is not None:
@@ -229,7 +233,7 @@ class MixerLayer(nn.Module):
         mixer_state = (state or {}).get("mixer")
         o, st = self.op(**inputs, **self.spec_params(), **self.options, initial_state=mixer_state,
                         output_final_state=use_cache, mode=self.mode, **self.op_kwargs, **extra)
-        y = self._finish(o, gate)
+        y = self._finish(o, gate, x.dtype)
         if tails is not None:       # the last rank uses no tail, rank 0 none: all join the backward's all-reduce
             y = _Tie.apply(y, tails)
         if not use_cache:
@@ -243,7 +247,7 @@ class MixerLayer(nn.Module):
             state = self.init_state(x.shape[0], x)
         inputs, gate, conv_cache, _ = self._project(x, state.get("conv"))
         o, st = self.op.step(**inputs, **self.spec_params(), **self.options, state=state["mixer"], mode=self.mode)
-        return self._finish(o, gate), _state(st, conv_cache)
+        return self._finish(o, gate, x.dtype), _state(st, conv_cache)
 
     def init_state(self, batch: int, like: torch.Tensor | None = None) -> dict:
         """The state of an empty prefix: a forward over zero tokens, so the op decides its own

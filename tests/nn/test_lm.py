@@ -104,3 +104,22 @@ def test_docs_example_runs():
     exec(compile(code, "docs/nn.md", "exec"), env)
     assert env["model"].specs == ["mamba2"] * 3 + ["attention"] and env["ids"].shape == (1, 13)
     assert env["y2"].shape == (2, 64)
+
+
+@pytest.mark.parametrize("spec", ["gla", "gated_delta_rule"], ids=lambda s: f"{s}-B2-T{PROMPT}+{NEW}-D{D}-float32")
+def test_a_float32_model_in_reference_mode_runs_and_matches_mode_torch(spec):
+    """mode="reference" computes the op in float64 and returns float64: the layer around it keeps
+    the model's float32 (it raised "expected m1 and m2 to have the same dtype" in the output
+    projection); the logits equal mode torch's to float32 precision, and generation works."""
+    torch.manual_seed(0)
+    lk = layer_kwargs(spec, PROMPT + NEW)
+    ref = MixerLM(VOCAB, D, 2, spec, n_heads=2, mode="reference", layer_kwargs=lk).eval()
+    fast = MixerLM(VOCAB, D, 2, spec, n_heads=2, mode="torch", layer_kwargs=lk).eval()
+    fast.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = ref(ids)[0], fast(ids)[0]
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+    out = ref.generate(ids, 2)
+    assert out.shape == (2, PROMPT + 2)
