@@ -93,8 +93,11 @@ class Chain:
     solve_rows: int = 0
 
 
-def chain_of(spec: str, impl: str, launch: dict, B: int, T: int, H: int, C: int = 64) -> Chain:
-    """The dependent chain of one launch (module doc)."""
+def chain_of(spec: str, impl: str, launch: dict, B: int, T: int, H: int, C: int = 64,
+             staged_solve: bool = False) -> Chain:
+    """The dependent chain of one launch (module doc). staged_solve: the forward staged the
+    inverse (a PHASE 4 launch of a delta rule: launch.STAGE_SOLVE), so its walk takes U as one
+    more matmul; the backward's reverse walk solves per chunk either way."""
     name, grid = launch["kernel"], launch.get("grid") or [1, 1, 1]
     if impl == "fla":
         if name in FLA_WALKS:
@@ -105,6 +108,8 @@ def chain_of(spec: str, impl: str, launch: dict, B: int, T: int, H: int, C: int 
         return Chain(1)
     direction, phase = m.group(1), int(m.group(2))
     solve = C - 1 if spec in SOLVE_IN_WALK else 0
+    if phase == 1 and solve and staged_solve and direction == "fwd":
+        return Chain(T / C, 3)
     if phase == 1:                          # the walk, forward or reverse
         return Chain(T / C, 3 if solve else 1, solve)
     if phase in (2, 3) and direction == "fwd":
@@ -142,6 +147,7 @@ def op_time(dev: Device, k: Constants, result: dict, static_rows: list[dict], B:
     statics = {(r["phase"], r["kernel"]): r for r in static_rows
                if r["spec"] == result["spec"] and r["impl"] == result["impl"]}
     out, rows = {}, []
+    staged = any(_MIXC.search(x["kernel"]) and x["kernel"].endswith("_chunk_fwd[4]") for x in result["launches"])
     for name, phases in PASSES.items():
         total = 0.0
         for x in result["launches"]:
@@ -149,7 +155,8 @@ def op_time(dev: Device, k: Constants, result: dict, static_rows: list[dict], B:
                 continue
             st = statics.get(("bwd" if x["phase"] == "bwd" else "fwd", x["kernel"]))
             st = st or next((r for (p, kn), r in statics.items() if kn == x["kernel"]), None)
-            terms = launch_time(dev, k, x, st, chain_of(result["spec"], result["impl"], x, B, T, H), result["impl"])
+            terms = launch_time(dev, k, x, st, chain_of(result["spec"], result["impl"], x, B, T, H,
+                                                          staged_solve=staged), result["impl"])
             total += terms["t"]
             if name == "fwd_bwd" or x["phase"] == "fwd":
                 rows.append({"phase": x["phase"], "kernel": x["kernel"], **terms})
