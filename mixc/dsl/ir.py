@@ -130,10 +130,35 @@ class Dim:
 
 
 @dataclass(frozen=True)
+class ValueRange:
+    """The values a caller promises for an input or param: `in [lower, upper]`, each end closed
+    (the value may equal it) or open; -inf and inf for an end without a bound. Checked at call
+    time in the reference and torch modes (runtime/inputs.py) and read by the sign prover
+    (derive/bounds.py)."""
+
+    lower: float
+    upper: float
+    lower_closed: bool = True
+    upper_closed: bool = True
+
+    def contains(self, x: float) -> bool:
+        above = x >= self.lower if self.lower_closed else x > self.lower
+        below = x <= self.upper if self.upper_closed else x < self.upper
+        return bool(above and below)
+
+    def text(self) -> str:
+        def end(v: float) -> str:
+            return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
+        return (("[" if self.lower_closed else "(") + f"{end(self.lower)}, {end(self.upper)}"
+                + ("]" if self.upper_closed else ")"))
+
+
+@dataclass(frozen=True)
 class TensorDecl:
     name: str
     shape: Shape
     span: Span | None = field(compare=False, repr=False)
+    range: ValueRange | None = None
 
 
 @dataclass(frozen=True)
