@@ -89,6 +89,16 @@ def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
     return rows
 
 
+def _no_parallel_lines(plan: P.Plan, st: P.StatePlan) -> list[str]:
+    """Why a state has no parallel form that runs: its class knows none (the class's own
+    words), or the plan's pieces do not fit the class's (the reason the runtime refuses it)."""
+    unit = classes.unit(st.transition)
+    if unit.parallel_form is None:
+        return ["  parallel form: none generated"] + ["    " + line for line in unit.explain_chunk(st, s)]
+    why = plan.layout.torch_chunk_unsupported if unit.parallel_form == "scan" else plan.layout.chunk_unsupported
+    return [f"  parallel form: none generated ({why})" if why else "  parallel form: none generated"]
+
+
 def explain(plan: P.Plan) -> str:
     if plan.sequence is not None:
         return explain_sequence(plan)
@@ -147,14 +157,16 @@ def _explain(plan: P.Plan) -> str:
                        f"value = {s(st.value)}{_shape(st.value_dims)}")
         else:
             out.append(f"  input       B_t = {s(st.input_term)}")
-        out.append(f"  time-invariant: {'yes' if st.time_invariant else 'no'}; forms: {', '.join(st.forms)}")
-        if "chunk" in st.forms or "scan" in st.forms:
+        # the state's forms that run: those of the whole plan (a form runs for every state or none)
+        forms = [f for f in st.forms if f in plan.forms]
+        out.append(f"  time-invariant: {'yes' if st.time_invariant else 'no'}; forms: {', '.join(forms)}")
+        if "chunk" in forms or "scan" in forms:
             out.append("  parallel form (chunk of C tokens, S0 the state at the chunk start)")
             queries = [s(proj) for r in plan.output.readouts if r.state == st.name for _, proj, _ in r.terms
                        if proj is not None]
             out += ["    " + line for line in _chunk_lines(st, queries)]
-        else:       # the class's own word on its parallel form: none known, or not generated yet
-            out += ["  parallel form: none generated"] + ["    " + line for line in _chunk_lines(st, [])]
+        else:
+            out += _no_parallel_lines(plan, st)
     if plan.stabilizer is not None:
         out.append("")
         out += _stabilizer_lines(plan.stabilizer)
