@@ -123,10 +123,10 @@ def _explain(plan: P.Plan) -> str:
     out.append("")
     out.append("shapes (per call; dims bind from the tensors)")
     out.append("  dims     " + ", ".join(d.name + (f" = {d.alias_of}" if d.alias_of else "") for d in m.dims))
-    for d in m.inputs:
-        out.append(f"  input    {d.name}[{_lead('input')}{''.join(', ' + x for x in d.shape)}]")
-    for d in m.params:
-        out.append(f"  param    {d.name}[{_lead('param')}{''.join(', ' + x for x in d.shape)}]")
+    for kind, decls in (("input", m.inputs), ("param", m.params)):
+        for d in decls:
+            promised = f" in {d.range.text()}" if d.range is not None else ""
+            out.append(f"  {kind:8} {d.name}[{_lead(kind)}{''.join(', ' + x for x in d.shape)}]{promised}")
     for o in m.options:
         default = str(o.default).lower() if o.kind == "bool" else expr_text(o.default)
         out.append(f"  option   {o.name} = {default}")

@@ -159,7 +159,10 @@ def _declare_hint(plan: P.Plan, expr: sp.Expr, want: str) -> str:
         kind = table.kinds[target]
         shape = "[" + ", ".join(decl.shape) + "]"
         return f"declare it: `{kind} {target.name}{shape} in {'(-inf, 0]' if negative else '[0, inf)'}`"
-    names = ", ".join(x.name for x in free)
+    # a value read only through a bounded function (sigmoid(fz), tanh(x)) decides nothing
+    bounded = {f: sp.Dummy() for f in expr.atoms(sp.Function) if type(f).__name__ in ("sigmoid", "tanh")}
+    deciding = [x for x in free if x in expr.xreplace(bounded).free_symbols] or free
+    names = ", ".join(x.name for x in deciding)
     return (f"declare the ranges of {names} that make it {'<= 0' if want == 'nonpositive' else '>= 0'} "
             "(`in (-inf, 0]`, `in [0, inf)`, `in [0, 1]`)")
 
