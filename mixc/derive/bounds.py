@@ -47,7 +47,10 @@ def upper_bound(expr: sp.Expr, table) -> float:
 
 def bounds(expr: sp.Expr, table) -> tuple[float, float]:
     """(lo, hi) with lo <= expr <= hi for every value of its symbols (ALL where unknown)."""
-    return _Bounds(table).of(sp.sympify(expr))
+    try:
+        return _Bounds(table).of(sp.sympify(expr))
+    except Exception:       # a form the walk does not know (zoo, a float that sympy cannot order): unknown
+        return ALL
 
 
 def _declared(table, name: str):
@@ -225,7 +228,7 @@ class _Bounds:
             return found
         try:
             poly = sp.Poly(e)
-        except (sp.PolynomialError, sp.GeneratorsNeeded, sp.CoercionFailed):
+        except Exception:           # not a polynomial in any generators sympy finds
             return found
         parts = poly.gens
         if not 1 < len(parts) <= CORNER_MAX_PARTS or any(d > 1 for d in poly.degree_list()):
@@ -235,6 +238,8 @@ class _Bounds:
             return found
         try:
             values = [float(poly.eval(dict(zip(parts, corner)))) for corner in itertools.product(*boxes)]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, ArithmeticError):
+            return found
+        if any(math.isnan(v) for v in values):
             return found
         return max(found[0], min(values)), min(found[1], max(values))

@@ -65,25 +65,14 @@ def lint(plan: P.Plan) -> list[LintWarning]:
     stabilized = set(plan.stabilizer.states) if plan.stabilizer is not None else set()
     bounded = _ExpBounds(plan)
     unbounded: dict[ir.Expr, tuple] = {}       # exp's argument -> (where first, the states taking it)
+    decays: dict[tuple, tuple] = {}            # (sign problem, the decay) -> (where first, the states, st)
     for st in plan.states:
         upd = spec.update(st.name)
         pieces = st.ir_pieces
-        decay = _quote(pieces.decay) if pieces is not None else None
-        log = _quote(pieces.log_decay) if pieces is not None else None
         if may_be_negative(st.decay, plan.table):
-            out.append(LintWarning(
-                f"the decay of {st.name}{f', {decay},' if decay else ''} can be negative (it is not provably >= 0): "
-                "its log, which the chunked forms take, is not real, so mode='auto' takes the recurrent kernels, the "
-                "torch backend its token-by-token loop, and mode='chunk' and mode='conv' refuse it; if it lies in "
-                f"[0, 1] for the values callers pass, {_declare_hint(plan, st.decay, 'nonnegative')}, or write it so "
-                "(sigmoid(x), exp(-softplus(x)), exp(g) with g <= 0)", upd.span))
+            decays.setdefault(("negative", st.decay), (upd.span, [], st))[1].append(st.name)
         elif st.decay != 0 and not _nonpositive(st.log_decay, plan.table):
-            out.append(LintWarning(
-                f"the decay of {st.name} can exceed 1: its log{f', {log},' if log else ''} is not provably <= 0, so "
-                f"{st.name} can grow like exp(sum of log decays) and the chunked form's exp of cumulative sums "
-                f"overflows with it; if callers keep it <= 0 (fla's models pass logsigmoid(x), -softplus(x), "
-                f"-exp(x) * dt), {_declare_hint(plan, st.log_decay, 'nonpositive')}; else write the decay so that "
-                "it is <= 1 (sigmoid(x), exp(-softplus(x)))", upd.span))
+            decays.setdefault(("above one", st.decay), (upd.span, [], st))[1].append(st.name)
         if st.name not in stabilized and pieces is not None:
             calls = _exp_calls(pieces.key) + _exp_calls(pieces.value)
             if pieces.key is None:
@@ -92,6 +81,8 @@ def lint(plan: P.Plan) -> list[LintWarning]:
             calls = [c for c in calls if not bounded.safe(c)]
             if calls:
                 unbounded.setdefault(calls[0].args[0], (calls[0].span or upd.span, []))[1].append(st.name)
+    for (problem, _), (span, names, st) in decays.items():     # one warning for a decay that states share
+        out.append(LintWarning(_decay_message(plan, problem, names, st), span))
     for arg, (span, names) in unbounded.items():       # one warning for an exponential that states share
         text = _quote(arg)
         terms = f"the input term of {names[0]} takes" if len(names) == 1 else \
@@ -110,6 +101,25 @@ def lint(plan: P.Plan) -> list[LintWarning]:
             "from 0 (positive feature maps, an eps, or max(|.|, 1) as mLSTM does)",
             (divisor.span if divisor is not None else None) or spec.output.span))
     return _once(out)
+
+
+def _decay_message(plan: P.Plan, problem: str, names: list[str], st: P.StatePlan) -> str:
+    pieces = st.ir_pieces
+    states = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    the = f"the decay of {states}"
+    if problem == "negative":
+        decay = _quote(pieces.decay) if pieces is not None else None
+        return (f"{the}{f', {decay},' if decay else ''} can be negative (it is not provably >= 0): its log, which "
+                "the chunked forms take, is not real, so mode='auto' takes the recurrent kernels, the torch backend "
+                "its token-by-token loop, and mode='chunk' and mode='conv' refuse it; if it lies in [0, 1] for the "
+                f"values callers pass, {_declare_hint(plan, st.decay, 'nonnegative')}, or write it so (sigmoid(x), "
+                "exp(-softplus(x)), exp(g) with g <= 0)")
+    log = _quote(pieces.log_decay) if pieces is not None else None
+    return (f"{the} can exceed 1: its log{f', {log},' if log else ''} is not provably <= 0, so {states} can grow "
+            "like exp(sum of log decays) and the chunked form's exp of cumulative sums overflows with it; if callers "
+            "keep it <= 0 (fla's models pass logsigmoid(x), -softplus(x), -exp(x) * dt), "
+            f"{_declare_hint(plan, st.log_decay, 'nonpositive')}; else write the decay so that it is <= 1 "
+            "(sigmoid(x), exp(-softplus(x)))")
 
 
 def _once(warnings: list[LintWarning]) -> list[LintWarning]:

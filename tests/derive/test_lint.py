@@ -126,3 +126,18 @@ def test_an_exponential_of_the_output_beside_stabilized_states_is_warned_unless_
     (w,) = [w for w in lint(op.plan()) if "beside the stabilized states (a, b)" in w.message]
     assert w.render(op.ir.source).startswith("times.mix:9:25: warning: the output takes an exponential")
     assert lint(mixc.load("mlstm").plan()) == []
+
+
+def test_a_decay_that_states_share_is_warned_once():
+    """S and z decayed by the same exp(g): one warning naming both (was one per state)."""
+    text = """mixer two
+  dims   K, V
+  input  q[K], k[K], v[V], g[]
+  state  S[K, V], z[K]
+  update S = exp(g) * S + k * v
+  update z = exp(g) * z + k
+  output o = q @ S + q @ z
+"""
+    (w,) = lint(from_text(text).plan())
+    assert w.message.startswith("the decay of S and z can exceed 1: its log, g, is not provably <= 0")
+    assert "declare it: `input g[] in (-inf, 0]`" in w.message and w.span.line == 5
