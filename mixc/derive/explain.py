@@ -7,7 +7,7 @@ import json
 import sympy as sp
 
 from .. import classes
-from ..dsl.unparse import expr_text
+from ..dsl.unparse import dim_text, expr_text
 from . import plan as P
 from .convform import conv_form_lines
 from .sequence import explain_sequence
@@ -122,7 +122,7 @@ def _explain(plan: P.Plan) -> str:
         out.append("flags: " + ", ".join(f"{k}={str(v).lower()}" for k, v in plan.flags))
     out.append("")
     out.append("shapes (per call; dims bind from the tensors)")
-    out.append("  dims     " + ", ".join(d.name + (f" = {d.alias_of}" if d.alias_of else "") for d in m.dims))
+    out.append("  dims     " + ", ".join(dim_text(d) for d in m.dims))
     for kind, decls in (("input", m.inputs), ("param", m.params)):
         for d in decls:
             promised = f" in {d.range.text()}" if d.range is not None else ""

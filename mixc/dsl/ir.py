@@ -124,9 +124,13 @@ POSITIONS = "T"
 
 @dataclass(frozen=True)
 class Dim:
+    """A named dimension: its size bound by a call's tensors, shared with another dim
+    (alias_of, `dims J = K`) or fixed by the spec (size, `dims E = 2`)."""
+
     name: str
     alias_of: str | None
     span: Span | None = field(compare=False, repr=False)
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,10 @@ class MixerIR:
 
     def dim(self, name: str) -> Dim:
         return next(d for d in self.dims if d.name == name)
+
+    def fixed_size(self, name: str) -> int | None:
+        """The size the spec gives dim `name` (through its alias), or None: bound by a call."""
+        return self.dim(self.root_dim(name)).size
 
     def root_dim(self, name: str) -> str:
         """The dim whose size `name` shares (itself unless declared `J = K`)."""

@@ -101,6 +101,7 @@ class Named:
 class DimDecl:
     name: Named
     alias: Named | None
+    size: NumNode | None = None        # `dims E = 2`: a size the spec fixes
 
 
 @dataclass(frozen=True)
@@ -380,9 +381,7 @@ class _Builder:
         kind = t.data.removesuffix("_stmt")
         span = _tree_span(t)
         if kind == "dims":
-            items = tuple(DimDecl(self.named(d.children[0]),
-                                  self.named(d.children[1]) if len(d.children) > 1 else None)
-                          for d in t.children)
+            items = tuple(self.dim_decl(d) for d in t.children)
         elif kind in ("input", "param", "state"):
             items = tuple(self.tensor_decl(d) for d in t.children)
         elif kind in ("option", "let"):
@@ -393,6 +392,14 @@ class _Builder:
             name_tok, expr = t.children
             items = (Binding(self.named(name_tok), self.expr(expr), span),)
         return Statement(kind, items, span)
+
+    def dim_decl(self, t: Tree) -> DimDecl:
+        name, *rest = t.children
+        if not rest:
+            return DimDecl(self.named(name), None)
+        if rest[0].type == "NUMBER":
+            return DimDecl(self.named(name), None, NumNode(_tok_span(rest[0]), float(rest[0]), str(rest[0])))
+        return DimDecl(self.named(name), self.named(rest[0]))
 
     def tensor_decl(self, t: Tree) -> TensorDeclNode:
         name_tok, dim_list, *value_range = t.children

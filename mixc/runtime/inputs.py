@@ -136,7 +136,8 @@ def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=t
     BOUNDED_ROLES too (states that stay bounded at any T). Returns (kwargs, sizes)."""
     sizes = dict(sizes or {})
     for d in mixer.dims:
-        sizes.setdefault(d.name, sizes.get(mixer.root_dim(d.name), 4))
+        fixed = mixer.fixed_size(d.name)        # `dims E = 2`: the spec's own size
+        sizes[d.name] = fixed if fixed is not None else sizes.get(d.name, sizes.get(mixer.root_dim(d.name), 4))
     gen = torch.Generator().manual_seed(seed)
     table = dict(ROLES) | (BOUNDED_ROLES if bounded else {})
     table.update(roles or {})
