@@ -40,3 +40,14 @@ mixer delta_neg
   update S = S + beta * k * (v - k @ S)
   output o = q @ S
 """
+
+# A stack of E = 3 states that no tensor sizes (`dims E = 3`), decayed by a gate scaled by E.
+STACK = """
+mixer stack
+  dims   E = 3, K, V
+  input  q[K], k[K], v[V], g[] in (-inf, 0]
+  param  w[E]
+  state  Z[E, K, V]
+  update Z = exp(g * E) * Z + k * v
+  output o = q @ (w @ Z)
+"""

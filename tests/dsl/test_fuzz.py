@@ -139,7 +139,7 @@ def test_library_mutations_slow(case):
 # ---- (c) well-typed random specs -----------------------------------------------------------
 
 HEADER = """mixer fuzz
-  dims   K, V, J = K
+  dims   K, V{vsize}, J = K
   input  q[K], k[K], v[V], g[]{g}, w[K]{w}, u[V]
   param  A[]{A}, P[K, V]
   option scale = K ** -0.5, f = {flag}
@@ -244,7 +244,8 @@ def typed_spec(draw):
     out_leaves = _with(let_leaves, KV=["S", "prev(S)"], K=["z", "prev(z)"])
     output = f"q @ S + {draw(expr(frozenset('V'), depth, out_leaves))}"
     text = HEADER.format(flag=draw(st.sampled_from(["true", "false"])), g=draw(st.sampled_from(RANGES)),
-                         w=draw(st.sampled_from(RANGES)), A=draw(st.sampled_from(RANGES)))
+                         w=draw(st.sampled_from(RANGES)), A=draw(st.sampled_from(RANGES)),
+                         vsize=draw(st.sampled_from(["", "", " = 2", " = 5"])))     # V fixed by the spec
     text += "".join(f"  let    {n} = {e}\n" for n, e in lets)
     text += f"  update S = {upd_s}\n  update z = {upd_z}\n  output o = {output}\n"
     return text
