@@ -12,7 +12,8 @@ from . import ir, scalar
 from .functions import FUNCTIONS
 from .errors import SpecError, Span, did_you_mean
 from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
-                     Node, NumNode, RangeNode, SpecTree, Statement, UnaryNode)
+                     Node, NumNode, SpecTree, Statement, UnaryNode)
+from .range_check import RangeChecks
 from .sequence_check import SEQUENCE_FNS, SequenceChecks
 
 ELEMENTWISE_FNS = {name: f.arity for name, f in FUNCTIONS.items()}     # the registry (dsl/functions.py)
@@ -119,6 +120,7 @@ class Checker:
         self.let_depth: dict[str, int] = {}                     # nesting of a let with its lets written out
         self.option_defaults: dict[str, float] = {}             # number options whose default is a constant
         self.seq = SequenceChecks(self)                         # conv, mix, attend (sequence_check.py)
+        self.ranges = RangeChecks(self)                         # `input beta[] in (0, 2)` (range_check.py)
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
@@ -278,46 +280,8 @@ class Checker:
         for item in st.items:
             self.declare(item.name, what)
             shape = self.shape_of(item, what)
-            value_range = self.value_range(item.range, what, item.name.name) if item.range is not None else None
+            value_range = self.ranges.value_range(item.range, what, item.name.name) if item.range is not None else None
             table[item.name.name] = ir.TensorDecl(item.name.name, shape, item.name.span, value_range)
-
-    # ---- declared ranges: `input beta[] in (0, 2)` ------------------------------------
-
-    def value_range(self, r: RangeNode, what: str, name: str) -> ir.ValueRange:
-        if what not in ("input", "param"):
-            self.refuse_range(r, what)
-        lower, upper = self.range_end(r.lower), self.range_end(r.upper)
-        if lower > upper or (lower == upper and not (r.lower_closed and r.upper_closed)):
-            shown = ir.ValueRange(lower, upper, r.lower_closed, r.upper_closed).text()
-            why = (f"its lower end {lower:g} is above its upper end {upper:g}" if lower > upper
-                   else f"an open end at {lower:g} leaves no value")
-            raise self.error(f"the range {shown} of {what} '{name}' is empty: {why}", r.span)
-        return ir.ValueRange(lower, upper, r.lower_closed, r.upper_closed)
-
-    def refuse_range(self, r: RangeNode, what: str) -> None:
-        why = {"state": "a state's values follow from its update",
-               "let": "a let's values follow from its expression",
-               "option": "an option is a number of the call, not a tensor of values"}[what]
-        raise self.error(f"{_a(what)} takes no range ({why}); declare the range on the inputs and params "
-                         "the caller passes, e.g. `input beta[] in (0, 2)`", r.span)
-
-    def range_end(self, node: Node) -> float:
-        """An end of a range: a number expression of constants (1 / 16, 2 ** -5), or -inf / inf."""
-        if isinstance(node, NameNode) and node.name == "inf":
-            return float("inf")
-        if isinstance(node, UnaryNode) and isinstance(node.x, NameNode) and node.x.name == "inf":
-            return float("-inf")
-        for part in _syntax_nodes(node):
-            name = getattr(part, "name", None) if isinstance(part, NameNode) else \
-                getattr(part, "flag", None) if isinstance(part, CondNode) else None
-            if name is not None:
-                raise self.error(f"the ends of a range are numbers (or -inf, inf), but '{name}' is not a number",
-                                 part.span)
-        e = self.expr(node, "option")       # folds the constants, refusing 1 / 0 and log(0) at their place
-        try:
-            return scalar.evaluate(e)
-        except scalar.NotConstant:          # what the walk above missed (a function of no constant value)
-            raise self.error("the ends of a range are numbers (or -inf, inf)", node.span) from None
 
     def stmt_input(self, st):
         self._tensors(st, self.inputs, "input")
@@ -331,7 +295,7 @@ class Checker:
     def stmt_option(self, st: Statement) -> None:
         for b in st.items:
             if b.range is not None:
-                self.refuse_range(b.range, "option")
+                self.ranges.refuse(b.range, "option")
             if isinstance(b.expr, BoolNode):
                 opt = ir.Option(b.name.name, "bool", b.expr.value, b.name.span)
             else:
@@ -361,7 +325,7 @@ class Checker:
     def stmt_let(self, st: Statement) -> None:
         for b in st.items:
             if b.range is not None:
-                self.refuse_range(b.range, "let")
+                self.ranges.refuse(b.range, "let")
             e = self.expr(b.expr, "let", defining=b.name.name)     # before declaring: a let cannot read itself
             depth = self.check_depth_with_lets(e, b.expr.span)
             self.declare(b.name, "let")
@@ -631,18 +595,6 @@ class _ExprChecker:
             out[out.index(m.src)] = m.dst
             mapping.append((m.src, m.dst))
         return ir.Rename(_union([tuple(out)], self.order), n.span, x, tuple(mapping))
-
-
-def _syntax_nodes(node: Node):
-    """node and every syntax node below it."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        for value in vars(n).values():
-            for x in (value if isinstance(value, tuple) else (value,)):
-                if isinstance(x, Node):
-                    stack.append(x)
 
 
 def check(tree: SpecTree) -> ir.MixerIR:
