@@ -252,7 +252,7 @@ def plan_dict(plan: P.Plan) -> dict:
                     "input_term": s(x.input_term), "key": s(x.key) if x.key is not None else None,
                     "value": s(x.value) if x.value is not None else None, "key_dims": list(x.key_dims),
                     "value_dims": list(x.value_dims), "time_invariant": x.time_invariant,
-                    "forms": list(x.forms)} for x in plan.states],
+                    "forms": [f for f in x.forms if f in plan.forms]} for x in plan.states],
         "output": {"name": plan.output.name, "shape": list(plan.output.shape), "kind": plan.output.kind,
                    "combine": s(plan.output.combine),
                    "readouts": [{"name": r.name, "state": r.state, "prev": r.prev,
