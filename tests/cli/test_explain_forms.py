@@ -68,3 +68,12 @@ def test_a_warning_names_the_spec_s_own_values_once(capsys, tmp_path):
     assert out.count("warning:") == 1
     assert "the output divides by phi_q @ z + 1e-06, which is not provably nonzero" in out
     assert "_r" not in out
+
+
+def test_the_plan_dump_lists_the_forms_that_run(capsys, tmp_path):
+    import json
+    path = tmp_path / "m.mix"
+    path.write_text(SHIFTED)
+    assert main(["explain", str(path), "--dump", "plan"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["forms"] == ["recurrent", "step"] and plan["states"][0]["forms"] == ["recurrent", "step"]
