@@ -45,12 +45,19 @@ def upper_bound(expr: sp.Expr, table) -> float:
     return bounds(expr, table)[1]
 
 
-def bounds(expr: sp.Expr, table) -> tuple[float, float]:
-    """(lo, hi) with lo <= expr <= hi for every value of its symbols (ALL where unknown)."""
+def bounds(expr: sp.Expr, table, known: dict | None = None) -> tuple[float, float]:
+    """(lo, hi) with lo <= expr <= hi for every value of its symbols (ALL where unknown);
+    known: bounds of further symbols (the lint's readouts and options at their defaults)."""
     try:
-        return _Bounds(table).of(sp.sympify(expr))
+        return _Bounds(table, known).of(sp.sympify(expr))
     except Exception:       # a form the walk does not know (zoo, a float that sympy cannot order): unknown
         return ALL
+
+
+def interval_product(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    """The bounds of x * y for x in a, y in b (0 * inf is 0: a bound of finite products)."""
+    ends = [_mul(x, y) for x in a for y in b]
+    return min(ends), max(ends)
 
 
 def _declared(table, name: str):
@@ -82,8 +89,9 @@ def _clean(lo: float, hi: float) -> tuple[float, float]:
 
 
 class _Bounds:
-    def __init__(self, table):
+    def __init__(self, table, known: dict | None = None):
         self.t = table
+        self.known = known or {}
         self.memo: dict[sp.Expr, tuple[float, float]] = {}
 
     def of(self, e: sp.Expr) -> tuple[float, float]:
@@ -115,6 +123,8 @@ class _Bounds:
         return ALL
 
     def symbol(self, s: sp.Symbol) -> tuple[float, float]:
+        if s in self.known:
+            return self.known[s]
         kind = self.t.kinds.get(s)
         if kind in ("input", "param"):
             r = _declared(self.t, s.name)
@@ -147,10 +157,7 @@ class _Bounds:
         # a sum of any number of terms: only the signs of the terms' bounds carry over
         return (0.0 if lo >= 0 else -INF), (0.0 if hi <= 0 else INF)
 
-    @staticmethod
-    def product(a, b) -> tuple[float, float]:
-        ends = [_mul(x, y) for x in a for y in b]
-        return min(ends), max(ends)
+    product = staticmethod(interval_product)
 
     def power(self, e: sp.Pow) -> tuple[float, float]:
         base, ex = e.args

@@ -15,15 +15,16 @@ inputs it accepts, reported at the spec's line (`mixc check` prints them as warn
    q . z + eps with a feature map that can go negative)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy as sp
 
-from ..dsl import ir
+from ..dsl import ir, scalar
 from ..dsl.errors import Span, SpecError
 from ..dsl.unparse import decl_text, expr_text
 from . import plan as P
-from .bounds import bounds
+from .bounds import bounds, interval_product, lower_bound
 from .decay_sign import may_be_negative, nonpositive as _nonpositive
 from .symbolic import SymbolTable, ToSympy
 
@@ -93,7 +94,7 @@ def lint(plan: P.Plan) -> list[LintWarning]:
             f" below ~88, {_bound_hint(spec, arg)}", span))
     out += _unstabilized_output_exps(plan)
     _, den = sp.fraction(sp.together(plan.output.combine))
-    if den.free_symbols and not (den.is_positive or den.is_negative):
+    if den.free_symbols and not (den.is_positive or den.is_negative) and not _nonzero(plan, den):
         divisor = _divisor(spec.output.expr)
         text = _quote(divisor)
         out.append(LintWarning(
@@ -120,6 +121,47 @@ def _decay_message(plan: P.Plan, problem: str, names: list[str], st: P.StatePlan
             "keep it <= 0 (fla's models pass logsigmoid(x), -softplus(x), -exp(x) * dt), "
             f"{_declare_hint(plan, st.log_decay, 'nonpositive')}; else write the decay so that it is <= 1 "
             "(sigmoid(x), exp(-softplus(x)))")
+
+
+def _nonzero(plan: P.Plan, den: sp.Expr) -> bool:
+    """The output's denominator is provably away from 0: bounded over the declared ranges, the
+    options at their defaults (as `mixc check` takes the flags) and each readout over its
+    state's sign: a state whose decay and input term are >= 0 stays >= 0 from a zero (or
+    nonnegative) initial state, as a normalizer z = z + phi(k) does."""
+    table = plan.table
+    known = {}
+    for o in plan.ir.options:
+        if o.kind == "float":
+            try:
+                v = scalar.evaluate(o.default)
+            except (scalar.NotConstant, scalar.ScalarError):
+                continue
+            known[sp.Symbol(o.name, real=True)] = (v, v)
+    signs = {st.name: _state_sign(st, table) for st in plan.states}
+    for r in plan.output.readouts:
+        lo = hi = 0.0
+        for scale, proj, over in r.terms:
+            term = interval_product(bounds(scale, table, known), signs[r.state])
+            if proj is not None:
+                term = interval_product(term, bounds(proj, table, known))
+            if over:                # a sum over dims: only the signs of its terms carry over
+                term = (0.0 if term[0] >= 0 else -math.inf), (0.0 if term[1] <= 0 else math.inf)
+            lo, hi = lo + term[0], hi + term[1]
+        known[sp.Symbol(r.name, real=True)] = (lo, hi)
+    lo, hi = bounds(den, table, known)
+    return lo > 0 or hi < 0
+
+
+def _state_sign(st: P.StatePlan, table) -> tuple[float, float]:
+    """The bounds of a state's values from a zero or nonnegative initial state."""
+    if st.rank1 or lower_bound(st.decay, table) < 0:
+        return -math.inf, math.inf
+    lo, hi = bounds(st.input_term, table)
+    if lo >= 0:
+        return 0.0, math.inf
+    if hi <= 0:
+        return -math.inf, 0.0
+    return -math.inf, math.inf
 
 
 def _once(warnings: list[LintWarning]) -> list[LintWarning]:

@@ -141,3 +141,28 @@ def test_a_decay_that_states_share_is_warned_once():
     (w,) = lint(from_text(text).plan())
     assert w.message.startswith("the decay of S and z can exceed 1: its log, g, is not provably <= 0")
     assert "declare it: `input g[] in (-inf, 0]`" in w.message and w.span.line == 5
+
+
+NORMALIZED = """mixer n
+  dims   K, V
+  input  q[K], k[K], v[V]
+  option eps = {eps}
+  let    phi_q = {phi}(q), phi_k = {phi}(k)
+  state  S[K, V], z[K]
+  update S = S + phi_k * v
+  update z = z + phi_k
+  output o = (phi_q @ S) / (phi_q @ z + eps)
+"""
+
+
+@pytest.mark.parametrize("phi,eps,warned", [("exp", "1e-6", False), ("sigmoid", "1e-6", False),
+                                            ("exp", "0", True), ("tanh", "1e-6", True)],
+                         ids=["positive-features", "sigmoid-features", "no-eps", "signed-features"])
+def test_a_normalizer_of_positive_features_is_proven_nonzero(phi, eps, warned):
+    """z = z + phi(k) stays >= 0 from a zero initial state when phi >= 0, so phi(q) @ z + eps >= eps
+    > 0 at eps's default (as `mixc check` takes the flags' defaults); a signed feature map or no
+    eps is warned. linear_transformer and performer gave this warning."""
+    ws = lint(from_text(NORMALIZED.format(phi=phi, eps=eps)).plan())
+    assert bool([w for w in ws if "divides by" in w.message]) == warned
+    for name in ("linear_transformer", "performer"):
+        assert lint(mixc.load(name).plan()) == []
