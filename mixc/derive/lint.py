@@ -138,30 +138,53 @@ def _nonzero(plan: P.Plan, den: sp.Expr) -> bool:
                 continue
             known[sp.Symbol(o.name, real=True)] = (v, v)
     signs = {st.name: _state_sign(st, table) for st in plan.states}
+    positive = set()                # readouts > 0: of a state > 0, with factors > 0
     for r in plan.output.readouts:
         lo = hi = 0.0
+        state, strict = signs[r.state]
+        strict = strict and not r.prev          # S_{t-1} at t = 0 is the initial state: only >= 0
         for scale, proj, over in r.terms:
-            term = interval_product(bounds(scale, table, known), signs[r.state])
+            term = interval_product(bounds(scale, table, known), state)
+            strict = strict and _positive(scale, table, known)
             if proj is not None:
                 term = interval_product(term, bounds(proj, table, known))
+                strict = strict and _positive(proj, table, known)
             if over:                # a sum over dims: only the signs of its terms carry over
                 term = (0.0 if term[0] >= 0 else -math.inf), (0.0 if term[1] <= 0 else math.inf)
             lo, hi = lo + term[0], hi + term[1]
         known[sp.Symbol(r.name, real=True)] = (lo, hi)
+        if strict and r.terms:
+            positive.add(sp.Symbol(r.name, real=True))
     lo, hi = bounds(den, table, known)
-    return lo > 0 or hi < 0
+    return lo > 0 or hi < 0 or (lo >= 0 and _positive(den, table, known, positive))
 
 
-def _state_sign(st: P.StatePlan, table) -> tuple[float, float]:
-    """The bounds of a state's values from a zero or nonnegative initial state."""
+def _positive(e: sp.Expr, table, known: dict, positive: set = frozenset()) -> bool:
+    """e > 0 for every value (not just >= 0): exp, sigmoid and softplus of anything, a number
+    > 0, a readout known > 0, a sum of terms >= 0 with one > 0, products and powers of such."""
+    if e.is_positive or e in positive or type(e).__name__ in ("exp", "sigmoid", "softplus"):
+        return True
+    if e.is_Add:
+        return all(bounds(a, table, known)[0] >= 0 for a in e.args) and \
+            any(_positive(a, table, known, positive) for a in e.args)
+    if e.is_Mul:
+        return all(_positive(a, table, known, positive) for a in e.args)
+    if e.is_Pow:
+        return _positive(e.args[0], table, known, positive)
+    return bounds(e, table, known)[0] > 0
+
+
+def _state_sign(st: P.StatePlan, table) -> tuple[tuple[float, float], bool]:
+    """The bounds of a state's values after each token from a zero or nonnegative initial
+    state, and whether they are > 0 (a decay >= 0 and an input term > 0)."""
     if st.rank1 or lower_bound(st.decay, table) < 0:
-        return -math.inf, math.inf
+        return (-math.inf, math.inf), False
     lo, hi = bounds(st.input_term, table)
     if lo >= 0:
-        return 0.0, math.inf
+        return (0.0, math.inf), _positive(st.input_term, table, {})
     if hi <= 0:
-        return -math.inf, 0.0
-    return -math.inf, math.inf
+        return (-math.inf, 0.0), False
+    return (-math.inf, math.inf), False
 
 
 def _once(warnings: list[LintWarning]) -> list[LintWarning]:

@@ -147,22 +147,32 @@ NORMALIZED = """mixer n
   dims   K, V
   input  q[K], k[K], v[V]
   option eps = {eps}
-  let    phi_q = {phi}(q), phi_k = {phi}(k)
+  let    phi_q = {phi_q}, phi_k = {phi_k}
   state  S[K, V], z[K]
   update S = S + phi_k * v
   update z = z + phi_k
-  output o = (phi_q @ S) / (phi_q @ z + eps)
+  output o = (phi_q @ S) / (phi_q @ {z} + eps)
 """
 
 
-@pytest.mark.parametrize("phi,eps,warned", [("exp", "1e-6", False), ("sigmoid", "1e-6", False),
-                                            ("exp", "0", True), ("tanh", "1e-6", True)],
-                         ids=["positive-features", "sigmoid-features", "no-eps", "signed-features"])
-def test_a_normalizer_of_positive_features_is_proven_nonzero(phi, eps, warned):
-    """z = z + phi(k) stays >= 0 from a zero initial state when phi >= 0, so phi(q) @ z + eps >= eps
-    > 0 at eps's default (as `mixc check` takes the flags' defaults); a signed feature map or no
-    eps is warned. linear_transformer and performer gave this warning."""
-    ws = lint(from_text(NORMALIZED.format(phi=phi, eps=eps)).plan())
+@pytest.mark.parametrize("phi,eps,z,warned", [("elu", "1e-6", "z", False), ("sigmoid", "0", "z", False),
+                                              ("exp", "0", "prev(z)", True), ("tanh", "1e-6", "z", True)],
+                         ids=["positive-features", "no-eps-after-a-token", "no-eps-before-it", "signed-features"])
+def test_a_normalizer_of_positive_features_is_proven_nonzero(phi, eps, z, warned):
+    """z = z + phi(k) stays >= 0 from a zero initial state when phi >= 0 (> 0 once a token with
+    phi > 0 is in), so phi(q) @ z + eps >= eps > 0 at eps's default (as `mixc check` takes the
+    flags' defaults); prev(z) without eps is 0 at the first token, a signed feature map anything:
+    warned. linear_transformer and performer gave this warning."""
+    feature = "elu({x}) + 1" if phi == "elu" else phi + "({x})"
+    text = NORMALIZED.format(phi_q=feature.format(x="q"), phi_k=feature.format(x="k"), eps=eps, z=z)
+    ws = lint(from_text(text).plan())
     assert bool([w for w in ws if "divides by" in w.message]) == warned
     for name in ("linear_transformer", "performer"):
         assert lint(mixc.load(name).plan()) == []
+
+
+@pytest.mark.parametrize("name", ["rwkv4", "aft_simple"])
+def test_a_denominator_of_exponentials_is_proven_nonzero(name):
+    """rwkv4's prev(b) + exp(u + k) (b >= 0: it adds exp(k)) and aft_simple's den (> 0 after
+    its first token: it adds exp(k)) are > 0, not only >= 0."""
+    assert not [w for w in lint(mixc.load(name).plan()) if "divides by" in w.message]
