@@ -67,12 +67,16 @@ def lint(plan: P.Plan) -> list[LintWarning]:
     bounded = _ExpBounds(plan)
     unbounded: dict[ir.Expr, tuple] = {}       # exp's argument -> (where first, the states taking it)
     decays: dict[tuple, tuple] = {}            # (sign problem, the decay) -> (where first, the states, st)
+    # the number options at their defaults, as `mixc check` takes the flags at theirs (lightning_attn's
+    # per-head decay is <= 0 for layer_idx <= num_layers, true of the defaults)
+    defaults = {s: v for s, (v, _) in _option_defaults(plan).items()}
     for st in plan.states:
         upd = spec.update(st.name)
         pieces = st.ir_pieces
         if may_be_negative(st.decay, plan.table):
             decays.setdefault(("negative", st.decay), (upd.span, [], st))[1].append(st.name)
-        elif st.decay != 0 and not _nonpositive(st.log_decay, plan.table):
+        elif st.decay != 0 and not _nonpositive(st.log_decay, plan.table) and \
+                not _nonpositive(st.log_decay.xreplace(defaults), plan.table):
             decays.setdefault(("above one", st.decay), (upd.span, [], st))[1].append(st.name)
         if st.name not in stabilized and pieces is not None:
             calls = _exp_calls(pieces.key) + _exp_calls(pieces.value)
@@ -129,14 +133,7 @@ def _nonzero(plan: P.Plan, den: sp.Expr) -> bool:
     state's sign: a state whose decay and input term are >= 0 stays >= 0 from a zero (or
     nonnegative) initial state, as a normalizer z = z + phi(k) does."""
     table = plan.table
-    known = {}
-    for o in plan.ir.options:
-        if o.kind == "float":
-            try:
-                v = scalar.evaluate(o.default)
-            except (scalar.NotConstant, scalar.ScalarError):
-                continue
-            known[sp.Symbol(o.name, real=True)] = (v, v)
+    known = _option_defaults(plan)
     signs = {st.name: _state_sign(st, table) for st in plan.states}
     positive = set()                # readouts > 0: of a state > 0, with factors > 0
     for r in plan.output.readouts:
@@ -157,6 +154,19 @@ def _nonzero(plan: P.Plan, den: sp.Expr) -> bool:
             positive.add(sp.Symbol(r.name, real=True))
     lo, hi = bounds(den, table, known)
     return lo > 0 or hi < 0 or (lo >= 0 and _positive(den, table, known, positive))
+
+
+def _option_defaults(plan: P.Plan) -> dict:
+    """{option symbol: (default, default)} for the number options whose default is a constant."""
+    out = {}
+    for o in plan.ir.options:
+        if o.kind == "float":
+            try:
+                v = scalar.evaluate(o.default)
+            except (scalar.NotConstant, scalar.ScalarError):
+                continue
+            out[sp.Symbol(o.name, real=True)] = (v, v)
+    return out
 
 
 def _positive(e: sp.Expr, table, known: dict, positive: set = frozenset()) -> bool:

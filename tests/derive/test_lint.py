@@ -176,3 +176,12 @@ def test_a_denominator_of_exponentials_is_proven_nonzero(name):
     """rwkv4's prev(b) + exp(u + k) (b >= 0: it adds exp(k)) and aft_simple's den (> 0 after
     its first token: it adds exp(k)) are > 0, not only >= 0."""
     assert not [w for w in lint(mixc.load(name).plan()) if "divides by" in w.message]
+
+
+@pytest.mark.parametrize("default,warned", [("0", False), ("2", True)], ids=["inside", "past-the-layers"])
+def test_a_per_head_decay_of_options_is_linted_at_their_defaults(default, warned, tmp_path):
+    """lightning_attn's log decay -(8 / num_heads) (1 - layer_idx / num_layers) head is <= 0 for
+    layer_idx <= num_layers: at the options' defaults (as the flags are taken at theirs)."""
+    spec = mixc.dsl.read_spec("lightning_attn").text.replace("layer_idx = 0", f"layer_idx = {default}")
+    ws = lint(from_text(spec).plan())
+    assert bool([w for w in ws if "can exceed 1" in w.message]) == warned
