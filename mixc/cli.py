@@ -102,14 +102,17 @@ def cmd_explain(args) -> int:
 
 def _run_sizes(op, given: dict[str, int]) -> dict[str, int]:
     """Dim sizes for `mixc run`: 16 each, --dim NAME=SIZE for the spec's own dims only."""
-    roots = [d.name for d in op.ir.dims if not d.alias_of]
+    roots = [d.name for d in op.ir.dims if not d.alias_of and d.size is None]
     for name, size in given.items():
         if name not in roots:
-            alias = next((d for d in op.ir.dims if d.name == name), None)
-            why = (f"{name} = {alias.alias_of} in this spec: give --dim {op.ir.root_dim(name)}=SIZE" if alias
+            dim = next((d for d in op.ir.dims if d.name == name), None)
+            fixed = op.ir.fixed_size(name) if dim is not None else None
+            why = (f"{name} = {fixed} in this spec" if fixed is not None else
+                   f"{name} = {dim.alias_of} in this spec: give --dim {op.ir.root_dim(name)}=SIZE" if dim
                    else f"spec '{op.name}' has dims {', '.join(roots) or 'none'}")
             raise CommandError(f"--dim {name}={size}: {why}")
-    return {n: 16 for n in roots} | given
+    fixed = {d.name: d.size for d in op.ir.dims if d.size is not None}
+    return {n: 16 for n in roots} | fixed | given
 
 
 def _memory_needed(op, B: int, T: int, H: int, sizes: dict[str, int]) -> int:

@@ -58,6 +58,7 @@ def metadata(plan: Plan) -> dict:
         # in the spec's order with their kinds, each alias as declared
         "option_kinds": {o.name: o.kind for o in m.options},
         "dim_aliases": {d.name: d.alias_of for d in m.dims if d.alias_of},
+        "dim_sizes": {d.name: d.size for d in m.dims if d.size is not None},     # `dims E = 2`
         "option_defaults": {o.name: _scalar_tree(o.default) for o in m.options if o.kind == "float"},
         "kernel_states": {s.name: list(s.shape) for s in plan.kernel_ir.states},
         "stabilized": list(plan.stabilizer.states) if plan.stabilizer is not None else [],

@@ -67,7 +67,8 @@ def conv_form(plan: P.Plan) -> ConvForm | None:
 
 
 def _conv_form(plan: P.Plan) -> ConvForm | None:
-    if plan.sequence is not None or "conv" not in plan.forms or negative_decay(plan) is not None:
+    if plan.sequence is not None or not all(st.time_invariant for st in plan.states) or \
+            negative_decay(plan) is not None:
         return None            # a negative decay: a ** j from exp(j log a) is NaN (decay_sign.py)
     why = _fft_blocker(plan)
     return ConvForm(why is None, why)

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import sympy as sp
 
+from .bounds import lower_bound, upper_bound
 from .functions import float_value
 
 
 def nonpositive(expr: sp.Expr, table) -> bool:
-    """expr <= 0 for every value of its inputs and params: by sympy's assumptions, or, for an
-    expression of the head index and dims only (or none), in floats at heads 0..63 and the
-    dims at 1..4096. Floats, not sympy's numbers: `1e308 ** (-5 - head)` at head 4096 as an
-    exact number never finished, and `log(max(0.5, 0.9)) <= 0` is no bool to sympy."""
-    if expr.is_nonpositive:
+    """expr <= 0 for every value of its inputs and params: by sympy's assumptions, by its bounds
+    over the inputs' declared ranges (bounds.py), or, for an expression of the head index and
+    dims only (or none), in floats at heads 0..63 and the dims at 1..4096. Floats, not sympy's
+    numbers: `1e308 ** (-5 - head)` at head 4096 as an exact number never finished, and
+    `log(max(0.5, 0.9)) <= 0` is no bool to sympy."""
+    if expr.is_nonpositive or upper_bound(expr, table) <= 0:
         return True
     free = expr.free_symbols
     if not all(table.kinds.get(s) in ("head", "dim") for s in free):
@@ -32,8 +34,8 @@ def nonpositive(expr: sp.Expr, table) -> bool:
 def may_be_negative(decay: sp.Expr, table) -> bool:
     """decay < 0 for some real values of its inputs, params and options (or undecided). Every
     symbol is taken as real, and exp(x) as >= 0 whatever x (exp(8 * head / num_heads) is not
-    provably finite to sympy)."""
-    if decay == 0:
+    provably finite to sympy); inputs and params over their declared ranges (bounds.py)."""
+    if decay == 0 or lower_bound(decay, table) >= 0:
         return False
     real = {s: sp.Dummy(s.name, real=True) for s in decay.free_symbols if not s.is_real}
     return not (_nonnegative_form(decay.xreplace(real)) or nonpositive(-decay, table))

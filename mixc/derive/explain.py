@@ -7,7 +7,7 @@ import json
 import sympy as sp
 
 from .. import classes
-from ..dsl.unparse import expr_text
+from ..dsl.unparse import dim_text, expr_text
 from . import plan as P
 from .convform import conv_form_lines
 from .sequence import explain_sequence
@@ -89,6 +89,16 @@ def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
     return rows
 
 
+def _no_parallel_lines(plan: P.Plan, st: P.StatePlan) -> list[str]:
+    """Why a state has no parallel form that runs: its class knows none (the class's own
+    words), or the plan's pieces do not fit the class's (the reason the runtime refuses it)."""
+    unit = classes.unit(st.transition)
+    if unit.parallel_form is None:
+        return ["  parallel form: none generated"] + ["    " + line for line in unit.explain_chunk(st, s)]
+    why = plan.layout.torch_chunk_unsupported if unit.parallel_form == "scan" else plan.layout.chunk_unsupported
+    return [f"  parallel form: none generated ({why})" if why else "  parallel form: none generated"]
+
+
 def explain(plan: P.Plan) -> str:
     if plan.sequence is not None:
         return explain_sequence(plan)
@@ -112,11 +122,11 @@ def _explain(plan: P.Plan) -> str:
         out.append("flags: " + ", ".join(f"{k}={str(v).lower()}" for k, v in plan.flags))
     out.append("")
     out.append("shapes (per call; dims bind from the tensors)")
-    out.append("  dims     " + ", ".join(d.name + (f" = {d.alias_of}" if d.alias_of else "") for d in m.dims))
-    for d in m.inputs:
-        out.append(f"  input    {d.name}[{_lead('input')}{''.join(', ' + x for x in d.shape)}]")
-    for d in m.params:
-        out.append(f"  param    {d.name}[{_lead('param')}{''.join(', ' + x for x in d.shape)}]")
+    out.append("  dims     " + ", ".join(dim_text(d) for d in m.dims))
+    for kind, decls in (("input", m.inputs), ("param", m.params)):
+        for d in decls:
+            promised = f" in {d.range.text()}" if d.range is not None else ""
+            out.append(f"  {kind:8} {d.name}[{_lead(kind)}{''.join(', ' + x for x in d.shape)}]{promised}")
     for o in m.options:
         default = str(o.default).lower() if o.kind == "bool" else expr_text(o.default)
         out.append(f"  option   {o.name} = {default}")
@@ -147,14 +157,16 @@ def _explain(plan: P.Plan) -> str:
                        f"value = {s(st.value)}{_shape(st.value_dims)}")
         else:
             out.append(f"  input       B_t = {s(st.input_term)}")
-        out.append(f"  time-invariant: {'yes' if st.time_invariant else 'no'}; forms: {', '.join(st.forms)}")
-        if "chunk" in st.forms or "scan" in st.forms:
+        # the state's forms that run: those of the whole plan (a form runs for every state or none)
+        forms = [f for f in st.forms if f in plan.forms]
+        out.append(f"  time-invariant: {'yes' if st.time_invariant else 'no'}; forms: {', '.join(forms)}")
+        if "chunk" in forms or "scan" in forms:
             out.append("  parallel form (chunk of C tokens, S0 the state at the chunk start)")
             queries = [s(proj) for r in plan.output.readouts if r.state == st.name for _, proj, _ in r.terms
                        if proj is not None]
             out += ["    " + line for line in _chunk_lines(st, queries)]
-        else:       # the class's own word on its parallel form: none known, or not generated yet
-            out += ["  parallel form: none generated"] + ["    " + line for line in _chunk_lines(st, [])]
+        else:
+            out += _no_parallel_lines(plan, st)
     if plan.stabilizer is not None:
         out.append("")
         out += _stabilizer_lines(plan.stabilizer)
@@ -240,7 +252,7 @@ def plan_dict(plan: P.Plan) -> dict:
                     "input_term": s(x.input_term), "key": s(x.key) if x.key is not None else None,
                     "value": s(x.value) if x.value is not None else None, "key_dims": list(x.key_dims),
                     "value_dims": list(x.value_dims), "time_invariant": x.time_invariant,
-                    "forms": list(x.forms)} for x in plan.states],
+                    "forms": [f for f in x.forms if f in plan.forms]} for x in plan.states],
         "output": {"name": plan.output.name, "shape": list(plan.output.shape), "kind": plan.output.kind,
                    "combine": s(plan.output.combine),
                    "readouts": [{"name": r.name, "state": r.state, "prev": r.prev,

@@ -18,6 +18,7 @@ from .. import classes
 from ..classes import (CHUNK_CLASSES, ELEMENTWISE, GENERAL, KEY_DIAG, PREFIX_SUM, RANK1, SCALAR,  # noqa: F401
                        VALUE_DIAG)
 from .functions import log_of
+from .decay_sign import negative_decay
 from .layout import KernelLayout, kernel_layout
 from .logspace import log_ir
 from .sequence import derive_sequence
@@ -305,20 +306,37 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
         nodes.append(NodePlan(nd, tuple(parts)))
         budget.check(spec.output.span, f"the derivatives of {nd.describe()[:60]}", *(p.expr for p in parts))
 
-    forms = ["recurrent", "step"]
     parallel = {classes.unit(s.transition).parallel_form for s in states}
-    if parallel == {"chunk"}:
-        forms.insert(0, "chunk")
-    elif parallel <= {"chunk", "scan"}:
-        forms.insert(0, "scan")
-    else:       # the classes without a parallel form say why (their note)
+    if not parallel <= {"chunk", "scan"}:       # the classes without a parallel form say why (their note)
         notes += [n for s in states if (n := classes.unit(s.transition).no_parallel_note(s)) is not None]
-    if all(s.time_invariant for s in states):
-        forms.append("conv")
     stab = stabilize.find(spec, states, combine_ir, r_plans, notes)
     plan = Plan(spec, tuple(sorted(values.items())), tuple(lets), tuple(nodes), tuple(states), out,
-                tuple(forms), tuple(notes), table.freeze(), stab)
-    return replace(plan, layout=kernel_layout(plan))
+                ("recurrent", "step"), tuple(notes), table.freeze(), stab)
+    layout = kernel_layout(plan)
+    forms = runnable_forms(plan, layout)
+    if parallel <= {"chunk", "scan"} and not ({"chunk", "scan"} & set(forms)) and negative_decay(plan) is None:
+        # the classes have a parallel form that this spec's pieces do not fit (the lint speaks
+        # for a decay that can be negative)
+        why = layout.chunk_unsupported if parallel == {"chunk"} else layout.torch_chunk_unsupported
+        notes.append(f"no chunked form: {why}")
+    return replace(plan, layout=layout, forms=forms, notes=tuple(notes))
+
+
+def runnable_forms(plan: Plan, layout: KernelLayout) -> tuple[str, ...]:
+    """The forms a call can run, decided as the runtime decides them (runtime/op.py): "chunk"
+    where the chunked kernels exist (layout.chunk_unsupported is None), "scan" where the classes'
+    parallel form is an associative scan that the torch backend runs (layout.torch_chunked),
+    "conv" where every transition is time-invariant and its decay has a real log, and always
+    "recurrent" and "step"."""
+    parallel = {classes.unit(s.transition).parallel_form for s in plan.states}
+    forms = ["recurrent", "step"]
+    if parallel == {"chunk"} and layout.chunked:
+        forms.insert(0, "chunk")
+    elif parallel <= {"chunk", "scan"} and "scan" in parallel and layout.torch_chunked:
+        forms.insert(0, "scan")
+    if all(s.time_invariant for s in plan.states) and negative_decay(plan) is None:
+        forms.append("conv")
+    return tuple(forms)
 
 
 def _combine_kind(combine: sp.Expr, readout_syms, nodes=None) -> str:

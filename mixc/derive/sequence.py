@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsl import ir
-from ..dsl.unparse import expr_text
+from ..dsl.unparse import dim_text, expr_text
 
 # The direct (no FFT) convolution: filters of at most this many taps, or at most this many
 # new tokens (decode); runtime/seqops.py uses the same numbers.
@@ -171,7 +171,7 @@ def explain_sequence(plan) -> str:
     if plan.flags:
         out.append("flags: " + ", ".join(f"{k}={str(v).lower()}" for k, v in plan.flags))
     out += ["", "shapes (per call; dims bind from the tensors; T is the sequence length)",
-            "  dims     " + ", ".join(d.name + (f" = {d.alias_of}" if d.alias_of else "") for d in m.dims)]
+            "  dims     " + ", ".join(dim_text(d) for d in m.dims)]
     for d in m.inputs:
         out.append(f"  input    {d.name}[B, T, H{''.join(', ' + x for x in d.shape)}]")
     for d in m.params:

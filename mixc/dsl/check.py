@@ -13,6 +13,7 @@ from .functions import FUNCTIONS
 from .errors import SpecError, Span, did_you_mean
 from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
                      Node, NumNode, SpecTree, Statement, UnaryNode)
+from .range_check import RangeChecks
 from .sequence_check import SEQUENCE_FNS, SequenceChecks
 
 ELEMENTWISE_FNS = {name: f.arity for name, f in FUNCTIONS.items()}     # the registry (dsl/functions.py)
@@ -56,6 +57,7 @@ def python_modules() -> frozenset[str]:
 
 
 MAX_DIMS = 8
+MAX_FIXED_DIM = 1024      # `dims E = 2`: a spec's own sizes are small (a stack of states, a few taps)
 MAX_RANK = 4
 MAX_DECLS = 64
 # Nesting of an expression with the lets it reads written out (each let is within the parser's
@@ -118,6 +120,7 @@ class Checker:
         self.let_depth: dict[str, int] = {}                     # nesting of a let with its lets written out
         self.option_defaults: dict[str, float] = {}             # number options whose default is a constant
         self.seq = SequenceChecks(self)                         # conv, mix, attend (sequence_check.py)
+        self.ranges = RangeChecks(self)                         # `input beta[] in (0, 2)` (range_check.py)
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
@@ -237,9 +240,10 @@ class Checker:
             root = d.name
             while self.dims[root].alias_of:
                 root = self.dims[root].alias_of
-            if root not in bound and not any(self.dims[b].alias_of and self._root(b) == root for b in bound):
+            if self.dims[root].size is None and root not in bound and \
+                    not any(self.dims[b].alias_of and self._root(b) == root for b in bound):
                 raise self.error(f"the size of dim '{d.name}' is not given by any input or param; "
-                                 "use it in an input or param shape", d.span)
+                                 f"use it in an input or param shape, or fix it: dims {d.name} = 2", d.span)
 
     def _root(self, name: str) -> str:
         while self.dims[name].alias_of:
@@ -252,20 +256,32 @@ class Checker:
                 raise self.error(f"'{item.name.name}' names an axis of every call (B batch, T time, H heads) "
                                  "and cannot be a dim name", item.name.span)
             self.declare(item.name, "dim")
-            alias = None
+            alias = size = None
+            if item.size is not None:
+                size = self.fixed_dim_size(item)
             if item.alias is not None:
                 if item.alias.name not in self.dims:
                     raise self.error(f"unknown dim '{item.alias.name}'{did_you_mean(item.alias.name, self.dims)}"
                                      " (an alias must name a dim declared before it)", item.alias.span)
                 alias = item.alias.name
-            self.dims[item.name.name] = ir.Dim(item.name.name, alias, item.name.span)
+            self.dims[item.name.name] = ir.Dim(item.name.name, alias, item.name.span, size)
             if len(self.dims) > MAX_DIMS:
                 raise self.error(f"too many dims (the limit is {MAX_DIMS})", item.name.span)
+
+    def fixed_dim_size(self, item) -> int:
+        """`dims E = 2`: a whole number from 1 to MAX_FIXED_DIM."""
+        n = item.size
+        if not n.value.is_integer() or not 1 <= n.value <= MAX_FIXED_DIM:
+            raise self.error(f"the size of dim '{item.name.name}' must be a whole number from 1 to {MAX_FIXED_DIM}, "
+                             f"not {n.text}", n.span)
+        return int(n.value)
 
     def _tensors(self, st: Statement, table: dict, what: str) -> None:
         for item in st.items:
             self.declare(item.name, what)
-            table[item.name.name] = ir.TensorDecl(item.name.name, self.shape_of(item, what), item.name.span)
+            shape = self.shape_of(item, what)
+            value_range = self.ranges.value_range(item.range, what, item.name.name) if item.range is not None else None
+            table[item.name.name] = ir.TensorDecl(item.name.name, shape, item.name.span, value_range)
 
     def stmt_input(self, st):
         self._tensors(st, self.inputs, "input")
@@ -278,6 +294,8 @@ class Checker:
 
     def stmt_option(self, st: Statement) -> None:
         for b in st.items:
+            if b.range is not None:
+                self.ranges.refuse(b.range, "option")
             if isinstance(b.expr, BoolNode):
                 opt = ir.Option(b.name.name, "bool", b.expr.value, b.name.span)
             else:
@@ -306,6 +324,8 @@ class Checker:
 
     def stmt_let(self, st: Statement) -> None:
         for b in st.items:
+            if b.range is not None:
+                self.ranges.refuse(b.range, "let")
             e = self.expr(b.expr, "let", defining=b.name.name)     # before declaring: a let cannot read itself
             depth = self.check_depth_with_lets(e, b.expr.span)
             self.declare(b.name, "let")

@@ -124,9 +124,37 @@ POSITIONS = "T"
 
 @dataclass(frozen=True)
 class Dim:
+    """A named dimension: its size bound by a call's tensors, shared with another dim
+    (alias_of, `dims J = K`) or fixed by the spec (size, `dims E = 2`)."""
+
     name: str
     alias_of: str | None
     span: Span | None = field(compare=False, repr=False)
+    size: int | None = None
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """The values a caller promises for an input or param: `in [lower, upper]`, each end closed
+    (the value may equal it) or open; -inf and inf for an end without a bound. Checked at call
+    time in the reference and torch modes (runtime/inputs.py) and read by the sign prover
+    (derive/bounds.py)."""
+
+    lower: float
+    upper: float
+    lower_closed: bool = True
+    upper_closed: bool = True
+
+    def contains(self, x: float) -> bool:
+        above = x >= self.lower if self.lower_closed else x > self.lower
+        below = x <= self.upper if self.upper_closed else x < self.upper
+        return bool(above and below)
+
+    def text(self) -> str:
+        def end(v: float) -> str:
+            return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
+        return (("[" if self.lower_closed else "(") + f"{end(self.lower)}, {end(self.upper)}"
+                + ("]" if self.upper_closed else ")"))
 
 
 @dataclass(frozen=True)
@@ -134,6 +162,7 @@ class TensorDecl:
     name: str
     shape: Shape
     span: Span | None = field(compare=False, repr=False)
+    range: ValueRange | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +216,10 @@ class MixerIR:
 
     def dim(self, name: str) -> Dim:
         return next(d for d in self.dims if d.name == name)
+
+    def fixed_size(self, name: str) -> int | None:
+        """The size the spec gives dim `name` (through its alias), or None: bound by a call."""
+        return self.dim(self.root_dim(name)).size
 
     def root_dim(self, name: str) -> str:
         """The dim whose size `name` shares (itself unless declared `J = K`)."""

@@ -18,7 +18,7 @@ MAX_DEPTH = 64          # nesting of expressions; deeper specs are refused, not 
 MAX_NAME = 64
 
 KEYWORDS = ("mixer", "dims", "input", "param", "option", "let", "state", "update",
-            "output", "if", "then", "else", "true", "false")
+            "output", "if", "then", "else", "true", "false", "in")
 
 
 # ---- untyped syntax tree -------------------------------------------------------------
@@ -101,6 +101,18 @@ class Named:
 class DimDecl:
     name: Named
     alias: Named | None
+    size: NumNode | None = None        # `dims E = 2`: a size the spec fixes
+
+
+@dataclass(frozen=True)
+class RangeNode:
+    """`in [lower, upper]` after a declaration; an end is closed ('[', ']') or open ('(', ')')."""
+
+    lower: Node
+    upper: Node
+    lower_closed: bool
+    upper_closed: bool
+    span: Span
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ class TensorDeclNode:
     name: Named
     dims: tuple[Named, ...]
     span: Span
+    range: RangeNode | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,7 @@ class Binding:
     name: Named
     expr: Node
     span: Span
+    range: RangeNode | None = None     # only to refuse it at its place: lets and options take none
 
 
 @dataclass(frozen=True)
@@ -201,7 +215,9 @@ def _expected(names) -> str:
         out.append("an expression")
     ops = {f"'{o}'" for o in _OPERATORS}
     if len(words & ops) >= 3:
-        words -= ops
+        # after an expression: a range (`in [0, 1]`) may follow only a let's or option's, which
+        # take none (the checker says so where one is written); naming it here would mislead
+        words -= ops | {"'in'"}
         out.append("an operator (" + " ".join(_OPERATORS) + ")")
     stmts = {f"'{k}'" for k in STATEMENT_KEYWORDS}
     if stmts <= words:
@@ -365,23 +381,35 @@ class _Builder:
         kind = t.data.removesuffix("_stmt")
         span = _tree_span(t)
         if kind == "dims":
-            items = tuple(DimDecl(self.named(d.children[0]),
-                                  self.named(d.children[1]) if len(d.children) > 1 else None)
-                          for d in t.children)
+            items = tuple(self.dim_decl(d) for d in t.children)
         elif kind in ("input", "param", "state"):
             items = tuple(self.tensor_decl(d) for d in t.children)
         elif kind in ("option", "let"):
-            items = tuple(Binding(self.named(b.children[0]), self.expr(b.children[1]), _tree_span(b))
+            items = tuple(Binding(self.named(b.children[0]), self.expr(b.children[1]), _tree_span(b),
+                                  self.value_range(b.children[2]) if len(b.children) > 2 else None)
                           for b in t.children)
         else:  # update, output
             name_tok, expr = t.children
             items = (Binding(self.named(name_tok), self.expr(expr), span),)
         return Statement(kind, items, span)
 
+    def dim_decl(self, t: Tree) -> DimDecl:
+        name, *rest = t.children
+        if not rest:
+            return DimDecl(self.named(name), None)
+        if rest[0].type == "NUMBER":
+            return DimDecl(self.named(name), None, NumNode(_tok_span(rest[0]), float(rest[0]), str(rest[0])))
+        return DimDecl(self.named(name), self.named(rest[0]))
+
     def tensor_decl(self, t: Tree) -> TensorDeclNode:
-        name_tok, dim_list = t.children
+        name_tok, dim_list, *value_range = t.children
         return TensorDeclNode(self.named(name_tok), tuple(self.named(d) for d in dim_list.children),
-                              _tree_span(t))
+                              _tree_span(t), self.value_range(value_range[0]) if value_range else None)
+
+    def value_range(self, t: Tree) -> RangeNode:
+        opening, lower, upper, closing = t.children
+        return RangeNode(self.expr(lower), self.expr(upper), opening.children[0] == "[",
+                         closing.children[0] == "]", _tree_span(t))
 
     def expr(self, t) -> Node:
         # Post-order without recursion: depth was bounded already, but a long flat chain

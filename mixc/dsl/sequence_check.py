@@ -53,9 +53,14 @@ class SequenceChecks:
         if self.ops and c.states:
             op = self.ops[0]
             st = next(iter(c.states.values()))
+            notes = ()
+            if op.kind == "conv":       # Mamba's and the delta rules' short conv on their inputs
+                notes = ("a short convolution of a recurrence's inputs (Mamba's, GatedDeltaNet's conv1d) belongs in "
+                         "the layer, before the mixer: mixc.nn.MixerLayer applies one to its q/k/v-like inputs "
+                         "(conv_size, 4 by default); or call a conv spec's op on the inputs and pass its output on",)
             raise self.err(f"{op.kind}() makes '{c.tree.name.name}' a sequence mixer, which has no state, but state "
                            f"'{st.name}' is declared on line {st.span.line}; a mixer is either a recurrence (state, "
-                           "update) or built from conv, mix and attend", op.span)
+                           "update) or built from conv, mix and attend", op.span, notes)
         if c.states:
             for p in c.params.values():
                 if p.shape[:1] == (T,):

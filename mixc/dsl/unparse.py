@@ -59,13 +59,23 @@ def _shape(s) -> str:
     return "[" + ", ".join(s) + "]"
 
 
+def dim_text(d: ir.Dim) -> str:
+    """K, J = K, or E = 2."""
+    return d.name + (f" = {d.alias_of}" if d.alias_of else f" = {d.size}" if d.size is not None else "")
+
+
+def decl_text(d: ir.TensorDecl) -> str:
+    """x[K], or beta[] in (0, 2) with its declared range."""
+    return d.name + _shape(d.shape) + (f" in {d.range.text()}" if d.range is not None else "")
+
+
 def spec_text(m: ir.MixerIR) -> str:
     """The checked spec, one declaration per line, with inferred shapes as comments."""
     out = [f"mixer {m.name}"]
-    out.append("  dims   " + ", ".join(d.name + (f" = {d.alias_of}" if d.alias_of else "") for d in m.dims))
+    out.append("  dims   " + ", ".join(dim_text(d) for d in m.dims))
     for kw, decls in (("input", m.inputs), ("param", m.params)):
         if decls:
-            out.append(f"  {kw:6} " + ", ".join(d.name + _shape(d.shape) for d in decls))
+            out.append(f"  {kw:6} " + ", ".join(decl_text(d) for d in decls))
     for o in m.options:
         default = str(o.default).lower() if o.kind == "bool" else expr_text(o.default)
         out.append(f"  option {o.name} = {default}")

@@ -115,7 +115,7 @@ class MixerLayer(nn.Module):
         sizes = {}
         for d in ir.dims:
             root = ir.root_dim(d.name)
-            sizes[d.name] = given.get(root) or DIM_DEFAULTS.get((self.spec, root)) or head_dim
+            sizes[d.name] = ir.fixed_size(d.name) or given.get(root) or DIM_DEFAULTS.get((self.spec, root)) or head_dim
             if d.alias_of is not None and d.name in given and given[d.name] != sizes[d.name]:
                 raise ValueError(f"head_dims: {d.name} = {d.alias_of} in spec '{self.spec}'; give {root} only")
         return sizes

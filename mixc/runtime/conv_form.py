@@ -23,7 +23,7 @@ def conv_forward(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: t
     cf = conv_form(plan)
     # why there is no form is worked out (sympy) only on the way to the error, never per call
     negative = negative_decay(plan) if cf is None else None
-    if cf is None and negative is not None and "conv" in plan.forms:
+    if cf is None and negative is not None and all(st.time_invariant for st in plan.states):
         raise ArgumentError(f"mode='conv': mixer '{plan.name}' has no convolution form here: {negative}; use "
                             "mode='recurrent' or 'torch'")
     if cf is None:

@@ -46,7 +46,8 @@ def _bound(plan: Plan, inputs, params, initial_state, options, cu_seqlens) -> Bo
     for d, x in zip(m.params, params):
         sizes.update({n: int(s) for n, s in zip(d.shape, x.shape[1:])})
     for d in m.dims:
-        sizes.setdefault(d.name, sizes.get(m.root_dim(d.name)))
+        fixed = m.fixed_size(d.name)        # `dims E = 2`: the spec's size, perhaps on no tensor
+        sizes.setdefault(d.name, fixed if fixed is not None else sizes.get(m.root_dim(d.name)))
     B, T = (int(s) for s in inputs[0].shape[:2])
     H = max(int(x.shape[2]) for x in inputs)       # grouped inputs have fewer heads (signature.bind)
     named = {d.name: x for d, x in zip(m.inputs, inputs)}

@@ -1,12 +1,48 @@
-"""Random arguments for a spec, drawn so that its recurrence is well-behaved: log-space
-gates negative, beta in (0, 1), dt positive, A negative. Used by `mixc run`, the tests and
-the benchmarks. Roles follow flash-linear-attention's and mamba_ssm's argument names."""
+"""The values of a call's inputs: random arguments for a spec, drawn so that its recurrence is
+well-behaved (log-space gates negative, beta in (0, 1), dt positive, A negative, and inside
+every declared range), and the check of a call's values against the ranges its spec declares
+(check_ranges). Random arguments serve `mixc run`, the tests and the benchmarks; their roles
+follow flash-linear-attention's and mamba_ssm's argument names."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from ..dsl import ir
+from ..dsl.unparse import decl_text
+from ..standalone.errors import ArgumentError
+
+# The modes that check declared ranges: they run in torch, where a look at the values costs
+# little; the kernel modes take the caller's promise (a check there would wait for the device).
+RANGE_CHECKED_MODES = ("torch", "reference", "conv")
+
+
+def check_ranges(mixer: ir.MixerIR, bound) -> None:
+    """Every value of an input or param with a declared range (`input beta[] in (0, 2)`) lies
+    in it; else an ArgumentError naming the argument, the range and the first value outside it
+    by its index in the tensor as passed. Skipped while torch.compile traces (a data-dependent
+    branch) and for tensors without data (the meta device)."""
+    if torch.compiler.is_compiling():
+        return
+    for kind, decls, given in (("input", mixer.inputs, bound.inputs), ("param", mixer.params, bound.params)):
+        for decl in decls:
+            r, x = decl.range, given.get(decl.name)
+            if r is None or x is None or x.device.type == "meta":
+                continue
+            x = x.detach()
+            inside = _inside(r, x)
+            if bool(inside.all()):
+                continue
+            outside = ~inside
+            index = tuple(int(i) for i in outside.nonzero()[0])
+            value = float(x[index])
+            count = int(outside.sum())
+            where = f"{decl.name}[{', '.join(map(str, index))}]" if index else decl.name
+            more = f" (and {count - 1} more outside it)" if count > 1 else ""
+            raise ArgumentError(f"{decl.name}: expected values in {r.text()}, as the spec declares "
+                                f"(`{kind} {decl_text(decl)}`), got {where} = {value:g}{more}")
 
 
 def _logdecay(shape, gen, dtype):
@@ -43,6 +79,30 @@ class Tied:
         self.fn = fn
 
 
+def _inside(r: ir.ValueRange, x: torch.Tensor) -> torch.Tensor:
+    """Where x lies in r (NaN nowhere)."""
+    return (x >= r.lower if r.lower_closed else x > r.lower) & (x <= r.upper if r.upper_closed else x < r.upper)
+
+
+def _within(r: ir.ValueRange, role):
+    """A draw inside a declared range: the role's own where it stays inside (g's log decays in
+    (-inf, 0]), else uniform over the middle 80% of a bounded range, or a distance of 0.1 to 1
+    from the one finite end."""
+    def draw(shape, gen, dtype):
+        x = role(shape, gen, dtype)
+        if bool(_inside(r, x).all()):
+            return x
+        u = torch.rand(shape, generator=gen, dtype=dtype)
+        if math.isfinite(r.lower) and math.isfinite(r.upper):
+            return r.lower + (r.upper - r.lower) * (0.1 + 0.8 * u)
+        if math.isfinite(r.lower):
+            return r.lower + 0.1 + 0.9 * u
+        if math.isfinite(r.upper):
+            return r.upper - 0.1 - 0.9 * u
+        return x
+    return draw
+
+
 def _rwkv7_b(drawn, shape, gen, dtype):
     # b = kk * sigmoid(x) with a = -kk: diag(exp(w)) + b a^T = diag(exp(w)) - s kk kk^T, whose
     # eigenvalues stay in [-1, 1] (fla's RWKV7 parametrization)
@@ -76,7 +136,8 @@ def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=t
     BOUNDED_ROLES too (states that stay bounded at any T). Returns (kwargs, sizes)."""
     sizes = dict(sizes or {})
     for d in mixer.dims:
-        sizes.setdefault(d.name, sizes.get(mixer.root_dim(d.name), 4))
+        fixed = mixer.fixed_size(d.name)        # `dims E = 2`: the spec's own size
+        sizes[d.name] = fixed if fixed is not None else sizes.get(d.name, sizes.get(mixer.root_dim(d.name), 4))
     gen = torch.Generator().manual_seed(seed)
     table = dict(ROLES) | (BOUNDED_ROLES if bounded else {})
     table.update(roles or {})
@@ -84,6 +145,8 @@ def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=t
     for decl, lead in [(d, (B, T, H)) for d in mixer.inputs] + [(d, (H,)) for d in mixer.params]:
         shape = lead + tuple(T if d == "T" else sizes[d] for d in decl.shape)    # [T, ...]: per position
         fn = table.get((mixer.name, decl.name)) or table.get(decl.name) or _normal
+        if decl.range is not None and not isinstance(fn, Tied) and decl.name not in (roles or {}):
+            fn = _within(decl.range, fn)
         x = fn.fn(drawn, shape, gen, torch.float64) if isinstance(fn, Tied) else fn(shape, gen, torch.float64)
         drawn[decl.name] = x
         x = x.to(device=device, dtype=dtype)

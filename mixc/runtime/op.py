@@ -33,6 +33,7 @@ from . import reference as _reference
 from .cache import interpreting, load_module
 from .conv_form import conv_forward
 from .custom_op import kernel_ops
+from .inputs import RANGE_CHECKED_MODES, check_ranges
 from .decode import step_inplace
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
@@ -95,6 +96,8 @@ class MixerOp(HeldBySpec):
         device = next(iter(bound.inputs.values())).device
         asked, mode = mode, self._resolve(mode, device)
         _refuse_meta(bound, mode)
+        if mode in RANGE_CHECKED_MODES:
+            check_ranges(self.ir, bound)      # the values the spec declares (`input beta[] in (0, 2)`)
         if cu_seqlens is not None and mode in ("torch", "reference", "conv") and torch.compiler.is_compiling():
             raise ArgumentError(f"cu_seqlens: mode {mode!r} splits the packed sequences by their offsets on the "
                                 "host, which torch.compile cannot trace; inside a compiled region use a kernel mode "
@@ -221,6 +224,8 @@ class MixerOp(HeldBySpec):
         device = next(iter(bound.inputs.values())).device
         mode = self._resolve(mode, device)
         _refuse_meta(bound, mode)
+        if mode in RANGE_CHECKED_MODES:
+            check_ranges(self.ir, bound)
         if mode == "conv":            # one token: the convolution form has nothing to gain; the torch step
             mode = "torch"
         if mode == "torch" and self._plan_for(bound.flags).layout.torch_chunked:

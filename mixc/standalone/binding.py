@@ -138,6 +138,10 @@ def bind(mixer, kwargs: dict, *, step: bool = False) -> Bound:
     # each input's heads bind its own name (grouped heads): H is the most of any input, and
     # every input's heads must divide it
     head = len(lead) - 1
+    for d in mixer.dims:        # `dims E = 2`: the spec fixes the size, every tensor must agree
+        fixed = fixed_size(mixer, d.name)
+        if fixed is not None:
+            sizes[d.name] = (fixed, f"the spec (dims {mixer.root_dim(d.name)} = {fixed})")
     for decl in mixer.inputs:
         if decl.name not in kwargs:
             raise ArgumentError(f"missing input '{decl.name}' of shape {_fmt(lead + decl.shape)}")
@@ -221,6 +225,12 @@ def bind(mixer, kwargs: dict, *, step: bool = False) -> Bound:
                              arg="state" if step else "initial_state")
     return Bound(B, T, H, {k: v[0] for k, v in sizes.items() if k not in ("B", "T", "H") and ":" not in k},
                  inputs, params, options, flags, state, cu_seqlens, head_groups(H, inputs, head))
+
+
+def fixed_size(mixer, name: str) -> int | None:
+    """The size a spec fixes for dim `name` (`dims E = 2`, or an alias of such a dim), else None."""
+    root = mixer.root_dim(name)
+    return next((getattr(d, "size", None) for d in mixer.dims if d.name == root), None)
 
 
 def _bind_heads(inputs: dict, axis: int, sizes: dict) -> None:
@@ -375,6 +385,7 @@ class OptionDecl(NamedTuple):
 class DimDecl(NamedTuple):
     name: str
     alias_of: str | None
+    size: int | None = None
 
 
 class Signature:
@@ -388,7 +399,8 @@ class Signature:
         kinds = meta.get("option_kinds") or {**{o: "float" for o in meta["options"]},
                                             **{f: "bool" for f in meta["flags"]}}
         aliases = meta.get("dim_aliases") or meta["dim_roots"]
-        self.dims = tuple(DimDecl(d, aliases.get(d)) for d in meta["dims"])
+        fixed = meta.get("dim_sizes", {})
+        self.dims = tuple(DimDecl(d, aliases.get(d), fixed.get(d)) for d in meta["dims"])
         self.inputs = tuple(Decl(k, tuple(v)) for k, v in meta["inputs"].items())
         self.params = tuple(Decl(k, tuple(v)) for k, v in meta["params"].items())
         self.options = tuple(OptionDecl(k, v) for k, v in kinds.items())

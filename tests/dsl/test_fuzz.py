@@ -45,6 +45,7 @@ TOKENS = [
     "+", "-", "*", "/", "**", "@", "->", "=", ",", "(", ")", "[", "]", "[]", "()",
     " ", " ", " ", "\n", "\n  ", "\t", "# note\n",
     "$", "'", '"', ";", ":", "!", "{", "}", "é", "中", "\u200b", "\x00", "\r\n", "\x0c", "\u2028",
+    "in", "inf", "-inf", " in [0, 1]", " in (-inf, 0]",
 ]
 PREFIX = "mixer m\n  dims K, V\n  input q[K], k[K], v[V]\n"
 
@@ -138,12 +139,15 @@ def test_library_mutations_slow(case):
 # ---- (c) well-typed random specs -----------------------------------------------------------
 
 HEADER = """mixer fuzz
-  dims   K, V, J = K
-  input  q[K], k[K], v[V], g[], w[K], u[V]
-  param  A[], P[K, V]
+  dims   K, V{vsize}, J = K
+  input  q[K], k[K], v[V], g[]{g}, w[K]{w}, u[V]
+  param  A[]{A}, P[K, V]
   option scale = K ** -0.5, f = {flag}
   state  S[K, V], z[K]
 """
+# Declared ranges the generator puts on g, w and A (the prover reads them; calls draw inside them
+# and the torch modes check them).
+RANGES = ["", "", " in (-inf, 0]", " in [0, 1]", " in (0, 2)", " in [-1, 1]", " in [0.5, inf)"]
 DIMS = ("K", "V", "J")
 # Values of each shape, by context: lets read inputs, params and options; updates and the
 # output also read lets and states (an update only its own state).
@@ -239,7 +243,9 @@ def typed_spec(draw):
     upd_z = f"z * {draw(expr(frozenset(), depth, let_leaves))} + {draw(expr(frozenset('K'), depth, z_leaves))}"
     out_leaves = _with(let_leaves, KV=["S", "prev(S)"], K=["z", "prev(z)"])
     output = f"q @ S + {draw(expr(frozenset('V'), depth, out_leaves))}"
-    text = HEADER.format(flag=draw(st.sampled_from(["true", "false"])))
+    text = HEADER.format(flag=draw(st.sampled_from(["true", "false"])), g=draw(st.sampled_from(RANGES)),
+                         w=draw(st.sampled_from(RANGES)), A=draw(st.sampled_from(RANGES)),
+                         vsize=draw(st.sampled_from(["", "", " = 2", " = 5"])))     # V fixed by the spec
     text += "".join(f"  let    {n} = {e}\n" for n, e in lets)
     text += f"  update S = {upd_s}\n  update z = {upd_z}\n  output o = {output}\n"
     return text

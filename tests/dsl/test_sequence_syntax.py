@@ -180,3 +180,13 @@ def test_error(name, text, line, column, words):
 def test_sequence_op_names_are_reserved():
     with pytest.raises(mixc.SpecError, match="'conv' is a built-in of the spec language"):
         parse("mixer m\n  dims D\n  input conv[D]\n  param h[T, D]\n  output y = mix(h, conv)\n")
+
+
+def test_a_conv_inside_a_recurrence_says_where_the_short_conv_belongs():
+    """Issue 32: a conv() in a recurrence is refused; the note points at the layer's short conv."""
+    text = ("mixer m\n  dims K, V, L\n  input q[K], k[K], v[V]\n  param h[L, K]\n  let kc = conv(h, k, L)\n"
+            "  state S[K, V]\n  update S = S + kc * v\n  output o = q @ S\n")
+    with pytest.raises(mixc.SpecError) as info:
+        mixc.parse(text, "m.mix")
+    assert (info.value.line, info.value.column) == (5, 12)
+    assert any("belongs in the layer" in n and "MixerLayer" in n for n in info.value.notes)
