@@ -31,7 +31,7 @@ import torch
 from . import fastpath
 from .launch import recording, recurrent_forward
 from .signature import ArgumentError, bind
-from .torch_step import TorchStep, run_recipe, step_recipe, torch_step_inplace
+from .torch_step import TORCH_INPLACE, TorchStep, run_recipe, step_recipe, torch_step_inplace
 
 
 def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
@@ -61,7 +61,7 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
     rows = _check_buffers(m, buffers, bound, idx, x0.device)
     if idx is not None:
         _check_index_values(idx, rows)
-    mode = op._resolve(mode, x0.device)
+    asked, mode = mode, op._resolve(mode, x0.device)
     plan = op._plan_for(bound.flags)
     # while torch.compile traces, the functional step (the kernels' custom op) and index_copy_
     # below: the in-place launch writes the buffers outside any op torch can trace (and loads
@@ -83,6 +83,8 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
         # the generated in-place step: mul_ / addcmul_ on the buffers (runtime/torch_step.py)
         if key is not None and (recipe := step_recipe(plan, bound, True)) is not None:
             op._keep(key, recipe)
+            if asked == "torch":            # op.step's own look-up for mode "torch" (no launch settings)
+                op._keep(fastpath.step_key(TORCH_INPLACE, kwargs, state, launches=False), recipe)
         return torch_step_inplace(plan, bound, buffers), state
     # functional step on the named rows, then copied into them
     rows_in = {k: (v.index_select(0, idx) if idx is not None else v) for k, v in buffers.items()}

@@ -36,7 +36,7 @@ from .custom_op import kernel_ops
 from .decode import step_inplace
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
-from .torch_step import TorchStep, run_recipe, step_recipe, torch_step, torch_tokens, use_token_loop
+from .torch_step import TORCH_INPLACE, TorchStep, run_recipe, step_recipe, torch_step, torch_tokens, use_token_loop
 from .launch import chunk_size_for
 from .op_doc import call_doc, call_signature
 from ..standalone.binding import clamp_chunk, clamp_ck
@@ -207,6 +207,11 @@ class MixerOp(HeldBySpec):
         key = None
         if mode not in MODES:       # before the fast path's key: a list there was a TypeError (unhashable)
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        if inplace is True and mode == "torch" and state_indices is None and not torch.compiler.is_compiling():
+            # the torch backend's in-place step replayed (runtime/decode.py keeps it under this key)
+            recipe = self._fast.get(fastpath.step_key(TORCH_INPLACE, kwargs, state, launches=False))
+            if recipe is not None:
+                return run_recipe(recipe, kwargs, state)
         if inplace is False and state_indices is None and not torch.compiler.is_compiling():
             key = fastpath.step_key(mode, kwargs, state)
             recipe = self._fast.get(key) if key is not None else None

@@ -63,6 +63,10 @@ def torch_tokens(plan: Plan, bound: Bound, *, output_final_state: bool, dtype: t
                           cu_seqlens=bound.cu_seqlens, output_final_state=output_final_state)
 
 
+# op.step(mode="torch", inplace=True)'s fast-path key tag (fastpath.step_key without launch settings)
+TORCH_INPLACE = ("inplace", "torch", "no launches")
+
+
 class TorchStep(NamedTuple):
     """A torch-backend step kept for replay: what binding an earlier call with the same look
     (runtime/fastpath.py's step_key: shapes, dtypes, devices, numbers, grad mode) gave, so a
@@ -78,6 +82,7 @@ class TorchStep(NamedTuple):
     out_dtype: torch.dtype    # the first input's
     first_state: str          # the state a bare tensor given as the state is
     inplace: bool
+    direct: bool              # every input and param is in the compute dtype: the kwargs are passed as they are
 
 
 def step_recipe(plan: Plan, bound: Bound, inplace: bool) -> TorchStep | None:
@@ -87,15 +92,20 @@ def step_recipe(plan: Plan, bound: Bound, inplace: bool) -> TorchStep | None:
         return None
     x0 = next(iter(bound.inputs.values()))
     dtype = torch.float32 if inplace else _compute_dtype(bound)
+    # the key holds every tensor's dtype: what needs no conversion now needs none on replay
+    direct = all(t.dtype == dtype for t in (*bound.inputs.values(), *bound.params.values()))
     return TorchStep(load_module(plan), tuple(bound.inputs), tuple(bound.params), option_values(plan.ir, bound),
-                     dict(bound.sizes), bound.B, bound.H, dtype, x0.dtype, plan.ir.states[0].name, inplace)
+                     dict(bound.sizes), bound.B, bound.H, dtype, x0.dtype, plan.ir.states[0].name, inplace, direct)
 
 
 def run_recipe(r: TorchStep, kwargs: dict, state):
     """op.step on the replayed recipe: (o, the new states; in place: the state as given)."""
     dtype = r.dtype         # (a decode step is ~100 us of work: each skipped call counts)
-    x = {n: t if (t := kwargs[n]).dtype is dtype else t.to(dtype) for n in r.inputs}
-    p = {n: t if (t := kwargs[n]).dtype is dtype else t.to(dtype) for n in r.params}
+    if r.direct:            # the generated functions read inputs and params by name
+        x = p = kwargs
+    else:
+        x = {n: kwargs[n].to(dtype) for n in r.inputs}
+        p = {n: kwargs[n].to(dtype) for n in r.params}
     st = {r.first_state: state} if isinstance(state, torch.Tensor) else state
     if r.inplace:
         o = _driver.step_inplace(r.mod, x, p, r.opt, r.sizes, r.B, r.H, st)

@@ -13,7 +13,11 @@ the spec's S = S~ exp(m) (inf where S itself exceeds the dtype, as the kernels r
 while the outputs are formed from S~ and stay finite where the chunked form's do."""
 from __future__ import annotations
 
+import types
+
 import torch
+
+from .binding import expand_heads
 
 
 def _enter(mod, states: dict, B: int, H: int, dtype, device, given: bool) -> dict:
@@ -86,3 +90,36 @@ def tokens(mod, x: dict, p: dict, opt: dict, sizes: dict, B: int, T: int, H: int
     if not output_final_state:
         return o, None
     return o, {k: torch.cat([f[k] for f in finals], 0) for k in finals[0]}
+
+
+# ---- a compiled module's calls on CPU tensors without Triton's interpreter (support.py) ----
+
+def _module(ns: dict):
+    """The generated torch forms of a compiled module's namespace, as attributes."""
+    return types.SimpleNamespace(**{k: ns[k] for k in ("METADATA", "STEP_STATES", "STEP_STABILIZED", "STEP_M_EMPTY",
+                                                       "torch_step", "torch_step_", "torch_tokens")})
+
+
+def _compute(b, axis: int):
+    """(inputs with grouped heads repeated, params, compute dtype): float32 at least, float64
+    where an input or param is (as mixc.load's op, runtime/op.py)."""
+    dtypes = {x.dtype for x in (*b.inputs.values(), *b.params.values())}
+    dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+    x = {k: expand_heads(v, b.groups[k], axis).to(dtype) if k in b.groups else v.to(dtype)
+         for k, v in b.inputs.items()}
+    return x, {k: v.to(dtype) for k, v in b.params.items()}, dtype
+
+
+def compiled_call(ns: dict, b, output_final_state: bool):
+    """A compiled module's op(...) by its token loop: (o in the first input's dtype, final states or None)."""
+    x, p, dtype = _compute(b, 2)
+    o, st = tokens(_module(ns), x, p, b.options, b.sizes, b.B, b.T, b.H, initial_state=b.init, cu_seqlens=b.cu,
+                   output_final_state=output_final_state)
+    return o.to(next(iter(b.inputs.values())).dtype), st
+
+
+def compiled_step(ns: dict, b):
+    """A compiled module's step(...) by its torch_step: (o in the first input's dtype, new states)."""
+    x, p, dtype = _compute(b, 1)
+    o, st = step(_module(ns), x, p, b.options, b.sizes, b.B, b.H, b.init, dtype)
+    return o.to(next(iter(b.inputs.values())).dtype), st
