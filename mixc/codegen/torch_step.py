@@ -374,8 +374,43 @@ def inplace_supported(plan: Plan) -> bool:
 
 
 def _hoisted(e: ir.Expr) -> bool:
-    return not _reads(e, {"state"}, prev=True) and not isinstance(e, (ir.Num,)) and not (
+    """A value the token loop computes before it: it reads no state (a number, a dim or an
+    option is printed in place)."""
+    return not _reads(e, {"state"}, prev=True) and not isinstance(e, ir.Num) and not (
         isinstance(e, ir.Ref) and e.kind in ("dim", "option"))
+
+
+class LoopEmitter(StepEmitter):
+    """The token loop's body: a state-free node it meets is computed by `outer` over the whole
+    sequence ([B, T, H, ...], before the loop) and read here as that token's slice (_u<n>[_i],
+    from unbind: a tuple index per token); one that varies with no token (params, the head
+    index) as its single row. The rest is computed per token."""
+
+    def __init__(self, mixer, outer: StepEmitter, env, scalars):
+        super().__init__(mixer, env, scalars, indent=I2, prefix="_s", lead=2)
+        self.outer = outer
+        self.slices: list[str] = []                 # the statements before the loop that slice
+        self.sliced: dict[str, str] = {}            # outer variable -> its slices' name
+
+    def varies(self, e: ir.Expr) -> bool:
+        """Whether e changes from token to token (reads an input, directly or through a let)."""
+        return any(isinstance(n, ir.Ref) and (n.kind == "input" or (n.kind == "let" and self.varies(self.lets[n.name])))
+                   for n in ir.walk(e))
+
+    def __call__(self, e: ir.Expr):
+        if e not in self.cache and _hoisted(e):
+            var, have = self.outer(e)
+            if self.outer.is_scalar(var):
+                self.scalars.add(var)
+                self.cache[e] = (var, have)
+            else:
+                if var not in self.sliced:
+                    name = self.sliced[var] = f"_u{len(self.sliced) + 1}"
+                    taken = f"{var}.unbind(1)" if self.varies(e) else f"{var}[:, 0]"
+                    self.slices.append(f"{I1}{name} = {taken}")
+                name = self.sliced[var]
+                self.cache[e] = (f"{name}[_i]" if self.varies(e) else name, have)
+        return super().__call__(e)
 
 
 def _tokens(plan: Plan) -> str:
@@ -383,44 +418,7 @@ def _tokens(plan: Plan) -> str:
     m = plan.kernel_ir
     lines, env, scalars = _inputs(plan, 3)
     outer = StepEmitter(m, env, scalars, indent=I1, prefix="_a", lead=3)
-    # the loop body's emitter: a state-free node it meets is looked up in the values computed
-    # before the loop (one slice per token), the rest is computed per token
-    body_em = StepEmitter(m, {k: v for k, v in env.items() if v[0] in scalars}, scalars, indent=I2, prefix="_s",
-                          lead=2)
-    slices: list[str] = []
-    varying_names = {d.name for d in m.inputs}
-    per_token: dict[str, str] = {}
-
-    def varies(e: ir.Expr) -> bool:
-        for node in ir.walk(e):
-            if isinstance(node, ir.Ref) and (node.kind == "input" or
-                                             (node.kind == "let" and varies(body_em.lets[node.name]))):
-                return True
-        return False
-
-    class Hoisting(StepEmitter):
-        def __call__(self, e):
-            if e not in self.cache and _hoisted(e):
-                var, have = outer(e)
-                if outer.is_scalar(var):
-                    self.scalars.add(var)
-                    self.cache[e] = (var, have)
-                elif var not in per_token:
-                    name = f"_u{len(per_token) + 1}"
-                    per_token[var] = name
-                    if varies(e):
-                        slices.append(f"{I1}{name} = {var}.unbind(1)")
-                        self.cache[e] = (f"{name}[_i]", have)
-                    else:
-                        slices.append(f"{I1}{name} = {var}[:, 0]")
-                        self.cache[e] = (name, have)
-                        self.scalars.discard(name)
-                else:
-                    name = per_token[var]
-                    self.cache[e] = (f"{name}[_i]", have) if varies(e) else (name, have)
-            return super().__call__(e)
-    body_em.__class__ = Hoisting
-    body_em.order = m.dim_names
+    body_em = LoopEmitter(m, outer, {k: v for k, v in env.items() if v[0] in scalars}, scalars)
     writer = StepWriter(plan, body_em, False)
     loads, names = _state_loads(plan, I1)
     body, out_vars, out = writer.lines(names)
@@ -431,7 +429,7 @@ def _tokens(plan: Plan) -> str:
     empty = f"_x0.new_zeros(_B, 0, _H{', ' + sizes if sizes else ''})"
     ret = [f"{I1}_o = torch.stack(_outs, 1) if _outs else {empty}",
            f"{I1}return _o, {_state_dict(plan, names)}"]
-    return "\n".join(lines + _head_line(outer.lines, 3) + outer.lines + slices + loads + loop + ret)
+    return "\n".join(lines + _head_line(outer.lines, 3) + outer.lines + body_em.slices + loads + loop + ret)
 
 
 def torch_step_hooks(plan: Plan) -> dict:

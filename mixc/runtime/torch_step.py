@@ -3,31 +3,39 @@ place) and the token loop of a prefill, over the generated module's torch_step, 
 and torch_tokens (codegen/torch_step.py), driven by standalone/torch_tokens.py (the same
 driver a compiled module uses).
 
-Which prefill form mode "torch" takes (use_token_loop): the chunked form (runtime/torch_chunk.py)
-does its work in matmuls over chunks of 64 tokens, which pays where a state is a matrix (K x V:
-a token's update is an outer product, a chunk's a matmul); where every state is a vector
-(RWKV-4, HGRN, AFT: the update is elementwise, no matmul to batch) or a stabilizer's scale m is
-carried (a max per token), the chunked form's pairwise [C, C] decay tensors cost more than the
-token loop's few elementwise ops per token."""
+Which prefill form mode "torch" takes (use_token_loop, measured: bench/README.md): the chunked
+form (runtime/torch_chunk.py) does its work in matmuls over chunks of C = 64 tokens, which pays
+where a state is a matrix (a token's update an outer product, a chunk's a matmul: GLA, the
+delta rules, mLSTM). The token loop wins where the chunked form has no matmul to batch: the
+elementwise and value-diagonal classes (Mamba, HGRN: 300x and 70x at T = 1024), whose chunked
+form walks [C, C] pairs per element, and states that are vectors shorter than a chunk (RWKV-4
+as transformers runs it: one head per channel, V = 1), where the chunk's [C, C] pair matrices
+per head cost more than the state itself.
+"""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from ..derive.plan import Plan
+from ..derive.plan import ELEMENTWISE, VALUE_DIAG, Plan
 from ..standalone import torch_tokens as _driver
 from .cache import load_module
 from .signature import Bound, option_values
 
+# a vector state shorter than this (the torch chunk's C) takes the token loop
+LOOP_BELOW = 64
 
 
 def use_token_loop(plan: Plan, bound: Bound) -> bool:
-    """Whether mode "torch"'s prefill takes the token loop: every state a vector (no key dims:
-    nothing for a chunk's matmuls to batch), or a stabilized spec, or no chunked torch form."""
+    """Whether mode "torch"'s prefill takes the token loop (the module docstring says why)."""
     if not plan.layout.torch_chunked:
         return True
-    return plan.stabilizer is not None or all(not s.key_dims for s in plan.states)
+    for st in plan.states:
+        if st.transition in (ELEMENTWISE, VALUE_DIAG):
+            return True
+    return all(not s.key_dims and math.prod(bound.sizes[d] for d in s.value_dims) < LOOP_BELOW for s in plan.states)
 
 
 def _args(plan: Plan, bound: Bound, dtype: torch.dtype):

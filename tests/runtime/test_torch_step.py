@@ -136,9 +136,11 @@ def test_token_loop_equals_the_reference_with_gradients(name, packed):
         _close(init[k].grad, ref_init[k].grad, f"{name} dinit[{k}]", rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("name,loop", [("rwkv4", True), ("hgrn", True), ("mlstm", True), ("gla", False),
-                                       ("gated_delta_rule", False)])
-def test_mode_torch_takes_the_token_loop_where_states_are_vectors_or_stabilized(name, loop, monkeypatch):
+@pytest.mark.parametrize("name,loop", [("rwkv4", True), ("hgrn", True), ("mamba", True), ("mlstm", False),
+                                       ("gla", False), ("gated_delta_rule", False)])
+def test_mode_torch_takes_the_token_loop_where_the_chunked_form_has_no_matmul(name, loop, monkeypatch):
+    """Elementwise and value-diagonal classes and short vector states loop over the tokens;
+    matrix states (stabilized too) take the chunked form."""
     op = mixc.load(name)
     args, _, _ = _tokens(op, seed=11, n=6)
     called = []
