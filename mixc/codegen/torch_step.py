@@ -123,8 +123,8 @@ class StepEmitter(TorchEmitter):
         """Drop every cached value that read a state as it is now (after the states change);
         the values read from prev() were computed before (StepWriter._prev_terms)."""
         self.cache = {e: v for e, v in self.cache.items() if not _reads(e, {"state"})}
-        kept = {v for v in self.cache.values()}
-        self.texts = {k: v for k, v in self.texts.items() if v in kept}
+        # the same text now reads the new state (the in-place step keeps the variable's name)
+        self.texts = {}
 
 
 def _pieces_of(plan: Plan, st) -> list | None:

@@ -11,8 +11,10 @@ Modes: "chunk" (the fused chunked forward and backward kernels, for the linear c
 "recurrent" (the fused recurrent forward and backward kernels, every class); the backward
 starts from the states the forward keeps at chunk starts. "torch" is plain torch
 with autograd in the inputs' dtype (float32 at least), the CPU backend: the chunked algorithm
-of the kernels where the spec has it (the generated module's torch code, driven by
-runtime/torch_chunk.py), the loop over t otherwise.
+of the kernels where a state is a matrix (the generated module's torch code, driven by
+runtime/torch_chunk.py), and the spec's recurrence printed one token at a time
+(codegen/torch_step.py, runtime/torch_step.py) for step() (in place too) and for the prefill
+of the elementwise classes and short vector states (a loop over the tokens).
 "reference" is the loop over t in float64 (ground truth). "conv" is the convolution form of a
 time-invariant spec (runtime/conv_form.py: an FFT convolution with a kernel built from the
 params, or the parallel form). "auto" takes the kernels (chunked where the spec has
@@ -242,13 +244,8 @@ class MixerOp(HeldBySpec):
             if key is not None and (recipe := step_recipe(plan, bound, False)) is not None:
                 self._keep(key, recipe)
             return torch_step(plan, bound, _compute_dtype(bound))
-        if mode in ("torch", "reference"):
-            dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
-            o, st = _reference.reference_step(self.ir, state=state, dtype=dtype, **kwargs)
-            if mode == "torch":
-                o = o.to(next(iter(bound.inputs.values())).dtype)
-                st = _state_dtype(st, bound)
-            return o, st
+        if mode == "reference":
+            return _reference.reference_step(self.ir, state=state, dtype=torch.float64, **kwargs)
         # the recurrent kernels on the arguments bound above (bound once, not again by __call__)
         o, st = self._kernels_recorded(key, kwargs, _as_sequence(bound), True, 32, False, one_token=True)
         return o[:, 0], st

@@ -219,3 +219,50 @@ def test_half_inputs_step_in_float32(dtype):
     assert o.dtype == dtype and st["S"].dtype == torch.float32
     _close(o, want, "output", rtol=1e-2, atol=1e-2)
     _close(st["S"], want_st["S"], "state", rtol=1e-6, atol=1e-6)
+
+
+USER_SPECS = {
+    # B_t that does not factor into key (x) value, a state declared [V, K]: printed as written
+    "unfactored": """mixer unfactored
+  dims   K, V
+  input  q[K], k[K], v[V], g[K]
+  state  S[V, K]
+  update S = exp(g) * S + k * v + q * v
+  output o = q @ S
+""",
+    # the output reads q @ prev(S) and q @ S: the in-place step must read the first before it writes
+    "prev_and_new": """mixer prev_and_new
+  dims   K, V
+  input  q[K], k[K], v[V]
+  state  S[K, V], z[K]
+  update S = S + k * v
+  update z = 0.5 * z + k
+  output o = (q @ S) / (1 + abs(q @ z)) + q @ prev(S)
+""",
+}
+
+
+@pytest.mark.parametrize("name", list(USER_SPECS))
+def test_user_specs_step_in_place_and_loop_equal_the_reference(name):
+    from mixc.pipeline import from_text
+    op = from_text(USER_SPECS[name])
+    args, steps, sizes = _tokens(op, seed=20, n=3)
+    state = {k: v.float() for k, v in random_state(op.ir, B, H, sizes, seed=21).items()}
+    buf = {k: v.clone() for k, v in state.items()}
+    ref = _f64(state)
+    for one in steps:
+        ro, ref = op.reference_step(**_f64(one), state=ref)
+        o, state = op.step(**one, state=state, mode="torch")
+        with torch.no_grad():
+            oi, _ = op.step(**one, state=buf, mode="torch", inplace=True)
+        _close(o, ro, "step")
+        _close(oi, ro, "in place")
+        for k in ref:
+            _close(state[k], ref[k], f"state {k}")
+            _close(buf[k], ref[k], f"state {k} in place")
+    bound = bind(op.ir, dict(args)).expanded()
+    o, st = torch_step_rt.torch_tokens(op.plan(), bound, output_final_state=True, dtype=torch.float32)
+    ro, rst = op(**args, output_final_state=True, mode="reference")
+    _close(o, ro, "token loop")
+    for k in rst:
+        _close(st[k], rst[k], f"token loop final {k}")
