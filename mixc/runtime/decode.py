@@ -81,7 +81,7 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
     if mode == "torch" and idx is None and all(x.dtype != torch.float64 for x in (*bound.inputs.values(),
                                                                                  *bound.params.values())):
         # the generated in-place step: mul_ / addcmul_ on the buffers (runtime/torch_step.py)
-        if key is not None and (recipe := step_recipe(plan, bound, True)) is not None:
+        if key is not None and (recipe := step_recipe(plan, bound, True, kwargs)) is not None:
             op._keep(key, recipe)
             if asked == "torch":            # op.step's own look-up for mode "torch" (no launch settings)
                 op._keep(fastpath.step_key(TORCH_INPLACE, kwargs, state, launches=False), recipe)

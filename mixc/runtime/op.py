@@ -241,7 +241,7 @@ class MixerOp(HeldBySpec):
         if mode == "torch":
             # the spec's recurrence for one token, printed by codegen (codegen/torch_step.py)
             plan = self._plan_for(bound.flags)
-            if key is not None and (recipe := step_recipe(plan, bound, False)) is not None:
+            if key is not None and (recipe := step_recipe(plan, bound, False, kwargs)) is not None:
                 self._keep(key, recipe)
             return torch_step(plan, bound, _compute_dtype(bound))
         if mode == "reference":

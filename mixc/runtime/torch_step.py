@@ -93,10 +93,11 @@ class TorchStep(NamedTuple):
     direct: bool              # every input and param is in the compute dtype: the kwargs are passed as they are
 
 
-def step_recipe(plan: Plan, bound: Bound, inplace: bool) -> TorchStep | None:
-    """The replayable step of a bound call, or None where it cannot replay (grouped heads:
-    the slow path repeats them)."""
-    if bound.groups:
+def step_recipe(plan: Plan, bound: Bound, inplace: bool, kwargs: dict) -> TorchStep | None:
+    """The replayable step of a bound call, or None where it cannot replay: grouped heads (the
+    slow path repeats them), a number option passed as a tensor (its value is read, and the
+    key holds only its look)."""
+    if bound.groups or any(isinstance(kwargs.get(o.name), torch.Tensor) for o in plan.ir.options):
         return None
     x0 = next(iter(bound.inputs.values()))
     dtype = torch.float32 if inplace else _compute_dtype(bound)

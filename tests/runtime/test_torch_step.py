@@ -266,3 +266,12 @@ def test_user_specs_step_in_place_and_loop_equal_the_reference(name):
     _close(o, ro, "token loop")
     for k in rst:
         _close(st[k], rst[k], f"token loop final {k}")
+
+
+def test_a_number_option_given_as_a_tensor_is_read_on_every_step():
+    """scale as a 0-d tensor: its value is read per call, never replayed from an earlier one."""
+    op = mixc.load("gla")
+    _, steps, sizes = _tokens(op, seed=22, n=1)
+    state = {k: v.float() for k, v in random_state(op.ir, B, H, sizes, seed=23).items()}
+    outs = [op.step(**steps[0], scale=torch.tensor(s), state=state, mode="torch")[0] for s in (0.5, 2.0)]
+    _close(outs[1], 4 * outs[0], "scale 2.0 against 0.5")
