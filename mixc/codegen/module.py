@@ -21,6 +21,7 @@ from .header import docstring_safe
 from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
 from .sequence_module import generate_sequence
 from .torch_module import torch_hooks
+from .torch_step import torch_step_hooks
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -74,6 +75,8 @@ def metadata(plan: Plan) -> dict:
         "chunk_unsupported": plan.layout.chunk_unsupported,
         # the torch backend (plain torch, CPU without the interpreter): with the chunked form
         "torch_forward": "torch_forward" if plan.layout.torch_chunked else None,
+        # the recurrence one token at a time (decode) and its token loop (codegen/torch_step.py)
+        "torch_step": "torch_step",
     }
 
 
@@ -169,6 +172,7 @@ def generate(plan: Plan) -> str:
         body += "\n\n" + split_forward(plan, _render_kernel(plan, "chunk_fwd", chunk_fwd_hooks(plan)))
         body += "\n\n" + split_backward(plan, _render_kernel(plan, "chunk_bwd", chunk_bwd_hooks(plan)))
 
+    body += "\n\n" + _env().get_template("torch_step.py.j2").render(**torch_step_hooks(plan))
     if plan.layout.torch_chunked:
         body += "\n\n" + _env().get_template("torch_chunk.py.j2").render(**torch_hooks(plan))
     trailer = "\n" + op_functions(plan)

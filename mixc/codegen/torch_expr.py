@@ -21,24 +21,29 @@ CALLS = {name: f.torch for name, f in FUNCTIONS.items()} | {"detach": "{x}.detac
 class TorchEmitter(Emitter):
     """Emitter's walk and cache, with torch code. `scalars`: variables without leading axes."""
 
-    def __init__(self, mixer: ir.MixerIR, env, scalars=(), indent: str = "    ", prefix: str = "_t"):
+    def __init__(self, mixer: ir.MixerIR, env, scalars=(), indent: str = "    ", prefix: str = "_t", lead: int = LEAD):
         super().__init__(mixer, env, indent=indent, prefix=prefix)
         self.scalars = set(scalars)
+        self.lead = lead            # leading axes: (B, T, H) here, (B, H) in the one-token step
+
+    def is_scalar(self, var: str) -> bool:
+        return var in self.scalars or var[:1].isdigit() or var[:1] == "-"
 
     def expand(self, var: str, have: tuple[str, ...], want: tuple[str, ...]) -> str:
-        if var in self.scalars or have == want or var[:1].isdigit() or var[:1] == "-":
+        if self.is_scalar(var) or have == want:
             return var
-        return f"{var}[:, :, :, {', '.join(':' if d in have else 'None' for d in want)}]" if want else var
+        lead = ":, " * self.lead
+        return f"{var}[{lead}{', '.join(':' if d in have else 'None' for d in want)}]" if want else var
 
     def emit_as(self, code: str, dims, parts) -> tuple[str, tuple[str, ...]]:
         """Emit code; its value is a scalar when every part is."""
         name, d = self.emit(code, tuple(dims))
-        if all(p in self.scalars or p[:1].isdigit() or p[:1] == "-" for p in parts):
+        if all(self.is_scalar(p) for p in parts):
             self.scalars.add(name)
         return name, d
 
     def reduce(self, var, dims, over, fn="sum", fill=None):
-        axes = tuple(LEAD + dims.index(d) for d in over)
+        axes = tuple(self.lead + dims.index(d) for d in over)
         rest = tuple(d for d in dims if d not in over)
         code = {"sum": f"{var}.sum(dim={axes})", "max": f"{var}.amax(dim={axes})", "min": f"{var}.amin(dim={axes})",
                 "norm": f"torch.linalg.vector_norm({var}, dim={axes})"}[fn]
@@ -79,7 +84,7 @@ class TorchEmitter(Emitter):
             fn = "torch.maximum" if e.fn == "max" else "torch.minimum"
             return self.emit_as(f"{fn}(_t({self.expand(a, da, out)}), _t({self.expand(b, db, out)}))", out, [a, b])
         x, d = self(e.args[0])
-        arg = f"_t({x})" if x in self.scalars or x[:1].isdigit() or x[:1] == "-" else x
+        arg = f"_t({x})" if self.is_scalar(x) else x
         return self.emit_as(CALLS[e.fn].format(x=arg), d, [x])
 
     def x_Reduce(self, e: ir.Reduce):
@@ -93,7 +98,7 @@ class TorchEmitter(Emitter):
         out = canon(self.order, renamed)
         if renamed == out:
             return x, out
-        perm = tuple(range(LEAD)) + tuple(LEAD + renamed.index(x) for x in out)
+        perm = tuple(range(self.lead)) + tuple(self.lead + renamed.index(x) for x in out)
         return self.emit(f"{x}.permute{perm}", out)
 
     def power(self, e: ir.BinOp):

@@ -17,9 +17,11 @@ Graph safety: nothing on the kernel path reads a tensor on the host (no .item(),
 of state_indices are checked (range, duplicates) only when they live in CPU memory, where
 reading them syncs with nothing; on CUDA they are the caller's promise, as in fla and vLLM.
 
-Where the kernel cannot write the spec's state (a stabilized spec keeps S exp(-m) in the
-kernel) and on the torch and reference backends the step is computed functionally and copied
-into the buffers (index_copy_ per slot), which is graph-safe too."""
+On the torch backend the generated in-place step (codegen/torch_step.py: mul_, addcmul_ on the
+buffers) updates them. Where the kernel cannot write the spec's state (a stabilized spec keeps S
+exp(-m) in the kernel), with state_indices on the torch backend, and on the reference backend
+the step is computed functionally and copied into the buffers (index_copy_ per slot), which is
+graph-safe too."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +31,7 @@ import torch
 from . import fastpath
 from .launch import recording, recurrent_forward
 from .signature import ArgumentError, bind
+from .torch_step import TORCH_INPLACE, TorchStep, run_recipe, step_recipe, torch_step_inplace
 
 
 def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
@@ -41,6 +44,8 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
         if key is not None and state_indices is not None:
             key = key + (fastpath._meta(state_indices),) if isinstance(state_indices, torch.Tensor) else None
         recipe = op._fast.get(key) if key is not None else None
+        if isinstance(recipe, TorchStep):           # the torch backend's in-place step (no indices)
+            return run_recipe(recipe, kwargs, state)
         if recipe is not None:
             idx = state_indices.contiguous() if state_indices is not None else None
             if idx is not None:
@@ -56,7 +61,7 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
     rows = _check_buffers(m, buffers, bound, idx, x0.device)
     if idx is not None:
         _check_index_values(idx, rows)
-    mode = op._resolve(mode, x0.device)
+    asked, mode = mode, op._resolve(mode, x0.device)
     plan = op._plan_for(bound.flags)
     # while torch.compile traces, the functional step (the kernels' custom op) and index_copy_
     # below: the in-place launch writes the buffers outside any op torch can trace (and loads
@@ -73,6 +78,14 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
                     op._fast.clear()
                 op._fast[key] = recipe
         return o[:, 0], state
+    if mode == "torch" and idx is None and all(x.dtype != torch.float64 for x in (*bound.inputs.values(),
+                                                                                 *bound.params.values())):
+        # the generated in-place step: mul_ / addcmul_ on the buffers (runtime/torch_step.py)
+        if key is not None and (recipe := step_recipe(plan, bound, True, kwargs)) is not None:
+            op._keep(key, recipe)
+            if asked == "torch":            # op.step's own look-up for mode "torch" (no launch settings)
+                op._keep(fastpath.step_key(TORCH_INPLACE, kwargs, state, launches=False), recipe)
+        return torch_step_inplace(plan, bound, buffers), state
     # functional step on the named rows, then copied into them
     rows_in = {k: (v.index_select(0, idx) if idx is not None else v) for k, v in buffers.items()}
     o, new = op.step(**kwargs, state=rows_in, mode=mode)

@@ -88,10 +88,11 @@ def _meta(x):
     return (x.shape, x.dtype, x.device, x.requires_grad, x.is_contiguous())
 
 
-def step_key(mode, kwargs: dict, state) -> tuple | None:
+def step_key(mode, kwargs: dict, state, launches: bool = True) -> tuple | None:
     """What a step's arguments look like, or None where a value cannot be keyed (take the slow
-    path): type(v) is part of a number's key, so 1 and True (equal, same hash) differ."""
-    key = [mode, torch.is_grad_enabled(), launch.settings()]
+    path): type(v) is part of a number's key, so 1 and True (equal, same hash) differ.
+    launches=False: without the launch settings (the torch backend launches no kernel)."""
+    key = [mode, torch.is_grad_enabled(), launch.settings() if launches else None]
     for k, v in kwargs.items():
         if isinstance(v, torch.Tensor):
             if v.is_nested or v.layout != torch.strided:    # no shape to key: the binder names it

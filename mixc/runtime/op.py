@@ -11,8 +11,10 @@ Modes: "chunk" (the fused chunked forward and backward kernels, for the linear c
 "recurrent" (the fused recurrent forward and backward kernels, every class); the backward
 starts from the states the forward keeps at chunk starts. "torch" is plain torch
 with autograd in the inputs' dtype (float32 at least), the CPU backend: the chunked algorithm
-of the kernels where the spec has it (the generated module's torch code, driven by
-runtime/torch_chunk.py), the loop over t otherwise.
+of the kernels where a state is a matrix (the generated module's torch code, driven by
+runtime/torch_chunk.py), and the spec's recurrence printed one token at a time
+(codegen/torch_step.py, runtime/torch_step.py) for step() (in place too) and for the prefill
+of the elementwise classes and short vector states (a loop over the tokens).
 "reference" is the loop over t in float64 (ground truth). "conv" is the convolution form of a
 time-invariant spec (runtime/conv_form.py: an FFT convolution with a kernel built from the
 params, or the parallel form). "auto" takes the kernels (chunked where the spec has
@@ -37,6 +39,7 @@ from .inputs import RANGE_CHECKED_MODES, check_ranges
 from .decode import step_inplace
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
+from .torch_step import TORCH_INPLACE, TorchStep, run_recipe, step_recipe, torch_step, torch_tokens, use_token_loop
 from .launch import chunk_size_for
 from .op_doc import call_doc, call_signature
 from ..standalone.binding import clamp_chunk, clamp_ck
@@ -111,6 +114,11 @@ class MixerOp(HeldBySpec):
         elif mode == "conv" or (asked == "auto" and mode == "torch" and use_conv_form(plan, bound)):
             # grouped inputs repeated per head here (the kernels alone read a shared head in place)
             o, st = conv_forward(plan, bound.expanded(), output_final_state=output_final_state,
+                                 dtype=_compute_dtype(bound))
+            return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
+        if mode == "torch" and not empty and use_token_loop(plan, bound):
+            # the generated step in a loop over the tokens (runtime/torch_step.py: where it is faster)
+            o, st = torch_tokens(plan, bound.expanded(), output_final_state=output_final_state,
                                  dtype=_compute_dtype(bound))
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode == "torch" and plan.layout.torch_chunked and not empty:
@@ -204,9 +212,16 @@ class MixerOp(HeldBySpec):
         key = None
         if mode not in MODES:       # before the fast path's key: a list there was a TypeError (unhashable)
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        if inplace is True and mode == "torch" and state_indices is None and not torch.compiler.is_compiling():
+            # the torch backend's in-place step replayed (runtime/decode.py keeps it under this key)
+            recipe = self._fast.get(fastpath.step_key(TORCH_INPLACE, kwargs, state, launches=False))
+            if recipe is not None:
+                return run_recipe(recipe, kwargs, state)
         if inplace is False and state_indices is None and not torch.compiler.is_compiling():
             key = fastpath.step_key(mode, kwargs, state)
             recipe = self._fast.get(key) if key is not None else None
+            if isinstance(recipe, TorchStep):
+                return run_recipe(recipe, kwargs, state)
             if recipe is not None:
                 return fastpath.run_step(recipe, kwargs, state)
         if "initial_state" in kwargs:
@@ -228,22 +243,23 @@ class MixerOp(HeldBySpec):
             check_ranges(self.ir, bound)
         if mode == "conv":            # one token: the convolution form has nothing to gain; the torch step
             mode = "torch"
-        if mode == "torch" and self._plan_for(bound.flags).layout.torch_chunked:
-            # the torch backend's chunked form (stabilized where the spec has an exponential gate)
-            names = {d.name for d in self.ir.inputs}
-            seq = {k: (v.unsqueeze(1) if k in names else v) for k, v in kwargs.items()}
-            o, st = self(**seq, initial_state=state, output_final_state=True, mode="torch")
-            return o[:, 0], st
-        if mode in ("torch", "reference"):
-            dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
-            o, st = _reference.reference_step(self.ir, state=state, dtype=dtype, **kwargs)
-            if mode == "torch":
-                o = o.to(next(iter(bound.inputs.values())).dtype)
-                st = _state_dtype(st, bound)
-            return o, st
+        if mode == "torch":
+            # the spec's recurrence for one token, printed by codegen (codegen/torch_step.py)
+            plan = self._plan_for(bound.flags)
+            if key is not None and (recipe := step_recipe(plan, bound, False, kwargs)) is not None:
+                self._keep(key, recipe)
+            return torch_step(plan, bound, _compute_dtype(bound))
+        if mode == "reference":
+            return _reference.reference_step(self.ir, state=state, dtype=torch.float64, **kwargs)
         # the recurrent kernels on the arguments bound above (bound once, not again by __call__)
         o, st = self._kernels_recorded(key, kwargs, _as_sequence(bound), True, 32, False, one_token=True)
         return o[:, 0], st
+
+    def _keep(self, key, recipe) -> None:
+        """A replayable call under its key (a bounded dict: runtime/fastpath.py)."""
+        if len(self._fast) >= fastpath.MAX_RECIPES:
+            self._fast.clear()
+        self._fast[key] = recipe
 
     def reference(self, **kwargs):
         """The spec as a float64 loop over t with autograd: (o float64, state dict or None)."""
