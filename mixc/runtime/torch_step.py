@@ -22,6 +22,7 @@ import torch
 from ..derive.plan import ELEMENTWISE, VALUE_DIAG, Plan
 from ..standalone import torch_tokens as _driver
 from .cache import load_module
+from .inputs import check_ranges
 from .signature import Bound, option_values
 
 # a vector state shorter than this (the torch chunk's C) takes the token loop
@@ -91,6 +92,7 @@ class TorchStep(NamedTuple):
     first_state: str          # the state a bare tensor given as the state is
     inplace: bool
     direct: bool              # every input and param is in the compute dtype: the kwargs are passed as they are
+    ranged: object = None     # the spec, where it declares ranges: checked on every replay too
 
 
 def step_recipe(plan: Plan, bound: Bound, inplace: bool, kwargs: dict) -> TorchStep | None:
@@ -103,13 +105,17 @@ def step_recipe(plan: Plan, bound: Bound, inplace: bool, kwargs: dict) -> TorchS
     dtype = torch.float32 if inplace else _compute_dtype(bound)
     # the key holds every tensor's dtype: what needs no conversion now needs none on replay
     direct = all(t.dtype == dtype for t in (*bound.inputs.values(), *bound.params.values()))
+    ranged = plan.ir if any(d.range is not None for d in (*plan.ir.inputs, *plan.ir.params)) else None
     return TorchStep(load_module(plan), tuple(bound.inputs), tuple(bound.params), option_values(plan.ir, bound),
-                     dict(bound.sizes), bound.B, bound.H, dtype, x0.dtype, plan.ir.states[0].name, inplace, direct)
+                     dict(bound.sizes), bound.B, bound.H, dtype, x0.dtype, plan.ir.states[0].name, inplace, direct,
+                     ranged)
 
 
 def run_recipe(r: TorchStep, kwargs: dict, state):
     """op.step on the replayed recipe: (o, the new states; in place: the state as given)."""
     dtype = r.dtype         # (a decode step is ~100 us of work: each skipped call counts)
+    if r.ranged is not None:    # the declared ranges hold on every token, replayed or not
+        check_ranges(r.ranged, _Given({n: kwargs[n] for n in r.inputs}, {n: kwargs[n] for n in r.params}))
     if r.direct:            # the generated functions read inputs and params by name
         x = p = kwargs
     else:
@@ -121,6 +127,12 @@ def run_recipe(r: TorchStep, kwargs: dict, state):
         return (o if o.dtype is r.out_dtype else o.to(r.out_dtype)), state
     o, new = _driver.step(r.mod, x, p, r.opt, r.sizes, r.B, r.H, st, dtype)
     return (o if o.dtype is r.out_dtype else o.to(r.out_dtype)), new
+
+
+class _Given(NamedTuple):
+    """What check_ranges reads of a bound call: the inputs and params as passed."""
+    inputs: dict
+    params: dict
 
 
 def _compute_dtype(bound: Bound) -> torch.dtype:

@@ -64,6 +64,20 @@ def test_a_step_checks_its_token(delta_neg):
         delta_neg.step(**token, state=state, mode="torch")
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["functional", "inplace"])
+def test_a_replayed_torch_step_still_checks_every_token(delta_neg, inplace):
+    """op.step(mode="torch") replays a call that looks like an earlier one without binding
+    (runtime/torch_step.py): the ranges are checked on the replay too, on every token."""
+    args, _ = random_args(delta_neg.ir, B=2, T=1, H=2, sizes={"K": 4, "V": 4})
+    token = {k: v[:, 0].float() for k, v in args.items()}
+    state = {"S": torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(2))}
+    for _ in range(3):                                         # the first binds, the next replay
+        delta_neg.step(**token, state=state, mode="torch", inplace=inplace)
+    token["beta"][1, 0] = 2.5
+    with pytest.raises(ArgumentError, match=r"got beta\[1, 0\] = 2.5$"):
+        delta_neg.step(**token, state=state, mode="torch", inplace=inplace)
+
+
 def test_the_checked_modes_are_the_torch_ones():
     assert set(RANGE_CHECKED_MODES) == {"reference", "torch", "conv"}
 
