@@ -109,7 +109,7 @@ def chain_of(spec: str, impl: str, launch: dict, B: int, T: int, H: int, C: int 
     direction, phase = m.group(1), int(m.group(2))
     solve = C - 1 if spec in SOLVE_IN_WALK else 0
     if phase == 1 and solve and staged_solve and direction == "fwd":
-        return Chain(T / C, 3)
+        return Chain(T / C, 4)            # the staged inverse as one more matmul instead of the rows
     if phase == 1:                          # the walk, forward or reverse
         return Chain(T / C, 3 if solve else 1, solve)
     if phase in (2, 3) and direction == "fwd":

@@ -79,3 +79,18 @@ def test_the_script_models_the_committed_reports_and_its_fit_is_within_its_state
         assert f"| {spec} | " in text
     rows = [line for line in text.splitlines() if line.startswith("| delta_rule | ") and line.count("|") == 8]
     assert rows and float(rows[0].split("|")[4]) > 1, "mixc's walk with its solve models slower than fla's"
+
+
+def test_the_staged_solve_section_prefers_the_inverse_before_the_walk(tmp_path):
+    """The decision launch.STAGE_SOLVE's default follows (bench/README.md): on the committed
+    staged reports the delta rules' forward models faster with the inverse staged, and the row
+    latency at which they would tie is far below two cross-warp reductions (~0.1 us)."""
+    out = tmp_path / "tm.md"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "time_model"), "--out", str(out)], check=True,
+                   capture_output=True, timeout=120)
+    rows = [line.split("|") for line in out.read_text().split("## The delta rules' solve")[1].splitlines()
+            if line.startswith("| delta_rule |") or line.startswith("| gated_delta_rule |")]
+    assert len(rows) == 2
+    for r in rows:
+        walk, staged, tie = float(r[2]), float(r[3]), float(r[5])
+        assert staged < walk and tie < 0.05
