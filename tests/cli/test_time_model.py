@@ -88,7 +88,7 @@ def test_the_staged_solve_section_prefers_the_inverse_before_the_walk(tmp_path):
     out = tmp_path / "tm.md"
     subprocess.run([sys.executable, str(ROOT / "bench" / "time_model"), "--out", str(out)], check=True,
                    capture_output=True, timeout=120)
-    rows = [line.split("|") for line in out.read_text().split("## The delta rules' solve")[1].splitlines()
+    rows = [line.split("|") for line in out.read_text().split("## The delta rules' solve")[1].split("\n## ")[0].splitlines()
             if line.startswith("| delta_rule |") or line.startswith("| gated_delta_rule |")]
     assert len(rows) == 2
     for r in rows:
