@@ -256,17 +256,18 @@ def test_chunked_backward_loops_over_the_tile_blocks(text, name, monkeypatch):
     and both agree with the reference."""
     import mixc.runtime.launch as launch
     from mixc.pipeline import from_text
+    from mixc.standalone.launcher import Launcher
     monkeypatch.setattr(launch, "CHUNK_TILE", 16)
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     op = from_text(text, f"{name}.mix") if text else mixc.load(name)
-    assert launch.tile_loop(op.plan()) is (text is None)
+    assert launch.plan_of(op.plan()).tile_loop is (text is None)
     grids = []
-    real = launch._backward
+    real = Launcher.backward
 
     def spy(*a, **kw):
         grids.append((kw["launch"]["phase"], kw.get("tile_programs")))
         return real(*a, **kw)
-    monkeypatch.setattr(launch, "_backward", spy)
+    monkeypatch.setattr(Launcher, "backward", spy)
     args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes={"K": 8, "V": 40}, dtype=torch.float32,
                               requires_grad=True, seed=11)
     st = random_state(op.ir, 2, 2, sizes, requires_grad=True)

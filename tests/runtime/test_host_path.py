@@ -16,6 +16,7 @@ import torch
 import mixc
 from helpers import random_args
 from mixc.runtime import cache, launch
+from mixc.standalone.launcher import Launcher
 from mixc.runtime import op as op_module
 from mixc.runtime.signature import ArgumentError
 
@@ -347,8 +348,8 @@ def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, w
     st = op(**args, output_final_state=True, cu_seqlens=cu, mode="recurrent")[1] if with_state else None
     op._fast.clear()
     bound_launches = []
-    real = launch._forward
-    monkeypatch.setattr(launch, "_forward", lambda *a, **kw: (bound_launches.append(1), real(*a, **kw))[1])
+    real = Launcher.forward
+    monkeypatch.setattr(Launcher, "forward", lambda *a, **kw: (bound_launches.append(1), real(*a, **kw))[1])
     for i in range(2):
         call_in = {k: v + 0.05 * i for k, v in args.items()}
         bound_launches.clear()
@@ -385,8 +386,8 @@ def test_a_launch_setting_changed_after_a_call_is_not_replayed_past(monkeypatch)
     o1, _ = op(**args)
     op(**args)
     phases = []
-    real = launch._forward
-    monkeypatch.setattr(launch, "_forward",
+    real = Launcher.forward
+    monkeypatch.setattr(Launcher, "forward",
                         lambda *a, **kw: (phases.append(kw["launch"].get("phase")), real(*a, **kw))[1])
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     o2, _ = op(**args)
