@@ -15,7 +15,7 @@ rule of its own. mixc.load's op adds the torch and reference backends, autotunin
 torch.compile custom ops and context parallelism (runtime/op.py).
 
 CPU tensors without Triton's interpreter are refused with an ArgumentError that says why: the
-torch form of mixc.load's op (mode='torch': the chunk loop of runtime/torch_chunk*.py and each
+torch form of mixc.load's op (mode='torch': the chunk loop of runtime/torch_chunk.py and each
 transition class's chunked form in mixc/classes) belongs to the compiler's class units, which
 a compiled module does not carry."""
 from __future__ import annotations

@@ -250,7 +250,7 @@ mixer gated_skip
                          ids=["param-over-tile", "simple_gla"])
 def test_chunked_backward_loops_over_the_tile_blocks(text, name, monkeypatch):
     """PHASE 2 of the chunked backward: one program per (chunk, head) loops over the tile
-    dim's blocks and sums dq, dk, dg in registers (launch.tile_loop), so the gradients come
+    dim's blocks and sums dq, dk, dg in registers (LaunchPlan.tile_loop), so the gradients come
     out of the kernel in the inputs' dtype with no float32 partials for torch to sum; a spec
     with a param over the tile dim keeps one program per block (its param loaded per program),
     and both agree with the reference."""

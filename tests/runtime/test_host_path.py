@@ -172,7 +172,8 @@ def test_the_fast_path_binds_nothing(monkeypatch):
     counts = {}
     from mixc.runtime import custom_op, signature
     for owner, attr in [(op_module, "bind"), (signature, "bind"), (signature, "option_values"),
-                        (launch, "dim_kwargs"), (launch, "_forward"), (cache, "load_module"),
+                        (launch, "launcher"), (launch, "plan_of"), (Launcher, "dim_blocks"), (Launcher, "forward"),
+                        (cache, "load_module"),
                         (custom_op, "_bound"), (op_module.MixerOp, "_plan_for"), (op_module.MixerOp, "_kernels")]:
         monkeypatch.setattr(owner, attr, _counting(counts, attr, getattr(owner, attr)))
     for _ in range(3):
@@ -330,7 +331,7 @@ def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, w
     PHASE 2 the outputs, and gla's PHASE 4 between them, its intra-chunk matrices; forced here
     under the interpreter) replays them all: outputs and final
     states bit for bit as bound calls, with and without an initial state and final state, fixed
-    length and packed, no launch bound (launch._forward unused); mlstm's stabilizer state starts
+    length and packed, no launch bound (Launcher.forward unused); mlstm's stabilizer state starts
     at 0 per call; bf16 (its checkpoints in bf16); the packed recurrent forward (one launch) too;
     a checkpoint every two chunks (the replay's PHASE 2 slot table spans two chunks per slot).
     The replayed output against float64."""
