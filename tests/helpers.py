@@ -20,14 +20,14 @@ def random_args(mixer, *, draw=None, **kwargs):
     return _inputs.random_args(mixer, roles=roles, **kwargs)
 
 
-def record_phases(monkeypatch, launcher: str = "_forward") -> list:
-    """The PHASE of every launch mixc.runtime.launch.<launcher> makes from here on, in order
-    (the launch still runs)."""
-    from mixc.runtime import launch
-    seen, real = [], getattr(launch, launcher)
+def record_phases(monkeypatch, method: str = "forward") -> list:
+    """The PHASE of every launch mixc.standalone.launcher.Launcher.<method> ("forward" or
+    "backward") makes from here on, in order (the launch still runs)."""
+    from mixc.standalone.launcher import Launcher
+    seen, real = [], getattr(Launcher, method)
 
-    def spy(*a, **kw):
+    def spy(self, *a, **kw):
         seen.append(kw["launch"]["phase"])
-        return real(*a, **kw)
-    monkeypatch.setattr(launch, launcher, spy)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(Launcher, method, spy)
     return seen

@@ -108,7 +108,7 @@ class TransitionClass:
     output_tile: int | None = None
     # the chunked backward's block of the tile dim, both its launches (None: launch.CHUNK_TILE)
     backward_tile: int | None = None
-    # the block of the key dim the chunked kernels loop over where C * K is large (launch.key_block;
+    # the block of the key dim the chunked kernels loop over where C * K is large (Launcher.key_block, standalone/launcher.py;
     # None: launch.KEY_BLOCK_AT)
     key_block: int | None = None
     # the forward PHASE 2 walking several chunks holds its state in static key blocks (codegen/
@@ -178,7 +178,7 @@ class TransitionClass:
         (IR expression, its gradient's name, that gradient's dims) for the spec's adjoint."""
         return [], []
 
-    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    # ---- torch form (runtime/torch_chunk.py) ----
     # The chunked algorithm in plain torch (autograd gives the backward), in two layouts: one
     # chunk at a time [B, c, H, *] (torch_setup, torch_readout, torch_advance: every class with
     # torch_chunked) and groups of chunks [B' H, N, C, *] (torch_decay and torch_chunks_*: the
@@ -188,7 +188,7 @@ class TransitionClass:
     # at the chunk's start; bb the chunk's logs (torch_ops.loop_chunk_logs: b, b at the last
     # token, b_{i-1}, the suffix sums, g; None without a decay); logs the stabilizer's (m per
     # row, the gate, m at the start, m at the end) for a state of its group, else None.
-    torch_batched: bool = True             # the batched form (torch_chunks.py) serves it
+    torch_batched: bool = True             # the batched form (runtime/torch_chunk.py, torch_forward_batched) serves it
     torch_chunk: int | None = None         # the torch form's default chunk (None: torch_chunk.TORCH_CHUNK)
     # The torch form's L, R carry a term axis [.., r, KF] (the plan's StateIR.terms) and K, V an
     # input-term axis [.., m, *] (StateIR.inputs: B_t = sum_m k_m v_m^T): the rank-r class

@@ -26,7 +26,7 @@ class Elementwise(TransitionClass):
                 "parallel form: an associative scan over pairs (a, B), (a1, B1) o (a2, B2) = (a1 a2, a2 B1 + B2), "
                 f"in log space: log a = {s(st.log_decay)}"]
 
-    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    # ---- torch form (runtime/torch_chunk.py) ----
     torch_batched = False           # a [C, C, K, V] factor per chunk: the chunk-at-a-time loop only
 
     def decay_axis(self, st) -> str | None:

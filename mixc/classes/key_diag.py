@@ -68,7 +68,7 @@ class KeyDiagonal(TransitionClass):
         return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev,
                            dQ=dQ, dK=dK, dV=dV, dS0=dS0, db=db)
 
-    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    # ---- torch form (runtime/torch_chunk.py) ----
     def decay_axis(self, st) -> str | None:
         return "key"
 

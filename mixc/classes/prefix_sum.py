@@ -36,7 +36,7 @@ class PrefixSum(TransitionClass):
         dK, dV, dS0 = code.grad_names(G, "u", with_db=False)
         return self.render(code, "advance_backward", n=st.name, K=K, V=V, dK=dK, dV=dV, dS0=dS0)
 
-    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    # ---- torch form (runtime/torch_chunk.py) ----
     def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):
         torch, ops = torch_form()
         A = torch.einsum("bihk,bjhk->bhij", Q, K).masked_fill(~ops.causal(Q.shape[1], prev, Q.device), 0.0)

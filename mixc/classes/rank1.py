@@ -146,7 +146,7 @@ class Rank1(TransitionClass):
                             dc=dc, **self._left(code, st), R=code.extra[st.name]["R"])
         return lines, seeds
 
-    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    # ---- torch form (runtime/torch_chunk.py) ----
     def decay_axis(self, st) -> str | None:
         return "key" if st.decay_dims else "scalar"     # the delta rule has g = 0 as a scalar
 

@@ -156,7 +156,7 @@ class RankR(TransitionClass):
     # and runtime/torch_chunk.py's loop hands them here. Checked in float64 against fla's loop
     # with autograd's gradients (tests/ops/test_rank_r_torch_form.py: the form alone; and
     # test_rank_r_torch_mode.py: the op in mode='torch'). Only the chunk-at-a-time loop:
-    torch_batched = False                   # no batched form (torch_chunks.py) yet
+    torch_batched = False                   # no batched form (runtime/torch_chunk.py torch_forward_batched) yet
 
     def decay_axis(self, st) -> str | None:
         return "key" if st.decay_dims else "scalar"

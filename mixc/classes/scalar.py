@@ -74,7 +74,7 @@ class ScalarDecay(TransitionClass):
         G["di"].append(code.fresh("di"))
         return G["di"][-1]
 
-    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    # ---- torch form (runtime/torch_chunk.py) ----
     def decay_axis(self, st) -> str | None:
         return "scalar"
 

@@ -7,7 +7,7 @@ torch's import (~4 s).
 
 Two layouts: one chunk [B, c, H, *] (the chunk-at-a-time loop, runtime/torch_chunk.py:
 loop_pair_logs, loop_chunk_logs) and groups of chunks [B' H, N, C, *] (the batched form,
-runtime/torch_chunks.py: the rest). Both take every decay factor from per-pair sums of the
+runtime/torch_chunk.py, torch_forward_batched: the rest). Both take every decay factor from per-pair sums of the
 log decay, never from differences of cumulative sums (a decay of 0 resets; dg stays exact for
 neighbours at strong decay)."""
 from __future__ import annotations
@@ -54,7 +54,7 @@ def causal(c, prev, device):
     return torch.ones(c, c, dtype=torch.bool, device=device).tril(-1 if prev else 0)
 
 
-# ---- groups of chunks [B' H, N, C, *] (runtime/torch_chunks.py) ----
+# ---- groups of chunks [B' H, N, C, *] (runtime/torch_chunk.py, torch_forward_batched) ----
 # the forward runs in groups of chunks whose [C, max(C, dims)] tensors hold about this many
 # elements (1 MB in float32; the key class's [C, C, dim] products split further): fresh tensors
 # past glibc's mmap threshold cost page faults at every op, more than the op's own work, and a
@@ -421,9 +421,9 @@ class NoDecay:
         self.g, self.fast = g, fast
         self.logs = None
         # fast: where a unit's readout may write its readouts [BH, n, C, VF] (a slice of the
-        # whole output, torch_chunks sets it per readout; None: a fresh tensor)
+        # whole output, torch_forward_batched sets it per readout; None: a fresh tensor)
         self.out = None
-        # fast on the CPU: the group's Arena (torch_chunks sets it), for the intermediates
+        # fast on the CPU: the group's Arena (torch_forward_batched sets it), for the intermediates
         # that die with the group (the products, the scaled rows)
         self.arena = None
 

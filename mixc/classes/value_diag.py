@@ -30,7 +30,7 @@ class ValueDiagonal(TransitionClass):
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
     # base.py's hooks (the diagonal decays' defaults) render value_diag.j2
 
-    # ---- torch form (runtime/torch_chunk.py, torch_chunks.py) ----
+    # ---- torch form (runtime/torch_chunk.py) ----
     def decay_axis(self, st) -> str | None:
         return "value"
 

@@ -233,7 +233,7 @@ class ChunkBackward(ChunkCode):
         """The row offset of this program's partial for a gradient of something without the
         tile dim ("" for what has it): every tile block adds the part of the gradient that its
         values carry (the backward is linear in dL/do), summed on the host as in the recurrent
-        kernels (launch._backward). `rows`: rows of one partial per head (_ntok or _nseq)."""
+        kernels (Launcher.backward). `rows`: rows of one partial per head (_ntok or _nseq)."""
         return f"tl.program_id(1).to(tl.int64) * {rows} * H + " if self._lacks_tile(shape) else ""
 
     def _blocks(self, dims) -> str:

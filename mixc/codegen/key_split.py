@@ -18,7 +18,7 @@ The pass wraps the rendered chunk body of PHASE 4 (the intra-chunk matrices) and
 where a program takes one chunk (CKPT_EVERY == 1; a state carried through several chunks would
 need every key block live: where the class asks for it, key_walk.py holds it in static key
 blocks instead) in that loop, behind a constexpr test that KEY_BLOCK is less than
-the key dim's block (the launch's policy: launch.key_block); every other launch runs the chunk
+the key dim's block (the launch's policy: Launcher.key_block); every other launch runs the chunk
 as rendered, so C = 32 at K = 128 compiles as before. It is block_split.py's machinery in its
 forward mode: what a key block's statements read must be whole, so a contraction read within
 the loop (an l2 norm over K) keeps the rendered chunk, but for the non-finite counts

@@ -18,7 +18,7 @@ walk runs as
 Each block's statements are key_split's loop body (the forward-mode split, with the state's
 rows carried from one chunk to the next: split_iteration's `carried`) written once per block
 with its index for _kb; up to STATIC_BLOCKS blocks (K <= 8 KEY_BLOCK: the branch's test; the
-launch's KEY_BLOCK is at least K / 8, launch.key_block),
+launch's KEY_BLOCK is at least K / 8, Launcher.key_block),
 else the rendered walk runs. A class whose advance reads a contraction over the keys (the
 rank-1 class's W S) has no such split (NoSplit: the walk stays whole).
 """

@@ -16,6 +16,7 @@ from ..dsl import ir
 from ..dsl.functions import FUNCTIONS
 from .chunk import chunk_fwd_hooks
 from .key_split import key_dim, split_keys
+from .launch_plan import kernel_name, launch_plan
 from .chunk_bwd import chunk_bwd_hooks, split_backward
 from .header import docstring_safe
 from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
@@ -34,12 +35,9 @@ def _env() -> jinja2.Environment:
                               keep_trailing_newline=True, autoescape=False)
 
 
-def kernel_name(plan: Plan, form: str) -> str:
-    return f"{plan.name}_{form}"
-
-
 def metadata(plan: Plan) -> dict:
     m = plan.ir
+    launch = launch_plan(plan)
     return {
         "mixer": m.name,
         "spec_hash": m.spec_hash,
@@ -63,20 +61,14 @@ def metadata(plan: Plan) -> dict:
         "option_defaults": {o.name: _scalar_tree(o.default) for o in m.options if o.kind == "float"},
         "kernel_states": {s.name: list(s.shape) for s in plan.kernel_ir.states},
         "stabilized": list(plan.stabilizer.states) if plan.stabilizer is not None else [],
-        "tile": plan.layout.tile,
-        "split": plan.layout.split,
-        "chunk_size": plan.layout.chunk_size,
-        "half_states": plan.layout.half_states,
-        "half_matmuls": plan.layout.half_matmuls,
-        "kernels": {"recurrent_fwd": kernel_name(plan, "recurrent_fwd"),
-                    "recurrent_bwd": kernel_name(plan, "recurrent_bwd")}
-        | ({"chunk_fwd": kernel_name(plan, "chunk_fwd"), "chunk_bwd": kernel_name(plan, "chunk_bwd")}
-           if plan.layout.chunked else {}),
+        "kernels": dict(launch.kernels),
         "chunk_unsupported": plan.layout.chunk_unsupported,
         # the torch backend (plain torch, CPU without the interpreter): with the chunked form
         "torch_forward": "torch_forward" if plan.layout.torch_chunked else None,
         # the recurrence one token at a time (decode) and its token loop (codegen/torch_step.py)
         "torch_step": "torch_step",
+        # what the launcher (standalone/launcher.py) reads: LaunchPlan.from_metadata rebuilds it
+        "launch": launch.to_metadata(),
     }
 
 

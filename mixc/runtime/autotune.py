@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import lru_cache
 
 import torch
@@ -33,6 +33,7 @@ import triton
 from .. import __version__
 from .. import classes
 from ..derive.plan import Plan
+from ..standalone.launch_data import CHUNK_DEFAULT, LaunchConfig
 from .cache import cache_dir, interpreting, write_atomic
 
 # Triton's defaults for a CUDA launch without num_warps / num_stages: the untuned launch.
@@ -53,20 +54,9 @@ _CACHE: dict[tuple, "Config"] = {}
 STATS = {"tuned": 0, "memory_hits": 0, "disk_hits": 0}
 
 
-@dataclass(frozen=True)
-class Config:
-    """One launch configuration. C: the chunk size (form "chunk"); tile / split: the recurrent
-    kernels' blocks of the tile and split dims (None where the spec has no such dim); phases:
-    the chunked backward in one launch or two (launch.chunk_backward)."""
-    num_warps: int = DEFAULT_WARPS
-    num_stages: int = DEFAULT_STAGES
-    C: int | None = None
-    tile: int | None = None
-    split: int | None = None
-    phases: int | None = None
-
-    def launch(self) -> dict:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+# One launch configuration: the launcher's (standalone/launcher.py; C, tile, split, phases,
+# num_warps, num_stages), so a compiled module's untuned launch and this tuner share one type.
+Config = LaunchConfig
 
 
 def mode() -> str:
@@ -113,7 +103,8 @@ def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[
     if form == "chunk":
         return [Config(C=c) for c in chunk_candidates(plan)]
     if form in ("chunk_fwd", "chunk_bwd"):
-        return [Config(8, 3, phases=2), Config(4, 3, phases=2), Config(8, 1, phases=2), Config(8, 1, phases=1)]
+        # the first: the launcher's untuned CUDA launch (launcher.default_config)
+        return [CHUNK_DEFAULT, Config(4, 3, phases=2), Config(8, 1, phases=2), Config(8, 1, phases=1)]
     sizes = sizes or {}
     tile, split = plan.layout.tile, plan.layout.split
 

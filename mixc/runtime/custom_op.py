@@ -15,8 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..derive.plan import Plan
-from .launch import (checkpoint_dtype, checkpoint_every, checkpoint_slots, chunk_backward, chunk_forward,
-                     recurrent_backward, recurrent_forward)
+from .launch import checkpoint_dtype, checkpoint_every, checkpoint_slots, launcher, with_options
 from ..standalone.errors import ArgumentError
 from ..standalone.binding import cu_seqlens_values
 from .signature import Bound, head_groups
@@ -52,10 +51,11 @@ def _bound(plan: Plan, inputs, params, initial_state, options, cu_seqlens) -> Bo
     H = max(int(x.shape[2]) for x in inputs)       # grouped inputs have fewer heads (signature.bind)
     named = {d.name: x for d, x in zip(m.inputs, inputs)}
     opt_names = [o.name for o in m.options if o.kind == "float"]
-    return Bound(B, T, H, sizes, named,
-                 {d.name: x for d, x in zip(m.params, params)}, dict(zip(opt_names, options)), dict(plan.flags),
-                 {s.name: x for s, x in zip(plan.kernel_ir.states, initial_state)} if initial_state else None,
-                 cu_seqlens, head_groups(H, named))
+    bound = Bound(B, T, H, sizes, named,
+                  {d.name: x for d, x in zip(m.params, params)}, dict(zip(opt_names, options)), dict(plan.flags),
+                  {s.name: x for s, x in zip(plan.kernel_ir.states, initial_state)} if initial_state else None,
+                  cu_seqlens, head_groups(H, named))
+    return with_options(plan, bound)        # options not passed: their defaults
 
 
 def ops_for(plan: Plan):
@@ -80,10 +80,9 @@ def kernel_ops(plan: Plan) -> KernelOps:
         """The chunked (C = CK) or recurrent forward; either keeps the states at chunk starts
         for the recurrent backward."""
         bound = _bound(plan, inputs, params, initial_state, options, cu_seqlens)
-        run = chunk_forward if chunked else recurrent_forward
-        size = {"C": CK} if chunked else {"CK": CK}
-        o, finals, ckpts = run(plan, bound, output_final_state=output_final_state, checkpoints=save_for_backward,
-                               **size)
+        kernels = launcher(plan, bound)         # the one launcher (standalone/launcher.py)
+        run, size = (kernels.chunk_forward, {"C": CK}) if chunked else (kernels.recurrent_forward, {"CK": CK})
+        o, finals, ckpts = run(bound, output_final_state=output_final_state, checkpoints=save_for_backward, **size)
         def empty():        # a fresh one each time: outputs of a custom op may not alias
             return o.new_empty(0, dtype=torch.float32)
         return ([o] + [finals[s.name] if finals else empty() for s in m.states]
@@ -122,10 +121,11 @@ def kernel_ops(plan: Plan) -> KernelOps:
         bound = _bound(plan, inputs, params, [], options, cu_seqlens)
         ckpts = {s.name: c for s, c in zip(m.states, checkpoints)}
         dfin = {s.name: g for s, g in zip(m.states, dfinal)} if dfinal else None
+        kernels = launcher(plan, bound)
         if chunked:
-            dinputs, dparams, dinit = chunk_backward(plan, bound, ckpts, do, dfin, C=CK)
+            dinputs, dparams, dinit = kernels.chunk_backward(bound, ckpts, do, dfin, C=CK)
         else:
-            dinputs, dparams, dinit = recurrent_backward(plan, bound, ckpts, do, dfin, CK=CK)
+            dinputs, dparams, dinit = kernels.recurrent_backward(bound, ckpts, do, dfin, CK=CK)
         return ([dinputs[d.name] for d in m.inputs] + [dparams[d.name] for d in m.params]
                 + [dinit[s.name] for s in m.states])
 

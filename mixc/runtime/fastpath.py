@@ -10,11 +10,11 @@ option values, the plan, the launch config, the buffers' shapes and dtypes, the 
 kernel's arguments (their order from standalone/kernel_args.py, as the recorded launch's) with
 their numbers and constexprs. step_key() reduces the arguments to that look (per tensor its
 shape, dtype, device, contiguity and requires_grad; numbers and flags by type and value; the
-grad mode, the mode asked and launch.settings()), and the first call with a key records its
-launches (launch.recording) into a StepRecipe: per launch its kernel, grid, numbers and where
-each tensor comes from (a "source": an input or param, a given state, the packed offsets and
-PHASE 2's chunk table made from them, or a buffer the call allocates, by recorded shape and
-dtype). A buffer one launch writes and a later one reads (PHASE 1's checkpoints, read by
+grad mode, the mode asked and launch.settings()), and the first call with a key records the
+launches the one launcher made (standalone/launcher.py, recording()) into a StepRecipe: per
+launch its kernel, grid, numbers and where each tensor comes from (a "source": an input or
+param, a given state, the packed offsets and PHASE 2's chunk table made from them, or a buffer
+the call allocates, by recorded shape and dtype). A buffer one launch writes and a later one reads (PHASE 1's checkpoints, read by
 PHASE 2) is one source, allocated once per call. A later call with the same key does a dict
 lookup, the .contiguous() and state .to(float32) of the slow path, allocates the buffers, and
 launches: no bind, no plan or module lookup, no option evaluation.
@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from ..standalone.kernel_args import LAUNCH_OPTIONS
+from ..standalone.launcher import chunk_seqs
 from . import launch
 from ..standalone.binding import cu_seqlens_values
 
@@ -118,12 +119,14 @@ def step_key(mode, kwargs: dict, state, launches: bool = True) -> tuple | None:
 
 def _call_launches(log: list) -> list | None:
     """The launches of the call a log ends with (tuning runs come first): its last, and PHASE 1
-    (after the PHASE 4 of staged intra-chunk matrices) before a PHASE 2."""
+    (after the PHASE 4 of staged intra-chunk matrices) before a PHASE 2. The launcher logs
+    backward launches too: the forward's are read."""
+    log = [r for r in log if r["form"] in ("recurrent_fwd", "chunk_fwd")]
     if not log or log[-1] is None:
         return None
     if log[-1]["values"].get("phase") != 2:
         return log[-1:]
-    before = [4, 1] if log[-1]["values"].get("staged_intra") else [1]      # launch.chunk_forward's order
+    before = [4, 1] if log[-1]["values"].get("staged_intra") else [1]      # Launcher.chunk_forward's order
     n = len(before) + 1
     if len(log) < n or any(r is None for r in log[-n:]) or [r["values"].get("phase") for r in log[-n:-1]] != before:
         return None
@@ -177,7 +180,7 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
             if role == "cu_seqlens" and packed:
                 return source(t, ("cu",))
             if role == "chunk_seq" and packed:
-                # slots of CKPT_EVERY chunks each (launch._chunk_launch)
+                # slots of CKPT_EVERY chunks each (Launcher.chunk_launch)
                 return source(t, ("chunk_seq", values["chunk"] * values.get("ckpt_every", 1), values["n_seqs"],
                                   t.shape[0]))
             if role == "ckpt" and reads_ckpts:
@@ -236,7 +239,7 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
         values = tuple(cu_seqlens_values(cu_seqlens, *r.packed, (device, r.first_input)))
         offsets = _from_offsets(("cu", cu_seqlens.dtype, device), values,
                                 lambda: torch.tensor(values, dtype=cu_seqlens.dtype, device=device))
-    poison = os.environ.get("MIXC_POISON") == "1"       # as launch._empty: unwritten elements show
+    poison = os.environ.get("MIXC_POISON") == "1"       # as launcher.empty: unwritten elements show
     made = []
     for s in r.sources:
         kind = s[0]
@@ -259,7 +262,7 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
         elif kind == "cu":
             t = offsets
         else:                               # "chunk_seq": PHASE 2's table of each slot's sequence
-            t = _from_offsets((s, device), values, lambda: launch.chunk_seqs(offsets, *s[1:], device))
+            t = _from_offsets((s, device), values, lambda: chunk_seqs(offsets, *s[1:], device))
         made.append(t)
     for ln in r.launches:
         args = ln.args.copy()

@@ -7,8 +7,12 @@ rules, not a copy of them).
   dtypes, devices, states, cu_seqlens, options; the chunk and CK checks and clamps);
 - kernel_args.py: each kernel form's argument list (the templates print the signatures from
   it, the launches pass values by it);
-- support.py: CompiledOp, a compiled module's op and step (its kernels launched from its
-  METADATA, with gradients).
+- launch_data.py and launcher.py: the one launcher (every rule that turns a plan and bound
+  arguments into kernel launches: grids, blocks, constexprs, buffers, checkpoint dtypes), driven
+  by a LaunchPlan (plain data a generated module carries as METADATA["launch"]) and the launch
+  knobs; mixc.load's op (runtime/launch.py) and a compiled module launch through it;
+- support.py: CompiledOp, a compiled module's op and step (bound by binding.py, launched by
+  launcher.py from its METADATA, with gradients).
 
 Each module here imports only the others (relatively), the standard library, torch and Triton
 (tests/test_layering.py holds it), so `mixc compile -o DIR` copies these files verbatim, byte

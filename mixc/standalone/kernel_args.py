@@ -8,10 +8,11 @@ parameter name, its kind and its dtype rule. From this one list:
 
 - the template signature: templates/kernel_args.j2 prints `arguments.lines` (the lines and
   comments of the `def kernel(...)` block), so the kernel text is rendered from it;
-- the launch call: runtime/launch.py, runtime/fastpath.py and support.py fill a value
-  per Arg.key and call KernelArgs.launch: the arguments before the first constexpr
-  positionally, the rest by name; the orders are computed once per plan (plan.layout carries
-  the KernelArgs of each form), per replay recipe or per compiled module;
+- the launch call: the launcher (launcher.py, for mixc.load's op and a compiled module alike)
+  fills a value per Arg.key and calls KernelArgs.launch: the arguments before the first
+  constexpr positionally, the rest by name; runtime/fastpath.py replays the recorded order;
+  the orders are computed once per plan (plan.layout and the LaunchPlan carry the KernelArgs
+  of each form) or per replay recipe;
 - the ahead-of-time signature: tools/aot.py types each argument by its role's dtype rule.
 
 It imports nothing from mixc and no third-party module: a compiled module's runtime

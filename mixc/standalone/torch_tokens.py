@@ -113,13 +113,13 @@ def _compute(b, axis: int):
 def compiled_call(ns: dict, b, output_final_state: bool):
     """A compiled module's op(...) by its token loop: (o in the first input's dtype, final states or None)."""
     x, p, dtype = _compute(b, 2)
-    o, st = tokens(_module(ns), x, p, b.options, b.sizes, b.B, b.T, b.H, initial_state=b.init, cu_seqlens=b.cu,
-                   output_final_state=output_final_state)
+    o, st = tokens(_module(ns), x, p, b.options, b.sizes, b.B, b.T, b.H, initial_state=b.initial_state,
+                   cu_seqlens=b.cu_seqlens, output_final_state=output_final_state)
     return o.to(next(iter(b.inputs.values())).dtype), st
 
 
 def compiled_step(ns: dict, b):
     """A compiled module's step(...) by its torch_step: (o in the first input's dtype, new states)."""
     x, p, dtype = _compute(b, 1)
-    o, st = step(_module(ns), x, p, b.options, b.sizes, b.B, b.H, b.init, dtype)
+    o, st = step(_module(ns), x, p, b.options, b.sizes, b.B, b.H, b.initial_state, dtype)
     return o.to(next(iter(b.inputs.values())).dtype), st

@@ -25,7 +25,8 @@ from .. import pipeline
 from ..codegen.module import kernel_name
 from ..derive.plan import Plan
 from ..runtime.cache import interpreting
-from ..runtime.launch import block, checkpoint_tokens, key_block, stages
+from ..runtime.launch import rules
+from ..standalone.launcher import block
 
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # constexpr values of the switches of every template, by role (standalone/kernel_args.py)
@@ -49,10 +50,11 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
     kernel_args, the definition its signature was printed from): pointers by their role's dtype
     rule ("io": `dtype`, the inputs, the output and their gradients; "fp32"; "i32"), runtime
     scalars i32 or fp32, constexprs the dims' sizes and blocks, the plan's chunk size and the
-    switches above; STAGED_INTRA as the launch stages (launch.stages: the key-diagonal A, and
+    switches above; STAGED_INTRA as the launch stages (Launcher.stages: the key-diagonal A, and
     the rank-1 inverse only where stage_solve or launch.STAGE_SOLVE asks)."""
     t = _DTYPE[dtype]
     form = _form(kernel, plan)
+    policy = rules(plan)                            # the launcher's rules (standalone/launcher.py)
     chunked = form.startswith("chunk")              # matmul blocks are at least 16
     sig, const = {}, {}
     for a in plan.layout.kernel_args[form].args:
@@ -68,14 +70,14 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
         elif a.role == "chunk":
             const[a.name] = plan.layout.chunk_size
         elif a.role == "dot":
-            const[a.name] = _DOT[dtype] if plan.layout.half_matmuls or not _DOT[dtype] else 3   # launch._dot_code
-        elif a.role == "ckpt_every":        # the policy's at long sequences (launch.checkpoint_every)
-            const[a.name] = max(1, checkpoint_tokens(plan) // plan.layout.chunk_size)
-        elif a.role == "staged_intra":      # the launch's policy (launch.stages)
-            const[a.name] = stages(plan, stage_solve)
-        elif a.role == "key_block":         # the launch's policy (launch.key_block)
+            const[a.name] = _DOT[dtype] if plan.layout.half_matmuls or not _DOT[dtype] else 3   # launcher.dot_code
+        elif a.role == "ckpt_every":        # the policy's at long sequences (Launcher.checkpoint_every)
+            const[a.name] = max(1, policy.checkpoint_tokens() // plan.layout.chunk_size)
+        elif a.role == "staged_intra":      # the launch's policy (Launcher.stages)
+            const[a.name] = policy.stages(stage_solve)
+        elif a.role == "key_block":         # the launch's policy (Launcher.key_block)
             blocks = {("block", d): max(16, block(n)) for d, n in sizes.items()}
-            const[a.name] = key_block(plan, blocks, plan.layout.chunk_size)
+            const[a.name] = policy.key_block(blocks, plan.layout.chunk_size)
         else:
             const[a.name] = _SWITCHES[a.role]
     return sig, const

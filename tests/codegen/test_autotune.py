@@ -42,8 +42,9 @@ def test_kernel_config_lists_start_with_the_untuned_launch():
     rec = autotune.configs(op.plan(), "recurrent_fwd", bound.sizes)
     assert rec[0] == Config(4, 3, tile=32, split=16)
     assert {c.tile for c in rec} == {16, 32, 64} and {c.split for c in rec} == {16} and len(rec) == 6
-    assert launch.dim_kwargs(op.plan(), bound, rec[0]) == launch.dim_kwargs(op.plan(), bound)
-    assert launch.dim_kwargs(op.plan(), bound, rec[2])["block", "P"] == 64
+    rules = launch.rules(op.plan())
+    assert rules.dim_blocks(bound, rec[0]) == rules.dim_blocks(bound)
+    assert rules.dim_blocks(bound, rec[2])["block", "P"] == 64
     # a spec with neither dim: warps only
     hgrn = mixc.load("hgrn").plan()
     assert all(c.split is None for c in autotune.configs(hgrn, "recurrent_bwd", {"D": 8}))

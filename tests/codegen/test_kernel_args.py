@@ -106,7 +106,8 @@ def test_a_renamed_argument_changes_the_signature_the_launches_and_aot(monkeypat
         assert "IS_VARLEN" not in block and "p_cu_seqlens" not in block
 
     rec = _Recorder()
-    monkeypatch.setattr(launch, "_kernel", lambda *a: rec)
+    monkeypatch.setattr(launch, "module_for", lambda *a: types.SimpleNamespace(
+        **{name: rec for name in renamed.METADATA["kernels"].values()}))
 
     def kernel_fn(form):         # a Python function with the renamed kernel's parameters
         args = plan.layout.kernel_args[form].args
@@ -170,7 +171,7 @@ def test_a_reordered_definition_launches_the_same_numbers(name, mode, monkeypatc
     assert head.index("    v_") < head.index("    p_init_") < head.index("    T, H,") < head.index("    p_out,")
     got, grads = {}, {}
     # runtime/launch.py on the reordered kernels
-    monkeypatch.setattr(launch, "_kernel", lambda plan_, device, form: getattr(mod, mod.METADATA["kernels"][form]))
+    monkeypatch.setattr(launch, "module_for", lambda plan_, device: mod)
     bound = bind(op.ir, {k: v.detach() for k, v in args.items()})
     for phases in ((1, 2) if mode == "chunk" else (None,)):
         monkeypatch.setattr(launch, "CHUNK_PHASES", phases)

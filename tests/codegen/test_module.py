@@ -96,7 +96,7 @@ def test_generated_module_imports_and_has_metadata(tmp_path, monkeypatch):
 
 
 @pytest.mark.xfail(strict=True, reason="Triton's interpreter computes a bf16 tl.dot wrongly; mixc multiplies bf16 "
-                                       "in fp32 under the interpreter (runtime.launch._dot_code). When this passes, "
+                                       "in fp32 under the interpreter (standalone/launcher.py dot_code). When this passes, "
                                        "drop that workaround.")
 def test_interpreter_bf16_dot():
     import torch

@@ -68,7 +68,7 @@ def test_aft_simple_chunked_bf16_is_within_the_eager_error(B, T, H, D, monkeypat
 
 def test_a_spec_without_dims_runs_chunked(tmp_path):
     """RWKV-4's per-channel wkv as users write it (no dims, scalar states): chunk mode crashed in
-    launch.key_block (max() of no blocks); now it equals float64 in the output and gradients."""
+    Launcher.key_block (max() of no blocks); now it equals float64 in the output and gradients."""
     path = tmp_path / "wkv.mix"
     path.write_text("mixer wkv\n  input  k[], v[]\n  state  a[], b[]\n  update a = a + exp(k) * v\n"
                     "  update b = b + exp(k)\n  output o = a / b\n")

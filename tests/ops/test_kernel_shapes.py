@@ -250,23 +250,24 @@ mixer gated_skip
                          ids=["param-over-tile", "simple_gla"])
 def test_chunked_backward_loops_over_the_tile_blocks(text, name, monkeypatch):
     """PHASE 2 of the chunked backward: one program per (chunk, head) loops over the tile
-    dim's blocks and sums dq, dk, dg in registers (launch.tile_loop), so the gradients come
+    dim's blocks and sums dq, dk, dg in registers (LaunchPlan.tile_loop), so the gradients come
     out of the kernel in the inputs' dtype with no float32 partials for torch to sum; a spec
     with a param over the tile dim keeps one program per block (its param loaded per program),
     and both agree with the reference."""
     import mixc.runtime.launch as launch
     from mixc.pipeline import from_text
+    from mixc.standalone.launcher import Launcher
     monkeypatch.setattr(launch, "CHUNK_TILE", 16)
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     op = from_text(text, f"{name}.mix") if text else mixc.load(name)
-    assert launch.tile_loop(op.plan()) is (text is None)
+    assert launch.plan_of(op.plan()).tile_loop is (text is None)
     grids = []
-    real = launch._backward
+    real = Launcher.backward
 
     def spy(*a, **kw):
         grids.append((kw["launch"]["phase"], kw.get("tile_programs")))
         return real(*a, **kw)
-    monkeypatch.setattr(launch, "_backward", spy)
+    monkeypatch.setattr(Launcher, "backward", spy)
     args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes={"K": 8, "V": 40}, dtype=torch.float32,
                               requires_grad=True, seed=11)
     st = random_state(op.ir, 2, 2, sizes, requires_grad=True)

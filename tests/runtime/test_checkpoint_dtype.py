@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mixc
 from mixc.runtime import launch
+from mixc.standalone.launcher import Launcher
 from mixc.runtime.inputs import random_args
 
 
@@ -20,15 +21,15 @@ def test_backward_state_gradients_take_the_checkpoint_dtype(monkeypatch):
     args, _ = random_args(op.ir, B=1, T=40, H=2, sizes={"K": 16, "V": 16}, dtype=torch.bfloat16,
                           requires_grad=True, seed=9)
     seen = []
-    real = launch._backward
+    real = Launcher.backward
 
-    def spy(plan, bound, form, per_state, *a, **kw):
+    def spy(self, bound, form, per_state, *a, **kw):
         def watch(s, *rest):
             bufs = per_state(s, *rest)
             seen.append((kw["launch"]["phase"], bufs["dh"].dtype))
             return bufs
-        return real(plan, bound, form, watch, *a, **kw)
-    monkeypatch.setattr(launch, "_backward", spy)
+        return real(self, bound, form, watch, *a, **kw)
+    monkeypatch.setattr(Launcher, "backward", spy)
     for fp32, want in ((False, torch.bfloat16), (True, torch.float32)):
         monkeypatch.setattr(launch, "FP32_CHECKPOINTS", fp32)
         seen.clear()

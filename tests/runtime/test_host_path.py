@@ -16,6 +16,7 @@ import torch
 import mixc
 from helpers import random_args
 from mixc.runtime import cache, launch
+from mixc.standalone.launcher import Launcher
 from mixc.runtime import op as op_module
 from mixc.runtime.signature import ArgumentError
 
@@ -171,7 +172,8 @@ def test_the_fast_path_binds_nothing(monkeypatch):
     counts = {}
     from mixc.runtime import custom_op, signature
     for owner, attr in [(op_module, "bind"), (signature, "bind"), (signature, "option_values"),
-                        (launch, "dim_kwargs"), (launch, "_forward"), (cache, "load_module"),
+                        (launch, "launcher"), (launch, "plan_of"), (Launcher, "dim_blocks"), (Launcher, "forward"),
+                        (cache, "load_module"),
                         (custom_op, "_bound"), (op_module.MixerOp, "_plan_for"), (op_module.MixerOp, "_kernels")]:
         monkeypatch.setattr(owner, attr, _counting(counts, attr, getattr(owner, attr)))
     for _ in range(3):
@@ -329,7 +331,7 @@ def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, w
     PHASE 2 the outputs, and gla's PHASE 4 between them, its intra-chunk matrices; forced here
     under the interpreter) replays them all: outputs and final
     states bit for bit as bound calls, with and without an initial state and final state, fixed
-    length and packed, no launch bound (launch._forward unused); mlstm's stabilizer state starts
+    length and packed, no launch bound (Launcher.forward unused); mlstm's stabilizer state starts
     at 0 per call; bf16 (its checkpoints in bf16); the packed recurrent forward (one launch) too;
     a checkpoint every two chunks (the replay's PHASE 2 slot table spans two chunks per slot).
     The replayed output against float64."""
@@ -347,8 +349,8 @@ def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, w
     st = op(**args, output_final_state=True, cu_seqlens=cu, mode="recurrent")[1] if with_state else None
     op._fast.clear()
     bound_launches = []
-    real = launch._forward
-    monkeypatch.setattr(launch, "_forward", lambda *a, **kw: (bound_launches.append(1), real(*a, **kw))[1])
+    real = Launcher.forward
+    monkeypatch.setattr(Launcher, "forward", lambda *a, **kw: (bound_launches.append(1), real(*a, **kw))[1])
     for i in range(2):
         call_in = {k: v + 0.05 * i for k, v in args.items()}
         bound_launches.clear()
@@ -385,8 +387,8 @@ def test_a_launch_setting_changed_after_a_call_is_not_replayed_past(monkeypatch)
     o1, _ = op(**args)
     op(**args)
     phases = []
-    real = launch._forward
-    monkeypatch.setattr(launch, "_forward",
+    real = Launcher.forward
+    monkeypatch.setattr(Launcher, "forward",
                         lambda *a, **kw: (phases.append(kw["launch"].get("phase")), real(*a, **kw))[1])
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     o2, _ = op(**args)

@@ -14,6 +14,8 @@ import triton.language as tl
 import mixc
 from mixc import classes
 from mixc.runtime import launch
+from mixc.standalone import launcher
+from mixc.standalone.launcher import Launcher
 from mixc.runtime.inputs import random_args
 
 from interpreter_bounds import OutOfBounds, bounds_checked
@@ -71,18 +73,20 @@ def test_retention_at_the_cuda_launch_structure_stays_in_bounds(phases, monkeypa
     monkeypatch.setattr(launch, "CHUNK_PHASES", phases)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 4)
     monkeypatch.setattr(launch, "KEY_BLOCK", 32)
-    monkeypatch.setattr(launch, "_dot_code", lambda dtype, half=True: {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0))
+    monkeypatch.setattr(launcher, "dot_code", lambda dtype, half, interpreting: {torch.bfloat16: 1,
+                                                                                torch.float16: 2}.get(dtype, 0))
     monkeypatch.setattr(type(classes.unit("scalar decay")), "output_tile", 32)      # as on the H200
+    monkeypatch.setattr(launch, "_PLANS", {})          # the LaunchPlans derived again, with the class's 32
     op = mixc.load("retention")
     args, _ = random_args(op.ir, B=2, T=150, H=2, sizes={"K": 64, "V": 64}, dtype=torch.bfloat16,
                           requires_grad=True, seed=5)
     seen_phases = []
-    real = launch._forward
+    real = Launcher.forward
 
     def spy(*a, **kw):
         seen_phases.append((kw["launch"]["phase"], kw["launch"]["block", "V"], kw["launch"]["ckpt_every"]))
         return real(*a, **kw)
-    monkeypatch.setattr(launch, "_forward", spy)
+    monkeypatch.setattr(Launcher, "forward", spy)
     with bounds_checked() as seen:
         _fwd_bwd(op, args, mode="chunk", chunk=16)
     assert not seen["errors"], seen["errors"][:1]

@@ -22,7 +22,7 @@ def test_chunk_slot_table_names_every_chunk_once(lens, C):
     kw, _ = random_args(op.ir, B=1, T=T, H=2, sizes={"K": 4, "V": 4})
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     bound = bind(op.ir, dict(kw, cu_seqlens=cu))
-    programs, args = launch._chunk_launch(op.plan(), bound, C)
+    programs, args = launch.rules(op.plan()).chunk_launch(bound, C)
     table = args["chunk_seq"].tolist()
     assert programs == len(table) == launch.checkpoint_slots(bound, C)
     want = {}
@@ -43,11 +43,14 @@ def test_forced_phases_win_over_the_launch_config(monkeypatch):
     """gpu_check's "chunk walk" mode sets CHUNK_PHASES = 1 while CUDA's untuned launch config
     says two launches: the forced choice must win, or the mode would test the wrong form."""
     from mixc.runtime.autotune import Config
-    cpu = torch.device("cpu")
+    cpu, plan = torch.device("cpu"), mixc.load("gla").plan()
+
+    def phases(cfg):
+        return launch.rules(plan).phases(cfg, cpu)
     monkeypatch.setattr(launch, "CHUNK_PHASES", None)
-    assert launch._phases(Config(8, 3, phases=2), cpu) == 2 and launch._phases(Config(8, 1, phases=1), cpu) == 1
-    assert launch._phases(None, cpu) == 1                     # the interpreter's default: the walk
+    assert phases(Config(8, 3, phases=2)) == 2 and phases(Config(8, 1, phases=1)) == 1
+    assert phases(None) == 1                     # the interpreter's default: the walk
     monkeypatch.setattr(launch, "CHUNK_PHASES", 1)
-    assert launch._phases(Config(8, 3, phases=2), cpu) == 1
+    assert phases(Config(8, 3, phases=2)) == 1
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
-    assert launch._phases(Config(8, 1, phases=1), cpu) == 2 and launch._phases(None, cpu) == 2
+    assert phases(Config(8, 1, phases=1)) == 2 and phases(None) == 2

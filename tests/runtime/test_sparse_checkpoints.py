@@ -139,10 +139,11 @@ def test_class_policies_the_rank1_checkpoint_per_chunk_and_backward_tiles(monkey
         op = mixc.load(name)
         args, _ = random_args(op.ir, B=1, T=4096, H=16, sizes={"K": 128, "V": 128}, dtype=torch.bfloat16, seed=1)
         plan, bound = op.plan(), bind(op.ir, args)
-        return (launch.checkpoint_every(plan, bound, C), launch.chunk_blocks(plan, bound)["block", "V"],
-                launch.backward_blocks(plan, bound).get(("block", "V")))
+        rules = launch.rules(plan)
+        return (rules.checkpoint_every(bound, C), rules.chunk_blocks(bound)["block", "V"],
+                rules.backward_blocks(bound).get(("block", "V")))
     assert mixc.load("delta_rule").plan().layout.chunk_size == 64
     assert policy("delta_rule", 64) == (1, 64, 16)
     assert policy("gated_delta_rule", 32) == (2, 64, 16)
     assert policy("simple_gla", 64) == (4, 64, None)
-    assert launch.checkpoint_tokens(mixc.load("kda").plan()) == launch.CHECKPOINT_TOKENS
+    assert launch.rules(mixc.load("kda").plan()).checkpoint_tokens() == launch.CHECKPOINT_TOKENS

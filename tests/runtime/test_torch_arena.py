@@ -11,7 +11,7 @@ import torch
 
 import mixc
 from mixc.classes import torch_ops
-from mixc.runtime import torch_chunks
+from mixc.runtime import torch_chunk
 from mixc.runtime.inputs import random_args
 
 SPECS = ["simple_gla", "gated_delta_rule", "linear_attn", "delta_rule", "rwkv6", "gla", "retention"]
@@ -47,7 +47,7 @@ def test_two_calls_outputs_are_independent(name, groups, monkeypatch):
     states as they were, returns what a call without the arena returns (bit for bit), and
     nothing it returns shares storage with the arena."""
     if groups == "several":             # ~3 chunks a group: the state carried between groups
-        monkeypatch.setattr(torch_chunks, "GROUP_ELEMENTS", 3 * 2 * 64 * 64)
+        monkeypatch.setattr(torch_chunk, "GROUP_ELEMENTS", 3 * 2 * 64 * 64)
     op = mixc.load(name)
     a1, a2 = _args(op, 640, 1), _args(op, 640, 2)
     o1, f1 = _run(op, a1)
@@ -59,7 +59,7 @@ def test_two_calls_outputs_are_independent(name, groups, monkeypatch):
         assert torch.equal(f1[k], keep_f[k])
     for t in [o1, o2, *f1.values(), *f2.values()]:
         assert not _shares_arena(t)
-    monkeypatch.setattr(torch_chunks, "arena", lambda like: None)
+    monkeypatch.setattr(torch_chunk, "arena", lambda like: None)
     o3, f3 = _run(op, a2)
     assert torch.equal(o2, o3)
     for k in f2:
@@ -90,8 +90,8 @@ def test_nothing_under_autograd_takes_from_the_arena(name, monkeypatch):
     call, so the graph must save none), and the gradients are those of a no-arena run."""
     op = mixc.load(name)
     asked = []
-    real = torch_chunks.arena
-    monkeypatch.setattr(torch_chunks, "arena", lambda like: asked.append(1) or real(like))
+    real = torch_chunk.arena
+    monkeypatch.setattr(torch_chunk, "arena", lambda like: asked.append(1) or real(like))
     args = _args(op, 256, 3, grad=True)
     o, _ = op(**args, mode="torch")
     assert not asked
@@ -156,14 +156,14 @@ def test_an_arena_in_use_is_not_handed_out_twice(monkeypatch):
 
     op = mixc.load("simple_gla")
     args = _args(op, 256, 6)
-    real = torch_chunks._readout_part
+    real = torch_chunk._readout_part
 
     def fail(*a, **k):
         raise RuntimeError("boom")
-    monkeypatch.setattr(torch_chunks, "_readout_part", fail)
+    monkeypatch.setattr(torch_chunk, "_readout_part", fail)
     with pytest.raises(RuntimeError, match="boom"):
         _run(op, args)
-    monkeypatch.setattr(torch_chunks, "_readout_part", real)
+    monkeypatch.setattr(torch_chunk, "_readout_part", real)
     b = torch_ops.arena(x)
     assert b is a
     torch_ops.release_arena(b)

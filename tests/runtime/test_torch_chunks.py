@@ -1,4 +1,4 @@
-"""The torch backend over all chunks at once (mixc/runtime/torch_chunks.py): packed sequences
+"""The torch backend over all chunks at once (mixc/runtime/torch_chunk.py, torch_forward_batched): packed sequences
 through the padded chunk layout, the key class's sub-chunk products (mixc/classes/torch_ops.py)
 against the per-pair sums, and the promise that only the state walk is sequential (a few ops
 per chunk)."""
@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixc
 from mixc.classes import torch_ops
-from mixc.runtime import torch_chunks as tc
+from mixc.runtime import torch_chunk as tc
 
 from helpers import random_args, random_state
 
