@@ -9,7 +9,7 @@ ckpt2": at T = 130, three chunks of 64 or five of 32, the last checkpoint's part
 policy of launch.checkpoint_every keeps one per chunk at so few programs) and, where the
 spec stages its intra-chunk matrices (PHASE 4: gla, rwkv6, hgrn2, s4d), without them (mode
 "chunk unstaged": launch.STAGE_INTRA = False), for the rank-1 class with its staged inverse
-(mode "chunk staged solve": launch.STAGE_SOLVE = True, off by default), and with the forward's
+(mode "chunk staged solve": launch.STAGE_SOLVE = True, the default since 2026-12-05), and with the forward's
 PHASE 4 and 2 looping
 over key blocks of 16 (mode "chunk keyblock16": launch.KEY_BLOCK = 16, a checkpoint per chunk,
 two blocks at D = 32; codegen/key_split.py, which the policy runs at C * K > 32 * 128 where a

@@ -82,7 +82,7 @@ FLA_WALKS = {
 }
 _MIXC = re.compile(r"_chunk_(fwd|bwd)\[(\d)\]$")
 # mixc's delta-rule walks: the state's correction is the WY form, solved per chunk inside the
-# walk unless the staged inverse is on (launch.STAGE_SOLVE; off by default)
+# walk unless the staged inverse is on (launch.STAGE_SOLVE: on by default since this model chose it)
 SOLVE_IN_WALK = {"delta_rule", "gated_delta_rule", "kda", "rwkv7", "dplr"}
 
 

@@ -102,7 +102,7 @@ class TransitionClass:
     # per chunk into p_intra, PHASE 2 (every tile block) reads it (ChunkCode.intra_slot)
     stages_intra: bool = False
     # its setup's [C, C] inverse (the rank-1 class's (I - M)^-1) can be staged by the forward's
-    # PHASE 4 for PHASE 1 (the walk) and 2 to read (launch.STAGE_SOLVE: off by default)
+    # PHASE 4 for PHASE 1 (the walk) and 2 to read (launch.STAGE_SOLVE: on by default)
     stages_solve: bool = False
     # the forward PHASE 2's block of the tile dim (None: launch.CHUNK_TILE, the other launches')
     output_tile: int | None = None

@@ -29,8 +29,8 @@ class Rank1(TransitionClass):
     # corrected values, rank1.j2), 148 + 736 with 32, 104 + 684 with 16 (bench/README.md)
     backward_tile = 16
     # PHASE 4 can stage each chunk's (I - M)^-1 (launch.STAGE_SOLVE): the walk then takes U as one
-    # matmul instead of C - 1 dependent substitution rows; off by default (its bytes and spills:
-    # launch.STAGE_SOLVE)
+    # matmul instead of C - 1 dependent substitution rows; on by default on CUDA (chosen by the
+    # time model against its bytes and spills: standalone/launch_data.py, stage_solve)
     stages_solve = True
 
     def chunk_size(self, st) -> int:

@@ -114,9 +114,14 @@ class LaunchSettings:
     checkpoint_tokens: int = 256
     min_programs: int = 512
     # The forward in two launches stages the intra-chunk matrices (PHASE 4) of the classes that
-    # stage them (the key-diagonal decay's A); stage_solve: the rank-1 class's inverse too.
+    # stage them (the key-diagonal decay's A); stage_solve: the rank-1 class's inverse too, so
+    # the walk takes U as one matmul instead of C - 1 dependent substitution rows. On since
+    # 2026-12-05 by the time model (bench/time_model, bench/README.md): the delta rules' forward
+    # models 1.66 -> 0.75 ms on an H100 at T = 8192, H = 16, though it moves 2580 -> 3222 B per
+    # token-head; the two tie only if a solve row took 0.008 us (two cross-warp reductions take
+    # ~0.1). Unmeasured on a GPU: bench/gpu_check's "chunk staged solve" and the default time both.
     stage_intra: bool = True
-    stage_solve: bool = False
+    stage_solve: bool = True
     # The key dim's block in the chunked forward's PHASE 4 and 2: None: key_block_at where the
     # chunk's [C, K] blocks exceed key_block_elements, else the whole dim; an int forces it.
     key_block: int | None = None

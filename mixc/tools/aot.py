@@ -184,7 +184,8 @@ def main(argv=None) -> int:
                    help="with --key-block: the chunks a forward PHASE 2 program walks (CKPT_EVERY; more than "
                         "one: the state in static key blocks, codegen/key_walk.py)")
     p.add_argument("--stage-solve", action="store_true",
-                   help="the rank-1 class's staged inverse (launch.STAGE_SOLVE): its walk and PHASE 2 read it")
+                   help="the rank-1 class's staged inverse (launch.STAGE_SOLVE, on by default at run time): its walk and "
+                        "PHASE 2 read it; without it they compile with the solve in the walk (STAGE_SOLVE off)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)

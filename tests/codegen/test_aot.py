@@ -124,7 +124,8 @@ def test_the_static_key_walk_compiles(tmp_path, specs):
 
 
 def test_the_staged_rank1_inverse_compiles(tmp_path):
-    """launch.STAGE_SOLVE's path (off by default, so the other compiles take the computing one):
+    """launch.STAGE_SOLVE's path (on by default at run time; the other compiles take the solve in
+    the walk, so both paths compile):
     PHASE 4 storing each chunk's inverse, the walk (PHASE 1) and PHASE 2 (its key loop: KEY_BLOCK
     16 of 64) taking U by one matmul with it, for sm_90 with the real compiler, on tensor cores;
     the per-key decay's PHASE 4 (KDA) has no matmul."""
