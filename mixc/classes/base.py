@@ -64,6 +64,9 @@ class TransitionClass:
     # the stabilizer's rescaled state keeps this class's own log decay (a scalar decay); the
     # others' log decay is 0 there (a prefix sum)
     stabilizer_keeps_decay: bool = False
+    # mode "torch"'s prefill takes the token loop of the generated step over this class's
+    # chunked torch form: no matmul to batch in a chunk (runtime/torch_step.py, measured there)
+    token_loop_prefill: bool = False
 
     def claims(self, u: UpdateShape) -> bool:
         raise NotImplementedError

@@ -10,6 +10,7 @@ class ValueDiagonal(TransitionClass):
     hardness = 2
     parallel_form = "chunk"
     torch_chunked = True
+    token_loop_prefill = True       # mode torch prefills by the token loop (runtime/torch_step.py)
     conv_form = True
     template = "value_diag.j2"
 

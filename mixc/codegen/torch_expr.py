@@ -82,7 +82,10 @@ class TorchEmitter(Emitter):
             (a, da), (b, db) = self(e.args[0]), self(e.args[1])
             out = canon(self.order, set(da) | set(db))
             fn = "torch.maximum" if e.fn == "max" else "torch.minimum"
-            return self.emit_as(f"{fn}(_t({self.expand(a, da, out)}), _t({self.expand(b, db, out)}))", out, [a, b])
+            # a number operand as a 0-d tensor (torch.maximum takes tensors only); a tensor as it is
+            # (the token loop calls this per token: each wrapper is a Python call)
+            ta, tb = (f"_t({v})" if self.is_scalar(v) else v for v in (self.expand(a, da, out), self.expand(b, db, out)))
+            return self.emit_as(f"{fn}({ta}, {tb})", out, [a, b])
         x, d = self(e.args[0])
         arg = f"_t({x})" if self.is_scalar(x) else x
         return self.emit_as(CALLS[e.fn].format(x=arg), d, [x])

@@ -429,7 +429,9 @@ def _tokens(plan: Plan) -> str:
     empty = f"_x0.new_zeros(_B, 0, _H{', ' + sizes if sizes else ''})"
     ret = [f"{I1}_o = torch.stack(_outs, 1) if _outs else {empty}",
            f"{I1}return _o, {_state_dict(plan, names)}"]
-    return "\n".join(lines + _head_line(outer.lines, 3) + outer.lines + body_em.slices + loads + loop + ret)
+    # `head` may reach the loop only through a slice of it (_u = _head[:, 0]) or the body
+    head = _head_line(outer.lines + body_em.slices + body, 3)
+    return "\n".join(lines + head + outer.lines + body_em.slices + loads + loop + ret)
 
 
 def torch_step_hooks(plan: Plan) -> dict:

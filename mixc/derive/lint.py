@@ -218,7 +218,7 @@ def _divisor(e: ir.Expr) -> ir.Expr | None:
 
 def _declare_hint(plan: P.Plan, expr: sp.Expr, want: str) -> str:
     """What to declare so that expr is provably <= 0 (want 'nonpositive') or >= 0: a range on
-    the one input or param that decides its sign (`input g[K] in (-inf, 0]`), else on the
+    the one input or param that decides its sign (`input g[K] in [-inf, 0]`), else on the
     inputs and params it reads."""
     table = plan.table
     free = [x for x in table.leaves(expr) if _declared(plan.ir, x.name) is None]
@@ -243,13 +243,13 @@ def _declare_hint(plan: P.Plan, expr: sp.Expr, want: str) -> str:
         decl = _declared_decl(plan.ir, target.name)
         kind = table.kinds[target]
         shape = "[" + ", ".join(decl.shape) + "]"
-        return f"declare it: `{kind} {target.name}{shape} in {'(-inf, 0]' if negative else '[0, inf)'}`"
+        return f"declare it: `{kind} {target.name}{shape} in {'[-inf, 0]' if negative else '[0, inf)'}`"
     # a value read only through a bounded function (sigmoid(fz), tanh(x)) decides nothing
     bounded = {f: sp.Dummy() for f in expr.atoms(sp.Function) if type(f).__name__ in ("sigmoid", "tanh")}
     deciding = [x for x in free if x in expr.xreplace(bounded).free_symbols] or free
     names = ", ".join(x.name for x in deciding)
     return (f"declare the ranges of {names} that make it {'<= 0' if want == 'nonpositive' else '>= 0'} "
-            "(`in (-inf, 0]`, `in [0, inf)`, `in [0, 1]`)")
+            "(`in [-inf, 0]`, `in [0, inf)`, `in [0, 1]`)")
 
 
 def _bound_hint(m: ir.MixerIR, arg: ir.Expr) -> str:

@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..derive.plan import ELEMENTWISE, VALUE_DIAG, Plan
+from .. import classes
+from ..derive.plan import Plan
 from ..standalone import torch_tokens as _driver
 from .cache import load_module
 from .inputs import check_ranges
@@ -34,7 +35,7 @@ def use_token_loop(plan: Plan, bound: Bound) -> bool:
     if not plan.layout.torch_chunked:
         return True
     for st in plan.states:
-        if st.transition in (ELEMENTWISE, VALUE_DIAG):
+        if classes.unit(st.transition).token_loop_prefill:
             return True
     return all(not s.key_dims and math.prod(bound.sizes[d] for d in s.value_dims) < LOOP_BELOW for s in plan.states)
 

@@ -60,7 +60,7 @@ def test_check_prints_the_warnings(capsys, tmp_path):
     assert out.startswith("ok: m") and "m.mix:5:10: warning: the decay of S can exceed 1" in out
     assert out.count("warning:") == 1
     # what the user can do, in the user's names: the range that makes it provable
-    assert "declare it: `input g[K] in (-inf, 0]`" in out
+    assert "declare it: `input g[K] in [-inf, 0]`" in out
 
 
 @pytest.mark.parametrize("decay", ["exp(g)", "exp(2 * g)", "sigmoid(g) ** 0.5 * exp(g)"])
@@ -73,13 +73,13 @@ def test_the_hint_names_the_one_factor_that_decides_the_sign():
     """mamba's log decay A * softplus(dt): softplus >= 0, so A <= 0 decides it."""
     spec = BASE.replace("g[K]", "g[K]\n  param  A[K]").format(decay="exp(A * softplus(g))")
     (w,) = lint(from_text(spec).plan())
-    assert "declare it: `param A[K] in (-inf, 0]`" in w.message
+    assert "declare it: `param A[K] in [-inf, 0]`" in w.message
 
 
 @pytest.mark.parametrize("name", ["gla", "gated_delta_rule", "simple_gla", "kda", "comba", "hgrn", "hgrn2",
                                   "rwkv6", "rwkv7", "mamba", "mamba2", "s4d", "gated_delta_product"])
 def test_library_gates_give_no_warning(name, capsys):
-    """Their log-space gates are <= 0 by declared range (`input g[K] in (-inf, 0]`, `param A in
+    """Their log-space gates are <= 0 by declared range (`input g[K] in [-inf, 0]`, `param A in
     (-inf, 0]`): `mixc check` warned "the decay of S can exceed 1" for each (issue 32)."""
     from mixc.cli import main
     assert main(["check", name]) == 0
@@ -140,7 +140,7 @@ def test_a_decay_that_states_share_is_warned_once():
 """
     (w,) = lint(from_text(text).plan())
     assert w.message.startswith("the decay of S and z can exceed 1: its log, g, is not provably <= 0")
-    assert "declare it: `input g[] in (-inf, 0]`" in w.message and w.span.line == 5
+    assert "declare it: `input g[] in [-inf, 0]`" in w.message and w.span.line == 5
 
 
 NORMALIZED = """mixer n

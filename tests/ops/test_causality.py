@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mixc
+from mixc.runtime.signature import ArgumentError
 
 from helpers import random_args
 
@@ -87,7 +88,8 @@ def test_a_late_nan_or_inf_log_decay_leaves_earlier_outputs_right(name, mode):
     """B1-T40-H2-K8, the default chunk (one chunk holds every token): the log decay is NaN at
     token 20 in head 0 and +inf in head 1 (garbage in a padded tail). The outputs of tokens
     0..19 equal the float64 reference's (were all NaN: the bad log entered the chunk's
-    cumulative sums and reference rows); from token 21 on no row is finite (issue 30)."""
+    cumulative sums and reference rows); from token 21 on no row is finite (issue 30). Mode torch
+    refuses them instead: the library's gates declare their range, which it checks."""
     op = mixc.load(name)
     args, _ = random_args(op.ir, B=1, T=T, H=2, sizes={"K": 8, "V": 8}, dtype=torch.float32, seed=14, bounded=True)
     ref, _ = op(**{k: v.double() for k, v in args.items()}, mode="reference")
@@ -95,6 +97,12 @@ def test_a_late_nan_or_inf_log_decay_leaves_earlier_outputs_right(name, mode):
     args[g] = args[g].clone()
     args[g][:, 20, 0] = float("nan")
     args[g][:, 20, 1] = float("inf")
+    if mode == "torch":
+        # the torch backend checks the gate's declared range (`in [-inf, 0]`) before it computes:
+        # the garbage is refused by name, the first bad value by its index
+        with pytest.raises(ArgumentError, match=rf"^{g}: expected values in \[-inf, 0\], .* got {g}\[0, 20, 0"):
+            op(**args, mode=mode)
+        return
     got, _ = op(**args, mode=mode)
     torch.testing.assert_close(got[:, :20].double(), ref[:, :20], rtol=1e-5, atol=1e-5)
     assert not torch.isfinite(got[:, 21:]).all(dim=-1).any()

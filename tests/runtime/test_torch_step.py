@@ -239,6 +239,17 @@ USER_SPECS = {
   update z = 0.5 * z + k
   output o = (q @ S) / (1 + abs(q @ z)) + q @ prev(S)
 """,
+    # `head` in an elementwise update: the token loop reads it only through a hoisted slice
+    # (the typed fuzzer's find: _head was defined only where the hoisted lines named it)
+    "head_in_update": """mixer head_in_update
+  dims   K, V
+  input  q[K], k[K], v[V]
+  param  P[K, V]
+  state  S[K, V], z[K]
+  update S = S + P
+  update z = z * (0.1 * head) + k
+  output o = q @ S + q @ z
+""",
 }
 
 
