@@ -164,7 +164,7 @@ class Emitter:
         if e.kind == "dim":
             return f"_fsize_{e.name}", ()           # a float kernel argument
         if e.kind == "head":
-            return "_head_f", ()
+            return "_fhead", ()
         if e.kind == "let" and e.name not in self.env:
             self.env[e.name] = self(self.m.let(e.name).expr)
         return self.env[e.name]

@@ -115,7 +115,7 @@ class Zeros(Expr):
 
 # Python's binding strength, for the printer's parentheses (higher binds tighter)
 BINARY = {"*": 12, "/": 12, "//": 12, "%": 12, "+": 11, "-": 11, "&": 8, "|": 6,
-          "<": 5, "<=": 5, ">": 5, ">=": 5, "==": 5, "!=": 5}
+          "<": 5, "<=": 5, ">": 5, ">=": 5, "==": 5, "!=": 5, "and": 3, "or": 2}
 COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
 
 

@@ -38,8 +38,14 @@ def _drop(stmts, dead: set[str]) -> tuple[n.Stmt, ...]:
             s = replace(s, body=_drop(s.body, dead))
         elif isinstance(s, n.If):
             s = replace(s, body=_drop(s.body, dead), orelse=_drop(s.orelse, dead))
+            if not _effects(s.body) and not _effects(s.orelse):
+                continue            # both branches emptied: the If has nothing left to do
         out.append(s)
     return tuple(out)
+
+
+def _effects(stmts) -> bool:
+    return any(not isinstance(s, n.Comment) for s in stmts)
 
 
 def _defined(stmts, names: set[str]) -> set[str]:
@@ -67,6 +73,21 @@ def dead_lets(kernel: n.Kernel) -> n.Kernel:
 
 
 DEAD_LETS = Pass("dead_lets", dead_lets, "drop Lets whose names nothing reads")
+
+
+def count(kernel: n.Kernel) -> int:
+    """The statements of a kernel, those inside loops and branches too."""
+    def c(stmts):
+        return sum(1 + (c(s.body) if isinstance(s, n.For) else c(s.body) + c(s.orelse) if isinstance(s, n.If) else 0)
+                   for s in stmts if not isinstance(s, n.Comment))
+    return c(kernel.body)
+
+
+def summary(before: n.Kernel, after: n.Kernel) -> str:
+    """What a pass changed, in a line: statements before and after, the names it dropped."""
+    gone = sorted(_defined(before.body, set()) - _defined(after.body, set()))
+    shown = ", ".join(gone[:12]) + (f" and {len(gone) - 12} more" if len(gone) > 12 else "")
+    return f"{count(before)} -> {count(after)} statements" + (f"; dropped {shown}" if gone else "")
 
 
 def run(kernel: n.Kernel, passes: tuple[Pass, ...], record: list | None = None) -> n.Kernel:

@@ -98,8 +98,9 @@ def _address(offset: n.Expr) -> str:
 
 
 def shape_comment(dims: n.Dims, dtype: str) -> str:
+    """A block's axes and (when not float32) its dtype: `[K, V]`, `[K] i1`; nothing for a scalar."""
     if not dims:
-        return "" if dtype == "f32" else dtype
+        return ""
     return f"[{', '.join(dims)}]" + ("" if dtype == "f32" else f" {dtype}")
 
 
@@ -108,7 +109,7 @@ def stmt(s: n.Stmt, indent: str = "", comments: bool = True) -> list[str]:
     if isinstance(s, n.Let):
         line = f"{indent}{s.name} = {expr(s.value)}"
         if comments:
-            note = " ".join(x for x in (shape_comment(s.dims, s.dtype), s.comment or "") if x)
+            note = ": ".join(x for x in (shape_comment(s.dims, s.dtype), s.comment or "") if x)
             if note:
                 line += f"  # {note}"
         return [line]

@@ -70,7 +70,11 @@ def _same(where: str, what: str, operands) -> None:
 
 
 def _where(s: n.Stmt) -> str:
-    line = printer.stmt(s, comments=False)[0].strip()
+    """The statement as printed (its first line), to name it in an error."""
+    try:
+        line = printer.stmt(s, comments=False)[0].strip()
+    except (ValueError, TypeError, AssertionError):       # too broken to print
+        line = f"{type(s).__name__} {getattr(s, 'name', '')}".strip()
     return f"`{line[:100]}`"
 
 
