@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..derive.plan import Plan
 from ..derive.stabilize import M, M_EMPTY
 from ..dsl import ir
+from ..standalone.kernel_args import ROLES
 from .kir import nodes as K
 from .kir import passes, printer
 from .triton_expr import Emitter, canon, mask_expr
@@ -25,6 +26,11 @@ I64 = K.Const("tl.int64")
 
 def name(x: str, dims=()) -> K.Name:
     return K.Name(x, tuple(dims))
+
+
+def arg(role: str, of: str | None = None) -> K.Name:
+    """A kernel argument by its role: its name from the one definition (standalone/kernel_args.py)."""
+    return name(ROLES[role].name.format(of))
 
 
 def num(v) -> K.Num:
@@ -87,14 +93,16 @@ def address(base: K.Expr, decl, order) -> tuple[K.Expr, K.Expr | None]:
     return add(mul(base, *[name(f"_size_{d}") for d in decl]), *offsets(decl, order)), mask_expr(canon(order, decl))
 
 
-def load(ptr: str, base: K.Expr, decl, order) -> K.Expr:
+def load(ptr: K.Name, base: K.Expr, decl, order) -> K.Expr:
+    """Row `base` of a buffer [rows, *decl] as a float32 block (padded lanes 0)."""
     offset, mask = address(base, decl, order)
-    return K.Cast(K.Load(name(ptr), offset, mask, num(0.0) if mask is not None else None), F32)
+    return K.Cast(K.Load(ptr, offset, mask, num(0.0) if mask is not None else None), F32)
 
 
-def store(ptr: str, base: K.Expr, decl, order, value: K.Expr, cast: bool = False) -> K.Store:
+def store(ptr: K.Name, base: K.Expr, decl, order, value: K.Expr, cast: bool = False) -> K.Store:
+    """Store a block into row `base` of a buffer [rows, *decl] (cast: to the buffer's dtype)."""
     offset, mask = address(base, decl, order)
-    return K.Store(name(ptr), offset, K.Cast(value, K.ElementType(name(ptr))) if cast else value, mask)
+    return K.Store(ptr, offset, K.Cast(value, K.ElementType(ptr)) if cast else value, mask)
 
 
 def input_row(x: str, token: K.Expr) -> K.Expr:
@@ -107,15 +115,15 @@ def state_base(kind: str) -> K.Expr:
     (slot: the sequence's own row, or its entry of state_indices), or per checkpoint / scratch
     slot. Checkpoint slots: sequence i's chunks start at bos // CK + i, which never overlaps
     sequence i - 1's, so packed sequences need at most (total tokens) // CK + N + 1 slots."""
-    h, i_h = name("H"), name("i_h")
+    h, i_h = arg("H"), name("i_h")
     if kind == "seq":
         return add(mul(name("i_n"), h), i_h)
     if kind == "slot":
         return add(mul(name("i_s"), h), i_h)
     if kind == "ckpt":
-        return add(mul(add(op("//", name("bos"), name("CK")), name("i_n"), name("_chunk")), h), i_h)
+        return add(mul(add(op("//", name("bos"), arg("ck")), name("i_n"), name("_chunk")), h), i_h)
     program = add(mul(add(mul(i64(pid(0)), nprog(1)), pid(1)), nprog(2)), pid(2))
-    return add(mul(program, name("CK")), name("_slot"))
+    return add(mul(program, arg("ck")), name("_slot"))
 
 
 def partial_index(plan: Plan, shape) -> K.Expr | None:
@@ -138,7 +146,7 @@ def tile_base(plan: Plan, shape, base: K.Expr, rows: str) -> K.Expr:
     """The row of a gradient of something without the tile or the split dim: each such
     program writes its own partial (summed on the host), rows offset by partial * rows."""
     index = partial_index(plan, shape)
-    return base if index is None else add(mul(index, name(rows), name("H")), base)
+    return base if index is None else add(mul(index, name(rows), arg("H")), base)
 
 
 # ---- the kernels' common opening ----
@@ -148,28 +156,28 @@ def prologue(plan: Plan, split_comment: str, rows_comment: str) -> list[K.Stmt]:
     m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     tile, split = plan.layout.tile, plan.layout.split
     body: list[K.Stmt] = [
-        let("i_n", op("//", pid(0), name("H")), "i32"),
-        let("i_h", op("%", pid(0), name("H")), "i32"),
-        K.If(name("IS_VARLEN"),
-             (let("bos", i64(K.Load(name("p_cu_seqlens"), name("i_n"))), "i64"),
-              let("eos", i64(K.Load(name("p_cu_seqlens"), add(name("i_n"), num(1)))), "i64")),
-             (let("bos", mul(i64(name("i_n")), name("T")), "i64"),
-              let("eos", add(name("bos"), name("T")), "i64"))),
+        let("i_n", op("//", pid(0), arg("H")), "i32"),
+        let("i_h", op("%", pid(0), arg("H")), "i32"),
+        K.If(arg("varlen"),
+             (let("bos", i64(K.Load(arg("cu_seqlens"), name("i_n"))), "i64"),
+              let("eos", i64(K.Load(arg("cu_seqlens"), add(name("i_n"), num(1)))), "i64")),
+             (let("bos", mul(i64(name("i_n")), arg("T")), "i64"),
+              let("eos", add(name("bos"), arg("T")), "i64"))),
         let("_fhead", mul(name("i_h"), num(1.0))),
     ]
     return body, [
         *([let("_not_first", K.Cast(op(">", pid(2), num(0)), F32), comment=split_comment)] if split else []),
-        let("_nseq", op("//", nprog(0), name("H")), "i32", rows_comment),
-        K.If(name("IS_VARLEN"), (let("_ntok", name("T"), "i32"),), (let("_ntok", mul(name("_nseq"), name("T")), "i32"),)),
+        let("_nseq", op("//", nprog(0), arg("H")), "i32", rows_comment),
+        K.If(arg("varlen"), (let("_ntok", arg("T"), "i32"),), (let("_ntok", mul(name("_nseq"), arg("T")), "i32"),)),
         *[s for d in order for s in _lanes(d, 1 if d == tile else 2 if d == split else None)],
         K.Comment(""),
         K.Comment("params"),
-        *[let(f"v_{d.name}", load(f"p_{d.name}", name("i_h"), d.shape, order)) for d in m.params],
+        *[let(f"v_{d.name}", load(arg("param", d.name), name("i_h"), d.shape, order)) for d in m.params],
         # grouped heads: input x has H / _group_x heads and head i_h reads its head i_h // _group_x
         # (no copy per head; _group_x = 1, Triton's specialization, folds this away)
         *([K.Comment("grouped heads: each input's heads, and the one this head reads")] if m.inputs else []),
-        *[s for d in m.inputs for s in (let(f"_heads_{d.name}", op("//", name("H"), name(f"_group_{d.name}")), "i32"),
-                                        let(f"_head_{d.name}", op("//", name("i_h"), name(f"_group_{d.name}")), "i32"))],
+        *[s for d in m.inputs for s in (let(f"_heads_{d.name}", op("//", arg("H"), arg("group", d.name)), "i32"),
+                                        let(f"_head_{d.name}", op("//", name("i_h"), arg("group", d.name)), "i32"))],
     ]
 
 
@@ -210,7 +218,7 @@ class Token:
         m, order = self.plan.kernel_ir, self.plan.kernel_ir.dim_names
         self.env = base_env(self.plan)
         for d in m.inputs:      # its row: token _t, its head (grouped heads: prologue)
-            self.stmts.append(let(f"v_{d.name}", load(f"p_{d.name}", input_row(d.name, name("_t")), d.shape, order)))
+            self.stmts.append(let(f"v_{d.name}", load(arg("input", d.name), input_row(d.name, name("_t")), d.shape, order)))
             self.env[d.name] = (f"v_{d.name}", canon(order, d.shape))
         self.lets = self.emitter(self.env, "_l")
         for x in m.lets:
@@ -283,24 +291,24 @@ def forward_kernel(plan: Plan, kernel: str, header: tuple[str, ...]) -> K.Kernel
         K.Comment("state before its first token and writes the same block after its last, so the initial and"),
         K.Comment("final buffers may be one (launch.py keeps one tile block where a state lacks the tile dim)"),
         let("i_s", i64(name("i_n")), "i64"),
-        K.If(name("USE_STATE_INDICES"), (let("i_s", i64(K.Load(name("p_state_indices"), name("i_n"))), "i64"),)),
+        K.If(arg("use_indices"), (let("i_s", i64(K.Load(arg("state_indices"), name("i_n"))), "i64"),)),
     ]
     states: list[K.Stmt] = [K.Comment(""), K.Comment("states")]
     for s in m.states:
         states.append(let(f"s_{s.name}", initial_state(s, order)))
-        states.append(K.If(name("USE_INITIAL_STATE"),
-                           (let(f"s_{s.name}", load(f"p_init_{s.name}", state_base("slot"), s.shape, order)),)))
+        states.append(K.If(arg("use_initial"),
+                           (let(f"s_{s.name}", load(arg("init", s.name), state_base("slot"), s.shape, order)),)))
     since = op("-", name("_t"), name("bos"))
-    ckpt = K.If(name("STORE_CHECKPOINTS"), (K.If(op("==", op("%", since, name("CK")), num(0)), (
-        let("_chunk", op("//", since, name("CK")), "i64"),
-        *[store(f"p_ckpt_{s.name}", state_base("ckpt"), s.shape, order, state(s, order)) for s in m.states])),))
+    ckpt = K.If(arg("store_ckpt"), (K.If(op("==", op("%", since, arg("ck")), num(0)), (
+        let("_chunk", op("//", since, arg("ck")), "i64"),
+        *[store(arg("ckpt", s.name), state_base("ckpt"), s.shape, order, state(s, order)) for s in m.states])),))
     tok = Token(plan).build()
     o_shape = m.output.expr.shape
     row = name("_row")
-    out = store("p_out", tile_base(plan, o_shape, row, "_ntok") if split else row, o_shape, order,
+    out = store(arg("out"), tile_base(plan, o_shape, row, "_ntok") if split else row, o_shape, order,
                 tok.out.bcast(*tok.o, canon(order, o_shape)), cast=True)
     loop = K.For("_t", name("bos"), name("eos"), (
-        let("_row", add(mul(name("_t"), name("H")), name("i_h")), "i64"),
+        let("_row", add(mul(name("_t"), arg("H")), name("i_h")), "i64"),
         ckpt,
         K.Comment("this token: inputs, lets, every state's update from the previous states, the output"),
         *tok.stmts,
@@ -308,8 +316,8 @@ def forward_kernel(plan: Plan, kernel: str, header: tuple[str, ...]) -> K.Kernel
         # the states advance after the output has read both the old and the new ones
         *[let(f"s_{s}", tok.upd.value(v, canon(order, m.state(s).shape))) for s, v in tok.new.items()],
     ))
-    final = K.If(name("STORE_FINAL_STATE"), tuple(
-        store(f"p_final_{s.name}", state_base("slot"), s.shape, order, state(s, order)) for s in m.states))
+    final = K.If(arg("store_final"), tuple(
+        store(arg("final", s.name), state_base("slot"), s.shape, order, state(s, order)) for s in m.states))
     body = (*opening, *slot, *rest, *states, K.Comment(""), loop, K.Comment(""), final)
     return K.Kernel(kernel, header, arguments(plan, "recurrent_fwd"), tuple(body), FWD_NOTES)
 

@@ -205,7 +205,8 @@ class Emitter:
         A, B = self.bcast(a, da, out), self.bcast(b, db, out)
         m = self.value(*self.emit(_exp(K.BinOp("*", B, _log(K.Call("tl.abs", (A,))))), out))
         floor = K.Call("tl.floor", (K.BinOp("*", K.Num(0.5), B),))
-        odd = self.value(*self.emit(K.BinOp("==", K.BinOp("-", B, K.BinOp("*", K.Num(2.0), floor)), K.Num(1.0)), out))
+        # b odd: a block with b's own dims (b may be a scalar that broadcasts against a)
+        odd = self.value(*self.emit(K.BinOp("==", K.BinOp("-", B, K.BinOp("*", K.Num(2.0), floor)), K.Num(1.0)), B.dims))
         neg = self.value(*self.emit(K.Call("tl.where", (
             K.BinOp("==", B, K.Call("tl.floor", (B,))), K.Call("tl.where", (odd, K.Neg(m), m)),
             K.Num(float("nan")))), out))
