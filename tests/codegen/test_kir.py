@@ -265,3 +265,36 @@ def test_recurrent_kernels_compile_for_sm90(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     got = {(r["spec"], r["kernel"]) for r in json.loads(p.stdout)}
     assert got == {(n, k) for n in RECURRENT for k in ("recurrent_fwd", "recurrent_bwd")}
+
+
+HEAD_AND_F = """
+mixer head_and_f
+  dims   K, V
+  input  q[K], k[K], v[V], f[]
+  let    a = sigmoid(f) * exp(-0.5 * head)
+  state  S[K, V]
+  update S = a * S + k * v
+  output o = q @ S
+"""
+
+
+@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
+def test_an_input_named_f_leaves_the_head_index_alone(mode):
+    """An input named f once gave the kernels `_head_f = i_h // _group_f` (its head among the
+    grouped heads) over the float head index `_head_f = i_h * 1.0` that `head` reads (the
+    verifier's re-assignment rule found it): with f shared by groups of 2 heads, heads 1 and 3
+    read the decay of heads 0 and 1. B2-T9-H4-K4-V3 against the float64 reference on f repeated."""
+    from helpers import random_args
+    op = pipeline.from_text(HEAD_AND_F, "head_and_f.mix")
+    args, _ = random_args(op.ir, B=2, T=9, H=4, sizes={"K": 4, "V": 3}, dtype=torch.float32, seed=5)
+    args["f"] = args["f"][:, :, :2].clone()
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in args.items()}
+    o, _ = op(**leaves, mode=mode)
+    ref = {k: v.detach().double().requires_grad_(True) for k, v in args.items()}
+    o_ref, _ = op(**{k: (v.repeat_interleave(2, dim=2) if k == "f" else v) for k, v in ref.items()}, mode="reference")
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-5)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (o.double() * w).sum().backward()
+    (o_ref * w).sum().backward()
+    for k in args:
+        torch.testing.assert_close(leaves[k].grad.double(), ref[k].grad, rtol=1e-4, atol=1e-5, msg=k)
