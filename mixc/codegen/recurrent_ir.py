@@ -82,7 +82,7 @@ def offsets(decl: tuple[str, ...], order) -> list[K.Expr]:
     """The terms of the offsets of a block laid out in declared order, as blocks in canonical
     order (each lane's index times the stride of its dim)."""
     cd = canon(order, decl)
-    return [mul(K.Broadcast(name(f"_offs_{d}", (d,)), cd), *[name(f"_size_{x}") for x in decl[i + 1:]])
+    return [mul(K.Broadcast(name(f"_offs_{d}", (d,)), cd), *[arg("size", x) for x in decl[i + 1:]])
             for i, d in enumerate(decl)]
 
 
@@ -90,7 +90,7 @@ def address(base: K.Expr, decl, order) -> tuple[K.Expr, K.Expr | None]:
     """(offset, mask) of row `base` of a buffer [rows, *decl]."""
     if not decl:
         return base, None
-    return add(mul(base, *[name(f"_size_{d}") for d in decl]), *offsets(decl, order)), mask_expr(canon(order, decl))
+    return add(mul(base, *[arg("size", d) for d in decl]), *offsets(decl, order)), mask_expr(canon(order, decl))
 
 
 def load(ptr: K.Name, base: K.Expr, decl, order) -> K.Expr:
@@ -151,8 +151,10 @@ def tile_base(plan: Plan, shape, base: K.Expr, rows: str) -> K.Expr:
 
 # ---- the kernels' common opening ----
 
-def prologue(plan: Plan, split_comment: str, rows_comment: str) -> list[K.Stmt]:
-    """Program ids, the sequence's tokens, each dim's lanes and masks, params, grouped heads."""
+def prologue(plan: Plan, split_comment: str, rows_comment: str) -> tuple[list[K.Stmt], list[K.Stmt]]:
+    """What both kernels open with, in two parts (the forward puts the state's row between):
+    the program's sequence, head and tokens; then the partial rows, each dim's lanes and masks,
+    the params and the grouped heads."""
     m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     tile, split = plan.layout.tile, plan.layout.split
     body: list[K.Stmt] = [
@@ -182,9 +184,10 @@ def prologue(plan: Plan, split_comment: str, rows_comment: str) -> list[K.Stmt]:
 
 
 def _lanes(d: str, axis: int | None) -> list[K.Let]:
-    lanes = K.Arange(d) if axis is None else add(mul(pid(axis), name(f"_BLOCK_{d}")), K.Arange(d))
+    """A dim's lanes: the whole dim's block, or (axis) this program's block of the tile or split dim."""
+    lanes = K.Arange(d) if axis is None else add(mul(pid(axis), arg("block", d)), K.Arange(d))
     return [let(f"_offs_{d}", lanes, "i32", None if axis is None else f"this program's block of {d}"),
-            let(f"_mask_{d}", op("<", name(f"_offs_{d}", (d,)), name(f"_size_{d}")), "i1")]
+            let(f"_mask_{d}", op("<", name(f"_offs_{d}", (d,)), arg("size", d)), "i1")]
 
 
 def arguments(plan: Plan, form: str) -> tuple[K.ArgLine, ...]:
@@ -194,6 +197,7 @@ def arguments(plan: Plan, form: str) -> tuple[K.ArgLine, ...]:
 
 
 def base_env(plan: Plan) -> dict[str, Var]:
+    """The spec's names every token reads: params (loaded by the prologue) and float options."""
     m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     env = {d.name: (f"v_{d.name}", canon(order, d.shape)) for d in m.params}
     env.update({o.name: (f"v_{o.name}", ()) for o in m.options if o.kind == "float"})
