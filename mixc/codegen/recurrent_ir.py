@@ -17,7 +17,7 @@ from .kir import passes, printer
 from .triton_expr import Emitter, canon, mask_expr
 
 Var = tuple[str, tuple[str, ...]]
-RECURRENT_PASSES = (passes.DEAD_LETS,)
+RECURRENT_PASSES = (passes.DEAD_LETS, passes.HOIST_INVARIANTS)
 F32 = K.Const("tl.float32")
 I64 = K.Const("tl.int64")
 

@@ -196,6 +196,27 @@ def test_dead_lets_drops_what_nothing_reads_and_is_verified():
     assert [p for p, _ in record] == ["build", "dead_lets"]
 
 
+def test_hoist_invariants_moves_what_every_iteration_computes_alike():
+    """A Let of loop-invariant operands leaves the loop (and then the next one out); one that
+    reads the loop's variable, a re-assigned name or a load stays."""
+    x = _n("x")
+    inner = K.For("_j", K.Num(0), K.Num(3), (
+        K.Let("a", K.BinOp("*", _n("_size_K"), K.Num(2.0)), ()),         # invariant in both loops
+        K.Let("b", K.BinOp("+", _n("a"), _n("_i")), ()),                  # reads the outer loop's variable
+        K.Let("c", K.BinOp("+", _n("a"), _n("_j")), ()),                  # reads its own
+        K.Let("d", K.Cast(K.Load(_n("p_x"), K.Num(0)), K.Const("tl.float32")), ()),   # a load
+        K.Let("e", K.BinOp("+", x, _n("a")), ()),                         # x is re-assigned below
+        K.Let("x", K.BinOp("+", _n("b"), _n("c")), ()),
+        K.Store(_n("p_out"), K.Num(0), K.BinOp("+", _n("d"), _n("e"))),
+    ))
+    k = _kernel(K.Let("x", K.Num(0.0), ()), K.For("_i", K.Num(0), K.Num(2), (inner,)))
+    out = passes.run(k, (passes.HOIST_INVARIANTS,))
+    assert [s.name for s in out.body if isinstance(s, K.Let)] == ["x", "a"]
+    outer = out.body[-1]
+    assert [s.name for s in outer.body if isinstance(s, K.Let)] == ["b"]
+    assert [s.name for s in outer.body[-1].body if isinstance(s, K.Let)] == ["c", "d", "e", "x"]
+
+
 # ---- the Emitter's adapter ----
 
 def test_the_emitter_builds_ir_and_its_lines_are_the_printed_ir():
@@ -248,9 +269,14 @@ def test_dump_kir_prints_each_kernel_after_each_pass(capsys):
     assert heads == [
         "#### gla_recurrent_fwd after build (verified): 57 statements",
         "#### gla_recurrent_fwd after dead_lets (verified): 57 -> 56 statements; dropped _fhead",
+        "#### gla_recurrent_fwd after hoist_invariants (verified): 56 -> 56 statements; moved out of loops _zs_S",
         "#### gla_recurrent_bwd after build (verified): 102 statements",
         "#### gla_recurrent_bwd after dead_lets (verified): 102 -> 90 statements; dropped _ao5, _ao6, _az4, "
-        "_az6, _az7, _fhead, _o2, _o3, _oj, _z1, _z2, _z3"]
+        "_az6, _az7, _fhead, _o2, _o3, _oj, _z1, _z2, _z3",
+        "#### gla_recurrent_bwd after hoist_invariants (verified): 90 -> 90 statements; moved out of loops _zs_S"]
+    retention = pipeline.dump("kir", "retention")
+    assert ("#### retention_recurrent_fwd after hoist_invariants (verified): 57 -> 57 statements; "
+            "moved out of loops _l1, _l2, _l3, _l4, _zs_S") in retention
     assert pipeline.dump("kir", "hyena").endswith("it has no kernels")
 
 
