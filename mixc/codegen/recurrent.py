@@ -1,5 +1,5 @@
-"""Text helpers of the chunked kernels' templates (codegen/chunk.py, chunk_bwd.py): loads and
-stores of named-dim blocks, the params and grouped heads every kernel opens with. The fused
+"""Text helpers of the chunked kernels' templates (codegen/chunk.py, chunk_bwd.py): loads of
+named-dim blocks, the params and grouped heads every kernel opens with. The fused
 recurrent kernels are built as kernel IR instead (recurrent_ir.py, recurrent_bwd_ir.py); these
 helpers go when the chunked kernels do too (docs/design-notes.md, "Kernel IR")."""
 from __future__ import annotations
@@ -36,14 +36,6 @@ def load(ptr: str, base: str, decl: tuple[str, ...], order, indent: str, var: st
     offs, cd = _offsets(decl, order)
     return [f"{indent}{var} = tl.load({ptr} + {base} * {numel(decl)} + {offs}, mask={mask(cd)}, "
             f"other=0.0).to(tl.float32)"]
-
-
-def store(ptr: str, base: str, decl: tuple[str, ...], order, indent: str, value: str, cast: bool = False) -> list[str]:
-    v = f"{value}.to({ptr}.dtype.element_ty)" if cast else value
-    if not decl:
-        return [f"{indent}tl.store({ptr} + {base}, {v})"]
-    offs, cd = _offsets(decl, order)
-    return [f"{indent}tl.store({ptr} + {base} * {numel(decl)} + {offs}, {v}, mask={mask(cd)})"]
 
 
 def zeros(dims: tuple[str, ...]) -> str:
