@@ -75,10 +75,11 @@ def derive(mixer: MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     return _derive(mixer, flags)
 
 
-def kir(plan: Plan) -> str:
-    """The recurrent kernels as kernel IR after each pass (verified after each), printed."""
-    from .codegen.module import kir_text     # lazy: jinja2 and the templates load only to render
-    return kir_text(plan)
+def kir(plan: Plan) -> dict:
+    """The recurrent kernels as kernel IR (form -> kir Kernel, frozen), after their passes,
+    verified after each."""
+    from .codegen.module import recurrent_ir     # lazy: jinja2 and the templates load only to render
+    return recurrent_ir(plan)
 
 
 def render(plan: Plan) -> str:
@@ -147,7 +148,8 @@ def dump(stage: str, name_or_path, flags: dict[str, bool] | None = None) -> str:
     if stage == "kir":
         if plan.sequence is not None:
             return f"{plan.name} is a sequence mixer (conv, mix, attend): computed by torch, it has no kernels"
-        return kir(plan)
+        from .codegen.module import kir_text     # lazy: as kir() above
+        return kir_text(plan)
     return render(plan)
 
 

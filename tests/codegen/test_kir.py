@@ -278,6 +278,10 @@ def test_dump_kir_prints_each_kernel_after_each_pass(capsys):
     assert ("#### retention_recurrent_fwd after hoist_invariants (verified): 57 -> 57 statements; "
             "moved out of loops _l1, _l2, _l3, _l4, _zs_S") in retention
     assert pipeline.dump("kir", "hyena").endswith("it has no kernels")
+    # the stage itself: the kernels as frozen IR, what the module prints
+    kernels = pipeline.kir(mixc.load("gla").plan())
+    assert {f: k.name for f, k in kernels.items()} == {"recurrent_fwd": "gla_recurrent_fwd",
+                                                       "recurrent_bwd": "gla_recurrent_bwd"}
 
 
 @pytest.mark.slow
