@@ -192,8 +192,13 @@ def _lanes(d: str, axis: int | None) -> list[K.Let]:
 
 def arguments(plan: Plan, form: str) -> tuple[K.ArgLine, ...]:
     """The signature from the one definition of the arguments (standalone/kernel_args.py)."""
-    return tuple(K.ArgLine(tuple(K.Arg(a.name, a.constexpr) for a in line.args), line.comment)
+    return tuple(K.ArgLine(tuple(K.Arg(a.name, a.constexpr, _arg_dtype(a)) for a in line.args), line.comment)
                  for line in plan.layout.kernel_args[form].lines)
+
+
+def _arg_dtype(a) -> str:
+    """A parameter's dtype from its role: a pointer, a float scalar, else an int (constexprs too)."""
+    return "ptr" if a.kind == "pointer" else "f32" if a.dtype == "fp32" else "i32"
 
 
 def base_env(plan: Plan) -> dict[str, Var]:

@@ -95,6 +95,7 @@ class Emitter:
         self.lines: list[str] = []
         self.cache: dict[ir.Expr, Var] = {}
         self.values: dict[Var, K.Expr] = {} if values is None else values
+        self.dtypes: dict[str, str] = {}
         self.indent = indent
         self.prefix = prefix
         self.n = 0
@@ -118,7 +119,11 @@ class Emitter:
         dims = tuple(dims)
         value = code if isinstance(code, K.Expr) else K.Raw(code, dims)
         name = self.fresh()
-        let = K.Let(name, value, dims)
+        # a comparison (the run-time power's `b odd`, the adjoint's max/min pick) is i1; a name
+        # from outside, a spec value, float32
+        dtype = K.dtype_of(value, lambda x: self.dtypes.get(x, "f32")) or "f32"
+        self.dtypes[name] = dtype
+        let = K.Let(name, value, dims, dtype)
         self.stmts.append(let)
         self.lines.extend(printer.stmt(let, self.indent, comments=False))
         return name, dims

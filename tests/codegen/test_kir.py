@@ -106,6 +106,19 @@ def test_a_reduction_over_a_dim_its_operand_lacks_is_an_error():
         verify(k)
 
 
+def test_a_let_whose_value_has_another_dtype_is_an_error():
+    """A comparison is i1, `/` float32, a cast its target, ints promote to int64 and floats."""
+    k = _kernel(*LANES, K.Let("big", K.BinOp(">", _n("_offs_K", "K"), K.Num(2)), ("K",)))     # declared f32
+    with pytest.raises(KirError, match="declared f32, its value is i1"):
+        verify(k)
+    wide = K.Cast(_n("_size_K"), K.Const("tl.int64"))
+    with pytest.raises(KirError, match="declared i32, its value is i64"):
+        verify(_kernel(K.Let("n", K.BinOp("*", wide, _n("_size_V")), (), "i32")))
+    verify(_kernel(K.Let("n", K.BinOp("*", wide, _n("_size_V")), (), "i64"),
+                   K.Let("x", K.BinOp("/", _n("n"), K.Num(2)), ()),
+                   K.For("_t", K.Num(0), _n("n"), (K.Let("y", K.BinOp("+", _n("_t"), K.Num(1)), (), "i64"),))))
+
+
 # ---- the printer ----
 
 def _rowsum_kernel() -> K.Kernel:
@@ -230,6 +243,19 @@ def test_the_emitter_builds_ir_and_its_lines_are_the_printed_ir():
     assert em.stmts and all(isinstance(s, K.Let) for s in em.stmts)
     assert not any(isinstance(x, K.Raw) for s in em.stmts for x in K.walk(s.value))
     assert em.lines == [line for s in em.stmts for line in printer.stmt(s, "  ", comments=False)]
+    # mlstm's output max(|q . n|, 1): the adjoint's pick between the two is a comparison, i1
+    from mixc.codegen.adjoint import Adjoint
+    m = mixc.load("mlstm").plan().kernel_ir
+    env = {s.name: (f"s_{s.name}", s.shape) for s in m.states} | {d.name: (f"v_{d.name}", d.shape) for d in m.inputs}
+    env |= {"prev " + s.name: (f"s_{s.name}", s.shape) for s in m.states}
+    env |= {o.name: (f"v_{o.name}", ()) for o in m.options if o.kind == "float"}
+    out = Emitter(m, env)
+    o = out(m.output.expr)
+    adj = Adjoint(out, "_a")
+    adj.backward(m.output.expr, ("_do", o[1]))
+    picks = [s for s in adj.stmts if isinstance(s.value, K.BinOp) and s.value.op == ">="]
+    assert picks and all(s.dtype == "i1" for s in picks)
+    assert {s.dtype for s in out.stmts} == {"f32"}
 
 
 # ---- the recurrent kernels of every library spec ----

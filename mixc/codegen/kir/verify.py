@@ -9,6 +9,8 @@
             (broadcasting by name is an explicit Broadcast, to dims that keep the operand's
             order); a reduction's dim is one of its operand's; a Let's value has its dims;
   re-assign a second Let of a name (a loop-carried state) keeps its dims and dtype;
+  dtypes    a Let's dtype is its value's (Triton's promotion: i1 < i32 < i64 < f32; comparisons
+            i1, `/` and the float functions f32, a cast its target) where that is known;
   control   loop bounds and If conditions are scalars.
 
 Raw text (the adapter's, never in a kernel built as IR) is not looked into.
@@ -88,6 +90,9 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
         if isinstance(s, n.Let):
             if s.dtype not in n.DTYPES:
                 raise KirError(f"{where}: dtype {s.dtype!r} is none of {', '.join(n.DTYPES)}")
+            got = n.dtype_of(s.value, lambda x: scope.visible[x][1] if x in scope.visible else None)
+            if got is not None and got != s.dtype:
+                raise KirError(f"{where}: declared {s.dtype}, its value is {got}")
             if s.value.dims != s.dims:
                 raise KirError(f"{where}: the value has dims [{', '.join(s.value.dims)}], "
                                f"the Let says [{', '.join(s.dims)}]")
@@ -107,11 +112,13 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
             if s.start.dims or s.stop.dims:
                 raise KirError(f"{where}: a loop's bounds must be scalars")
             inner = _Scope(dict(scope.visible), scope.closed)
+            look = lambda x: scope.visible[x][1] if x in scope.visible else None     # noqa: E731
+            var_dtype = n.dtype_of(n.BinOp("+", s.start, s.stop), look) or "i64"
             if s.var not in inner.visible:
-                inner.visible[s.var] = ((), "i64")
+                inner.visible[s.var] = ((), var_dtype)
             defined = _block(s.body, inner, f"the loop over {s.var}")
             if s.var not in scope.visible:
-                defined[s.var] = ((), "i64")
+                defined[s.var] = ((), var_dtype)
             for name in defined:
                 scope.closed[name] = f"the loop over {s.var}"
         elif isinstance(s, n.If):
@@ -141,5 +148,5 @@ def verify(kernel: n.Kernel) -> n.Kernel:
     names = kernel.arg_names
     if len(set(names)) != len(names):
         raise KirError(f"{kernel.name}: an argument appears twice")
-    verify_block(kernel.body, {a: ((), "ptr" if a.startswith("p_") else "i32") for a in names})
+    verify_block(kernel.body, {a.name: ((), a.dtype) for line in kernel.args for a in line.args})
     return kernel
