@@ -29,7 +29,8 @@ from ..derive import plan as P
 from ..derive.plan import Plan
 from ..derive.stabilize import M_EMPTY
 from ..dsl import ir
-from .recurrent import I1, I2, base_env, common_hooks, input_row, numel
+from .recurrent import I1, I2, common_hooks, input_row, numel
+from .recurrent_ir import base_env
 from .templating import macros
 from .triton_expr import Emitter, canon, expand
 

@@ -174,9 +174,18 @@ def prologue(plan: Plan, split_comment: str, rows_comment: str) -> tuple[list[K.
         *[s for d in order for s in _lanes(d, 1 if d == tile else 2 if d == split else None)],
         K.Comment(""),
         K.Comment("params"),
+        *params_and_heads(plan),
+    ]
+
+
+def params_and_heads(plan: Plan) -> list[K.Stmt]:
+    """The params of this head, and each input's heads and the one this head reads (every
+    kernel's, the chunked ones' too: recurrent.common_hooks prints them)."""
+    m, order = plan.kernel_ir, plan.kernel_ir.dim_names
+    # grouped heads: input x has H / _group_x heads and head i_h reads its head i_h // _group_x
+    # (no copy per head; _group_x = 1, Triton's specialization, folds this away)
+    return [
         *[let(f"v_{d.name}", load(arg("param", d.name), name("i_h"), d.shape, order)) for d in m.params],
-        # grouped heads: input x has H / _group_x heads and head i_h reads its head i_h // _group_x
-        # (no copy per head; _group_x = 1, Triton's specialization, folds this away)
         *([K.Comment("grouped heads: each input's heads, and the one this head reads")] if m.inputs else []),
         *[s for d in m.inputs for s in (let(f"_heads_{d.name}", op("//", arg("H"), arg("group", d.name)), "i32"),
                                         let(f"_head_{d.name}", op("//", name("i_h"), arg("group", d.name)), "i32"))],
