@@ -285,6 +285,11 @@ def test_recurrent_kernels_are_ir_verified_after_each_pass(name):
         assert "  # [" in text           # shape comments
         # the module holds exactly the printed kernel
         assert text in module.generate(plan)
+        # a note of hoist_invariants stands above the Lets it moved (not above a loop)
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() == f"# {passes.HOISTED.text}":
+                assert " = " in lines[i + 1] and not lines[i + 1].strip().startswith("for "), lines[i + 1]
 
 
 def test_dump_kir_prints_each_kernel_after_each_pass(capsys):

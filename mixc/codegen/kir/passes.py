@@ -144,6 +144,9 @@ def _defs(stmts, name: str) -> int:
                _defs(s.body, name) + _defs(s.orelse, name) if isinstance(s, n.If) else 0 for s in stmts)
 
 
+HOISTED = n.Comment("the same in every iteration of the loop below (hoist_invariants)")
+
+
 def _hoist(stmts, visible: set[str]) -> tuple[n.Stmt, ...]:
     out, vis = [], set(visible)
     for s in stmts:
@@ -161,16 +164,22 @@ def _hoist(stmts, visible: set[str]) -> tuple[n.Stmt, ...]:
                 else:
                     kept.append(b)
             if moved:
-                out.append(n.Comment("the same in every iteration of the loop below (hoist_invariants)"))
+                out.append(HOISTED)
             out += moved
             vis |= invariant
-            s = replace(s, body=tuple(kept))
+            s = replace(s, body=_tidy(kept))
         elif isinstance(s, n.If):
             s = replace(s, body=_hoist(s.body, vis), orelse=_hoist(s.orelse, vis))
         out.append(s)
         if isinstance(s, n.Let):
             vis.add(s.name)
-    return tuple(out)
+    return _tidy(out)
+
+
+def _tidy(stmts) -> tuple[n.Stmt, ...]:
+    """Without the hoisting notes whose Lets all moved on (out of an enclosing loop)."""
+    return tuple(x for i, x in enumerate(stmts)
+                 if x != HOISTED or (i + 1 < len(stmts) and isinstance(stmts[i + 1], n.Let)))
 
 
 def hoist_invariants(kernel: n.Kernel) -> n.Kernel:
