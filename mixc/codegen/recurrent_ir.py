@@ -86,23 +86,24 @@ def offsets(decl: tuple[str, ...], order) -> list[K.Expr]:
             for i, d in enumerate(decl)]
 
 
-def address(base: K.Expr, decl, order) -> tuple[K.Expr, K.Expr | None]:
-    """(offset, mask) of row `base` of a buffer [rows, *decl]."""
+def address(base: K.Expr, decl, order) -> tuple[tuple[K.Expr, ...], K.Expr | None]:
+    """(offsets, mask) of row `base` of a buffer [rows, *decl]: the row's start, then each
+    dim's lanes times its stride, added to the pointer in turn."""
     if not decl:
-        return base, None
-    return add(mul(base, *[arg("size", d) for d in decl]), *offsets(decl, order)), mask_expr(canon(order, decl))
+        return (base,), None
+    return (mul(base, *[arg("size", d) for d in decl]), *offsets(decl, order)), mask_expr(canon(order, decl))
 
 
 def load(ptr: K.Name, base: K.Expr, decl, order) -> K.Expr:
     """Row `base` of a buffer [rows, *decl] as a float32 block (padded lanes 0)."""
-    offset, mask = address(base, decl, order)
-    return K.Cast(K.Load(ptr, offset, mask, num(0.0) if mask is not None else None), F32)
+    offs, mask = address(base, decl, order)
+    return K.Cast(K.Load(ptr, offs, mask, num(0.0) if mask is not None else None), F32)
 
 
 def store(ptr: K.Name, base: K.Expr, decl, order, value: K.Expr, cast: bool = False) -> K.Store:
     """Store a block into row `base` of a buffer [rows, *decl] (cast: to the buffer's dtype)."""
-    offset, mask = address(base, decl, order)
-    return K.Store(ptr, offset, K.Cast(value, K.ElementType(ptr)) if cast else value, mask)
+    offs, mask = address(base, decl, order)
+    return K.Store(ptr, offs, K.Cast(value, K.ElementType(ptr)) if cast else value, mask)
 
 
 def input_row(x: str, token: K.Expr) -> K.Expr:
@@ -161,8 +162,8 @@ def prologue(plan: Plan, split_comment: str, rows_comment: str) -> tuple[list[K.
         let("i_n", op("//", pid(0), arg("H")), "i32"),
         let("i_h", op("%", pid(0), arg("H")), "i32"),
         K.If(arg("varlen"),
-             (let("bos", i64(K.Load(arg("cu_seqlens"), name("i_n"))), "i64"),
-              let("eos", i64(K.Load(arg("cu_seqlens"), add(name("i_n"), num(1)))), "i64")),
+             (let("bos", i64(K.Load(arg("cu_seqlens"), (name("i_n"),))), "i64"),
+              let("eos", i64(K.Load(arg("cu_seqlens"), (name("i_n"), num(1)))), "i64")),
              (let("bos", mul(i64(name("i_n")), arg("T")), "i64"),
               let("eos", add(name("bos"), arg("T")), "i64"))),
         let("_fhead", mul(name("i_h"), num(1.0))),
@@ -309,7 +310,7 @@ def forward_kernel(plan: Plan, kernel: str, header: tuple[str, ...]) -> K.Kernel
         K.Comment("state before its first token and writes the same block after its last, so the initial and"),
         K.Comment("final buffers may be one (launch.py keeps one tile block where a state lacks the tile dim)"),
         let("i_s", i64(name("i_n")), "i64"),
-        K.If(arg("use_indices"), (let("i_s", i64(K.Load(arg("state_indices"), name("i_n"))), "i64"),)),
+        K.If(arg("use_indices"), (let("i_s", i64(K.Load(arg("state_indices"), (name("i_n"),))), "i64"),)),
     ]
     states: list[K.Stmt] = [K.Comment(""), K.Comment("states")]
     for s in m.states:

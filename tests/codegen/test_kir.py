@@ -125,18 +125,18 @@ def _rowsum_kernel() -> K.Kernel:
     """out[v] = sum_k exp(x[k]) * w[k, v] over the real lanes, x and w loaded with masks."""
     mk, mv = _n("_mask_K", "K"), _n("_mask_V", "V")
     mkv = K.BinOp("&", K.Broadcast(mk, ("K", "V")), K.Broadcast(mv, ("K", "V")))
-    offs_kv = K.BinOp("+", K.BinOp("*", K.Broadcast(_n("_offs_K", "K"), ("K", "V")), _n("_size_V")),
-                      K.Broadcast(_n("_offs_V", "V"), ("K", "V")))
+    offs_kv = (K.BinOp("*", K.Broadcast(_n("_offs_K", "K"), ("K", "V")), _n("_size_V")),
+               K.Broadcast(_n("_offs_V", "V"), ("K", "V")))
     body = LANES + (
         K.Let("_mask_V", K.BinOp("<", _n("_offs_V", "V"), _n("_size_V")), ("V",), "i1"),
         K.Comment(""),
-        K.Let("x", K.Cast(K.Load(_n("p_x"), _n("_offs_K", "K"), mk, K.Num(0.0)), K.Const("tl.float32")), ("K",),
+        K.Let("x", K.Cast(K.Load(_n("p_x"), (_n("_offs_K", "K"),), mk, K.Num(0.0)), K.Const("tl.float32")), ("K",),
               comment="the row"),
         K.Let("w", K.Load(_n("p_w"), offs_kv, mkv, K.Num(0.0)), ("K", "V")),
         K.Let("e", K.Template("tl.exp({x})", (("x", _n("x", "K")),)), ("K",)),
         K.Let("p", K.BinOp("*", K.Broadcast(_n("e", "K"), ("K", "V")), _n("w", "K", "V")), ("K", "V")),
         K.Let("o", K.Reduce("tl.sum", K.Call("tl.where", (mkv, _n("p", "K", "V"), K.Num(0.0))), "K"), ("V",)),
-        K.Store(_n("p_out"), _n("_offs_V", "V"), K.Cast(_n("o", "V"), K.ElementType(_n("p_out"))), mv),
+        K.Store(_n("p_out"), (_n("_offs_V", "V"),), K.Cast(_n("o", "V"), K.ElementType(_n("p_out"))), mv),
     )
     args = (K.ArgLine((K.Arg("p_x"), K.Arg("p_w"), K.Arg("p_out")), "pointers"),
             K.ArgLine(comment="sizes and blocks"),
@@ -201,7 +201,7 @@ def test_parentheses_only_where_binding_needs_them():
 
 def test_dead_lets_drops_what_nothing_reads_and_is_verified():
     k = _kernel(*LANES, K.Let("a", K.Num(1.0), ()), K.Let("b", K.BinOp("*", _n("a"), K.Num(2.0)), ()),
-                K.Store(_n("p_out"), K.Num(0), _n("a")))
+                K.Store(_n("p_out"), (K.Num(0),), _n("a")))
     record = []
     out = passes.run(k, (passes.DEAD_LETS,), record)
     # b, the unread mask, then the lanes only the mask read: until nothing unread is left
@@ -217,10 +217,10 @@ def test_hoist_invariants_moves_what_every_iteration_computes_alike():
         K.Let("a", K.BinOp("*", _n("_size_K"), K.Num(2.0)), ()),         # invariant in both loops
         K.Let("b", K.BinOp("+", _n("a"), _n("_i")), ()),                  # reads the outer loop's variable
         K.Let("c", K.BinOp("+", _n("a"), _n("_j")), ()),                  # reads its own
-        K.Let("d", K.Cast(K.Load(_n("p_x"), K.Num(0)), K.Const("tl.float32")), ()),   # a load
+        K.Let("d", K.Cast(K.Load(_n("p_x"), (K.Num(0),)), K.Const("tl.float32")), ()),   # a load
         K.Let("e", K.BinOp("+", x, _n("a")), ()),                         # x is re-assigned below
         K.Let("x", K.BinOp("+", _n("b"), _n("c")), ()),
-        K.Store(_n("p_out"), K.Num(0), K.BinOp("+", _n("d"), _n("e"))),
+        K.Store(_n("p_out"), (K.Num(0),), K.BinOp("+", _n("d"), _n("e"))),
     ))
     k = _kernel(K.Let("x", K.Num(0.0), ()), K.For("_i", K.Num(0), K.Num(2), (inner,)))
     out = passes.run(k, (passes.HOIST_INVARIANTS,))

@@ -270,18 +270,20 @@ class Template(Expr):
 
 @dataclass(frozen=True)
 class Load(Expr):
-    """tl.load(ptr + offset, mask=mask, other=other): a block with the offset's dims."""
+    """tl.load(ptr + offsets[0] + offsets[1] ..., mask=mask, other=other): the offsets added to
+    the pointer one by one, in order (each a scalar or a block of the load's dims: how the
+    address is formed is the kernel's choice, kept as built); a block with their dims."""
     ptr: Name
-    offset: Expr
+    offsets: tuple[Expr, ...]
     mask: Expr | None = None
     other: Expr | None = None
 
     @property
     def dims(self) -> Dims:
-        return self.offset.dims
+        return next((o.dims for o in self.offsets if o.dims), ())
 
     def children(self):
-        return tuple(x for x in (self.ptr, self.offset, self.mask, self.other) if x is not None)
+        return tuple(x for x in (self.ptr, *self.offsets, self.mask, self.other) if x is not None)
 
 
 # ---- statements ----
@@ -303,9 +305,9 @@ class Let(Stmt):
 
 @dataclass(frozen=True)
 class Store(Stmt):
-    """tl.store(ptr + offset, value, mask=mask)."""
+    """tl.store(ptr + offsets[0] + ..., value, mask=mask) (the offsets as a Load's)."""
     ptr: Name
-    offset: Expr
+    offsets: tuple[Expr, ...]
     value: Expr
     mask: Expr | None = None
 
@@ -387,7 +389,7 @@ def stmt_exprs(s: Stmt) -> tuple[Expr, ...]:
     if isinstance(s, Let):
         return (s.value,)
     if isinstance(s, Store):
-        return tuple(x for x in (s.ptr, s.offset, s.value, s.mask) if x is not None)
+        return tuple(x for x in (s.ptr, *s.offsets, s.value, s.mask) if x is not None)
     if isinstance(s, Do):
         return (s.value,)
     if isinstance(s, For):

@@ -83,7 +83,7 @@ def expr(e: n.Expr) -> str:
     if isinstance(e, n.Template):
         return e.text.format(**{k: _paren(v, ATOM) for k, v in e.args})
     if isinstance(e, n.Load):
-        text = f"tl.load({expr(e.ptr)} + {_address(e.offset)}"
+        text = f"tl.load({_address(e.ptr, e.offsets)}"
         if e.mask is not None:
             text += f", mask={expr(e.mask)}"
         if e.other is not None:
@@ -92,9 +92,10 @@ def expr(e: n.Expr) -> str:
     raise TypeError(f"no printer for {type(e).__name__}")
 
 
-def _address(offset: n.Expr) -> str:
-    """An offset added to a pointer: a sum needs no parentheses (pointer + int is associative)."""
-    return _paren(offset, n.BINARY["+"])
+def _address(ptr: n.Name, offsets) -> str:
+    """A pointer plus its offsets, added in order: an offset that is itself a sum is formed
+    first (parenthesized), as the kernel built it."""
+    return " + ".join([expr(ptr)] + [_paren(o, n.BINARY["+"] + 1) for o in offsets])
 
 
 def shape_comment(dims: n.Dims, dtype: str) -> str:
@@ -114,7 +115,7 @@ def stmt(s: n.Stmt, indent: str = "", comments: bool = True) -> list[str]:
                 line += f"  # {note}"
         return [line]
     if isinstance(s, n.Store):
-        line = f"{indent}tl.store({expr(s.ptr)} + {_address(s.offset)}, {expr(s.value)}"
+        line = f"{indent}tl.store({_address(s.ptr, s.offsets)}, {expr(s.value)}"
         return [line + (f", mask={expr(s.mask)})" if s.mask is not None else ")")]
     if isinstance(s, n.Do):
         return [f"{indent}{expr(s.value)}"]

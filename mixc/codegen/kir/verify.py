@@ -61,7 +61,7 @@ def _check_expr(e: n.Expr, scope: _Scope, where: str) -> None:
         elif isinstance(x, n.Reduce) and x.over not in x.x.dims:
             raise KirError(f"{where}: reduces over {x.over}, not a dim of [{', '.join(x.x.dims)}]")
         elif isinstance(x, n.Load):
-            _same(where, "a load's offset and mask", tuple(m for m in (x.offset, x.mask) if m is not None))
+            _same(where, "a load's offsets and mask", tuple(m for m in (*x.offsets, x.mask) if m is not None))
 
 
 def _same(where: str, what: str, operands) -> None:
@@ -106,8 +106,8 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
                 scope.visible[s.name] = (s.dims, s.dtype)
                 scope.closed.pop(s.name, None)
         elif isinstance(s, n.Store):
-            _same(where, "a store's offset, value and mask",
-                  tuple(x for x in (s.offset, s.value, s.mask) if x is not None))
+            _same(where, "a store's offsets, value and mask",
+                  tuple(x for x in (*s.offsets, s.value, s.mask) if x is not None))
         elif isinstance(s, n.For):
             if s.start.dims or s.stop.dims:
                 raise KirError(f"{where}: a loop's bounds must be scalars")
