@@ -13,7 +13,7 @@ from .argtypes import DefaultsHelpFormatter, nonnegative_int, positive_float, po
 from .dsl import SpecError, library_names
 
 # the stages `--dump` prints (mixc/pipeline.py's DUMPS; named here so that argparse needs no import)
-DUMPS = ("parse", "check", "derive", "render")
+DUMPS = ("parse", "check", "derive", "kir", "render")
 
 # `mixc run`'s default tolerance: float32 against float64 over a few hundred tokens
 RUN_TOL = 1e-3

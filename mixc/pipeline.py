@@ -16,7 +16,9 @@ ahead-of-time compiler (mixc/tools/aot.py) go through these functions.
         v                                    readouts, derivatives, kernel layout
     Plan            + plan.layout: which kernels exist, tile/split dims, chunk size
         |                                                              --dump derive (plan)
-        |  render   codegen.module.generate  Jinja templates + printed expressions
+        |  kir      codegen.module.recurrent_ir   the recurrent kernels as kernel IR, after
+        |                                    each pass, verified       --dump kir
+        |  render   codegen.module.generate  kir's printer + Jinja templates + printed expressions
         v
     source          one Python module: Triton kernels, torch backend, METADATA, op()
         |                                                              --dump render (source)
@@ -46,9 +48,9 @@ from .dsl.ir import MixerIR
 from .dsl.parser import SpecTree, parse_tree
 from .dsl.unparse import spec_text
 
-STAGES = ("read", "parse", "check", "derive", "render", "load")
+STAGES = ("read", "parse", "check", "derive", "kir", "render", "load")
 # what `--dump` prints: a stage's result (the old names stay: ir, plan, source)
-DUMPS = ("parse", "check", "derive", "render")
+DUMPS = ("parse", "check", "derive", "kir", "render")
 DUMP_ALIASES = {"ir": "check", "plan": "derive", "source": "render"}
 
 
@@ -71,6 +73,13 @@ def check(tree: SpecTree) -> MixerIR:
 def derive(mixer: MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     """The derivation for these flag values (the spec's defaults otherwise)."""
     return _derive(mixer, flags)
+
+
+def kir(plan: Plan) -> dict:
+    """The recurrent kernels as kernel IR (form -> kir Kernel, frozen), after their passes,
+    verified after each."""
+    from .codegen.module import recurrent_ir     # lazy: jinja2 and the templates load only to render
+    return recurrent_ir(plan)
 
 
 def render(plan: Plan) -> str:
@@ -136,6 +145,11 @@ def dump(stage: str, name_or_path, flags: dict[str, bool] | None = None) -> str:
     plan = derive(mixer, flags)
     if stage == "derive":
         return plan_json(plan)
+    if stage == "kir":
+        if plan.sequence is not None:
+            return f"{plan.name} is a sequence mixer (conv, mix, attend): computed by torch, it has no kernels"
+        from .codegen.module import kir_text     # lazy: as kir() above
+        return kir_text(plan)
     return render(plan)
 
 

@@ -29,7 +29,8 @@ from ..derive import plan as P
 from ..derive.plan import Plan
 from ..derive.stabilize import M_EMPTY
 from ..dsl import ir
-from .recurrent import I1, I2, base_env, common_hooks, input_row, numel
+from .recurrent import I1, I2, common_hooks, input_row, numel
+from .recurrent_ir import base_env
 from .templating import macros
 from .triton_expr import Emitter, canon, expand
 
@@ -335,7 +336,7 @@ class ChunkCode:
             ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
             final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
         if self.stab is not None:       # the stabilizer m: a scalar per (sequence, head)
-            init += [f"{I1}s__m = _head_f * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)",
+            init += [f"{I1}s__m = _fhead * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)",
                      f"{I1}if USE_INITIAL_STATE:",
                      f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
             ckpt.append(f"{I4}tl.store(p_ckpt__m + _ck_slot * H + i_h, s__m)")

@@ -200,7 +200,7 @@ class ChunkBackward(ChunkCode):
         if self.stab is not None:     # m is held constant: no gradient of its own
             load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
             final += [f"{I1}if PHASE != 2:",
-                      f"{I2}tl.store(p_dinit__m + {self._partial((), '_nseq')}i_n * H + i_h, _head_f * 0.0)"]
+                      f"{I2}tl.store(p_dinit__m + {self._partial((), '_nseq')}i_n * H + i_h, _fhead * 0.0)"]
         # the tile loop: this program's blocks of the tile dim (one in PHASE 0 and 1, whose walk
         # keeps one block's d_<state>; PHASE 2 launched with one program along axis 1 takes all)
         tile_loop = []

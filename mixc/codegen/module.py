@@ -19,7 +19,9 @@ from .key_split import key_dim, split_keys
 from .launch_plan import kernel_name, launch_plan
 from .chunk_bwd import chunk_bwd_hooks, split_backward
 from .header import docstring_safe
-from .recurrent import recurrent_bwd_hooks, recurrent_fwd_hooks
+from .kir import passes, printer
+from .recurrent_bwd_ir import backward_kernel
+from .recurrent_ir import RECURRENT_PASSES, forward_kernel
 from .sequence_module import generate_sequence
 from .torch_module import torch_hooks
 from .torch_step import torch_step_hooks
@@ -117,16 +119,54 @@ NOTATION = {
 }
 
 
-def _kernel_comment(plan: Plan, form: str) -> str:
-    """The comment above a kernel: which kernel, which class per state and where its stages come
-    from (chunked kernels: the class's macros), and the notation."""
-    lines = [f"# ---- {kernel_name(plan, form)}: {STAGES[form]} ----"]
+def kernel_header(plan: Plan, form: str) -> tuple[str, ...]:
+    """The comment lines above a kernel: which kernel, which class per state and where its stages
+    come from (chunked kernels: the class's macros), and the notation."""
+    lines = [f"---- {kernel_name(plan, form)}: {STAGES[form]} ----"]
     for st in plan.states:
         unit = classes.unit(st.transition)
         where = f" (its stages: mixc/classes/{unit.template})" if form.startswith("chunk") and unit.template else ""
-        lines.append(f"# state {st.name}[{', '.join(st.shape)}]: {st.transition}{where}")
-    lines.append(f"# notation: {NOTATION[form.split('_')[0]]}")
-    return "\n".join(lines) + "\n"
+        lines.append(f"state {st.name}[{', '.join(st.shape)}]: {st.transition}{where}")
+    lines.append(f"notation: {NOTATION[form.split('_')[0]]}")
+    return tuple(lines)
+
+
+def _kernel_comment(plan: Plan, form: str) -> str:
+    return "".join(f"# {line}\n" for line in kernel_header(plan, form))
+
+
+RECURRENT = ("recurrent_fwd", "recurrent_bwd")
+
+
+def recurrent_ir(plan: Plan, record: dict | None = None) -> dict:
+    """The recurrent kernels as kernel IR (codegen/recurrent_ir.py, recurrent_bwd_ir.py) after
+    RECURRENT_PASSES, verified after building and after each pass; `record[form]`: the kernel
+    after each pass, as (pass name, kernel) (--dump kir)."""
+    build = {"recurrent_fwd": forward_kernel, "recurrent_bwd": backward_kernel}
+    out = {}
+    for form in RECURRENT:
+        steps = [] if record is not None else None
+        out[form] = passes.run(build[form](plan, kernel_name(plan, form), kernel_header(plan, form)),
+                               RECURRENT_PASSES, steps)
+        if record is not None:
+            record[form] = steps
+    return out
+
+
+def kir_text(plan: Plan) -> str:
+    """--dump kir: each recurrent kernel as built and after each pass (each verified), printed
+    with its shape comments; what each pass dropped or changed, in one line above it."""
+    record: dict = {}
+    recurrent_ir(plan, record)
+    out = []
+    for form, steps in record.items():
+        before = None
+        for name, k in steps:
+            note = passes.summary(before, k) if before is not None else f"{passes.count(k)} statements"
+            out.append(f"#### {k.name} after {name} (verified): {note}")
+            out.append(printer.kernel(k))
+            before = k
+    return "\n".join(out)
 
 
 def _render_kernel(plan: Plan, form: str, hooks: dict) -> str:
@@ -158,8 +198,8 @@ def generate(plan: Plan) -> str:
               f"'{plan.name}' ({docstring_safe(plan.ir.source.filename)}), spec hash {plan.ir.spec_hash}, "
               f"flags: {flags}.\n\n"
               f'Do not edit: regenerate with `mixc compile {plan.name}`."""\n')
-    body = (_render_kernel(plan, "recurrent_fwd", recurrent_fwd_hooks(plan)) + "\n\n"
-            + _render_kernel(plan, "recurrent_bwd", recurrent_bwd_hooks(plan)))
+    kernels = recurrent_ir(plan)
+    body = printer.kernel(kernels["recurrent_fwd"]) + "\n\n" + printer.kernel(kernels["recurrent_bwd"])
     if plan.layout.chunked:
         body += "\n\n" + split_forward(plan, _render_kernel(plan, "chunk_fwd", chunk_fwd_hooks(plan)))
         body += "\n\n" + split_backward(plan, _render_kernel(plan, "chunk_bwd", chunk_bwd_hooks(plan)))

@@ -1,0 +1,445 @@
+"""The kernel IR's nodes: typed expressions and statements of one Triton kernel.
+
+Every expression knows its dims: the named axes of the block it computes, outermost first
+(a scalar has none). Broadcasting by name is explicit (a Broadcast node indexes a block with
+None to the axes of a larger one), so both operands of an elementwise op have the result's
+dims or none. A name carries the dims its definition gave it; the verifier (verify.py) checks
+that the two agree, that every name is defined before it is read and that nothing is read
+outside the block that defines it. The printer (printer.py) is the only place Triton text is
+made; `Raw` holds text made elsewhere (the chunked kernels' templates, still text: the
+Emitter's adapter, triton_expr.py) and never appears in a kernel built as IR.
+
+Nodes are frozen dataclasses: passes (passes.py) rebuild, never mutate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Dims = tuple[str, ...]
+
+# dtypes a Let may hold (what the shape comment says after the dims)
+DTYPES = ("f32", "i1", "i32", "i64", "ptr")
+
+
+class Expr:
+    """A value: `dims` (its axes), `children` (the expressions it reads)."""
+
+    __slots__ = ()
+
+    @property
+    def dims(self) -> Dims:
+        raise NotImplementedError
+
+    def children(self) -> tuple["Expr", ...]:
+        return ()
+
+    def uses(self) -> tuple[str, ...]:
+        """Names this node itself reads (not its children's)."""
+        return ()
+
+
+# ---- leaves ----
+
+@dataclass(frozen=True)
+class Name(Expr):
+    """A variable: a Let's name, a loop's variable or a kernel argument."""
+    id: str
+    dims_: Dims = ()
+
+    @property
+    def dims(self) -> Dims:
+        return self.dims_
+
+    def uses(self):
+        return (self.id,)
+
+
+@dataclass(frozen=True)
+class Num(Expr):
+    """A number: int (indices) or float (values; inf and nan print as float('inf'))."""
+    value: int | float
+
+    @property
+    def dims(self) -> Dims:
+        return ()
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    """A compile-time Triton constant: a dtype (tl.float32 ...) or True/False."""
+    text: str
+
+    @property
+    def dims(self) -> Dims:
+        return ()
+
+
+@dataclass(frozen=True)
+class Raw(Expr):
+    """Triton text made outside the IR, with the dims its maker says (the adapter's strings)."""
+    text: str
+    dims_: Dims = ()
+
+    @property
+    def dims(self) -> Dims:
+        return self.dims_
+
+
+@dataclass(frozen=True)
+class Arange(Expr):
+    """tl.arange(0, _BLOCK_<dim>): the lanes of one dim's block."""
+    dim: str
+
+    @property
+    def dims(self) -> Dims:
+        return (self.dim,)
+
+    def uses(self):
+        return (f"_BLOCK_{self.dim}",)
+
+
+@dataclass(frozen=True)
+class Zeros(Expr):
+    """tl.zeros([_BLOCK_<d>, ...], dtype=tl.float32): a block of zeros with these axes."""
+    dims_: Dims
+
+    @property
+    def dims(self) -> Dims:
+        return self.dims_
+
+    def uses(self):
+        return tuple(f"_BLOCK_{d}" for d in self.dims_)
+
+
+# ---- operators ----
+
+# Python's binding strength, for the printer's parentheses (higher binds tighter)
+BINARY = {"*": 12, "/": 12, "//": 12, "%": 12, "+": 11, "-": 11, "&": 8, "|": 6,
+          "<": 5, "<=": 5, ">": 5, ">=": 5, "==": 5, "!=": 5, "and": 3, "or": 2}
+COMPARISONS = ("<", "<=", ">", ">=", "==", "!=")
+
+
+@dataclass(frozen=True)
+class BinOp(Expr):
+    """An elementwise binary op: both operands have the result's dims, or none (a scalar)."""
+    op: str
+    left: Expr
+    right: Expr
+
+    def __post_init__(self):
+        assert self.op in BINARY, self.op
+
+    @property
+    def dims(self) -> Dims:
+        return self.left.dims or self.right.dims
+
+    def children(self):
+        return (self.left, self.right)
+
+
+@dataclass(frozen=True)
+class Neg(Expr):
+    x: Expr
+
+    @property
+    def dims(self) -> Dims:
+        return self.x.dims
+
+    def children(self):
+        return (self.x,)
+
+
+@dataclass(frozen=True)
+class Broadcast(Expr):
+    """x indexed with None to the axes `to` (x's dims in the same order, a subsequence)."""
+    x: Expr
+    to: Dims
+
+    @property
+    def dims(self) -> Dims:
+        return self.to
+
+    def children(self):
+        return (self.x,)
+
+
+@dataclass(frozen=True)
+class Permute(Expr):
+    """x's axes renamed position by position to `frm`, then permuted to the order `to` (the
+    same names): tl.permute where the order changes, no code where only the names do."""
+    x: Expr
+    frm: Dims
+    to: Dims
+
+    @property
+    def dims(self) -> Dims:
+        return self.to
+
+    def children(self):
+        return (self.x,)
+
+
+@dataclass(frozen=True)
+class Reduce(Expr):
+    """tl.sum / tl.max / tl.min of x over one named dim."""
+    fn: str
+    x: Expr
+    over: str
+
+    def __post_init__(self):
+        assert self.fn in ("tl.sum", "tl.max", "tl.min"), self.fn
+
+    @property
+    def dims(self) -> Dims:
+        return tuple(d for d in self.x.dims if d != self.over)
+
+    def children(self):
+        return (self.x,)
+
+
+@dataclass(frozen=True)
+class Cast(Expr):
+    """x.to(dtype): `to` a Const dtype, or ElementType(pointer)."""
+    x: Expr
+    to: Expr
+
+    @property
+    def dims(self) -> Dims:
+        return self.x.dims
+
+    def children(self):
+        return (self.x, self.to)
+
+
+@dataclass(frozen=True)
+class ElementType(Expr):
+    """<pointer>.dtype.element_ty: the dtype a buffer holds (stores cast to it)."""
+    ptr: Name
+
+    @property
+    def dims(self) -> Dims:
+        return ()
+
+    def children(self):
+        return (self.ptr,)
+
+
+# tl functions a Call may name, with the rule for the dims of their result:
+#   "elementwise": the operands' dims (equal or none), "scalar": none (program ids)
+TL = {
+    "tl.exp": "elementwise", "tl.log": "elementwise", "tl.sqrt": "elementwise", "tl.abs": "elementwise",
+    "tl.floor": "elementwise", "tl.sigmoid": "elementwise", "tl.erf": "elementwise",
+    "tl.maximum": "elementwise", "tl.minimum": "elementwise", "tl.where": "elementwise",
+    "tl.program_id": "scalar", "tl.num_programs": "scalar", "tl.debug_barrier": "scalar",
+}
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    """A call of a tl function of the registry TL."""
+    fn: str
+    args: tuple[Expr, ...]
+
+    def __post_init__(self):
+        assert self.fn in TL, f"{self.fn} is not in kir.TL"
+
+    @property
+    def dims(self) -> Dims:
+        if TL[self.fn] == "scalar":
+            return ()
+        return next((a.dims for a in self.args if a.dims), ())
+
+    def children(self):
+        return self.args
+
+
+@dataclass(frozen=True)
+class Template(Expr):
+    """A spec function's Triton form from its registry entry (dsl/functions.py: `triton` or
+    `triton_derivative`), `{x}` and `{y}` filled with the operands: elementwise in them."""
+    text: str
+    args: tuple[tuple[str, Expr], ...]
+
+    @property
+    def dims(self) -> Dims:
+        return next((a.dims for _, a in self.args if a.dims), ())
+
+    def children(self):
+        return tuple(a for _, a in self.args)
+
+
+@dataclass(frozen=True)
+class Load(Expr):
+    """tl.load(ptr + offsets[0] + offsets[1] ..., mask=mask, other=other): the offsets added to
+    the pointer one by one, in order (each a scalar or a block of the load's dims: how the
+    address is formed is the kernel's choice, kept as built); a block with their dims."""
+    ptr: Name
+    offsets: tuple[Expr, ...]
+    mask: Expr | None = None
+    other: Expr | None = None
+
+    @property
+    def dims(self) -> Dims:
+        return next((o.dims for o in self.offsets if o.dims), ())
+
+    def children(self):
+        return tuple(x for x in (self.ptr, *self.offsets, self.mask, self.other) if x is not None)
+
+
+# ---- statements ----
+
+class Stmt:
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Let(Stmt):
+    """name = value, a block with these dims and dtype (a second Let of a name re-assigns it:
+    a loop-carried state; it keeps its dims and dtype)."""
+    name: str
+    value: Expr
+    dims: Dims = ()
+    dtype: str = "f32"
+    comment: str | None = None
+
+
+@dataclass(frozen=True)
+class Store(Stmt):
+    """tl.store(ptr + offsets[0] + ..., value, mask=mask) (the offsets as a Load's)."""
+    ptr: Name
+    offsets: tuple[Expr, ...]
+    value: Expr
+    mask: Expr | None = None
+
+
+@dataclass(frozen=True)
+class Do(Stmt):
+    """An expression evaluated for its effect (tl.debug_barrier())."""
+    value: Expr
+
+
+@dataclass(frozen=True)
+class For(Stmt):
+    """for var in range(start, stop): body. What the body defines stays in it."""
+    var: str
+    start: Expr
+    stop: Expr
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class If(Stmt):
+    """if cond: body else: orelse. A name both branches define is defined after it."""
+    cond: Expr
+    body: tuple[Stmt, ...]
+    orelse: tuple[Stmt, ...] = ()
+
+
+@dataclass(frozen=True)
+class Comment(Stmt):
+    """A comment line ('' a blank line)."""
+    text: str
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A kernel parameter: "ptr" a buffer, else the dtype of a scalar (a constexpr is an int)."""
+    name: str
+    constexpr: bool = False
+    dtype: str = "i32"
+
+
+@dataclass(frozen=True)
+class ArgLine:
+    """One line of the signature: arguments and a trailing comment, or a comment alone."""
+    args: tuple[Arg, ...] = ()
+    comment: str | None = None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One @triton.jit function: its name, the comment lines above it (class, stage,
+    notation), its arguments and its body."""
+    name: str
+    header: tuple[str, ...]
+    args: tuple[ArgLine, ...]
+    body: tuple[Stmt, ...]
+    notes: tuple[str, ...] = field(default=())      # comment lines opening the body
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return tuple(a.name for line in self.args for a in line.args)
+
+
+def walk(e: Expr):
+    """e and every expression below it, parents first."""
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        yield x
+        stack.extend(reversed(x.children()))
+
+
+def expr_uses(e: Expr) -> list[str]:
+    return [u for x in walk(e) for u in x.uses()]
+
+
+def stmt_exprs(s: Stmt) -> tuple[Expr, ...]:
+    """The expressions a statement reads itself (not those of the statements it holds)."""
+    if isinstance(s, Let):
+        return (s.value,)
+    if isinstance(s, Store):
+        return tuple(x for x in (s.ptr, *s.offsets, s.value, s.mask) if x is not None)
+    if isinstance(s, Do):
+        return (s.value,)
+    if isinstance(s, For):
+        return (s.start, s.stop)
+    if isinstance(s, If):
+        return (s.cond,)
+    return ()
+
+
+# ---- dtypes ----
+
+_ORDER = ("i1", "i32", "i64", "f32")            # Triton's promotion, narrowest first
+_CASTS = {"tl.float32": "f32", "tl.int64": "i64", "tl.int32": "i32", "tl.int1": "i1"}
+_FLOAT_FNS = ("tl.exp", "tl.log", "tl.sqrt", "tl.sigmoid", "tl.erf", "tl.floor")
+
+
+def _promote(*dts: str | None) -> str | None:
+    if any(d is None for d in dts):
+        return None
+    return max(dts, key=_ORDER.index)
+
+
+def dtype_of(e: Expr, names) -> str | None:
+    """The dtype of an expression's value ("i1", "i32", "i64", "f32"), `names` giving each
+    name's (a callable or a mapping); None where it is not known here (a load not cast, a
+    buffer's element type, text)."""
+    look = names if callable(names) else names.get
+    if isinstance(e, Name):
+        return look(e.id)
+    if isinstance(e, Num):
+        return "i1" if isinstance(e.value, bool) else "i32" if isinstance(e.value, int) else "f32"
+    if isinstance(e, (Arange,)):
+        return "i32"
+    if isinstance(e, (Zeros, Template)):
+        return "f32"
+    if isinstance(e, (Neg, Broadcast, Permute, Reduce)):
+        return dtype_of(e.x, names)
+    if isinstance(e, Cast):
+        return _CASTS.get(e.to.text) if isinstance(e.to, Const) else None
+    if isinstance(e, BinOp):
+        if e.op in COMPARISONS or e.op in ("and", "or"):
+            return "i1"
+        if e.op == "/":
+            return "f32"
+        return _promote(dtype_of(e.left, names), dtype_of(e.right, names))
+    if isinstance(e, Call):
+        if TL[e.fn] == "scalar":
+            return None if e.fn == "tl.debug_barrier" else "i32"
+        if e.fn in _FLOAT_FNS:
+            return "f32"
+        args = e.args[1:] if e.fn == "tl.where" else e.args
+        return _promote(*[dtype_of(a, names) for a in args])
+    return None
