@@ -59,7 +59,7 @@ def empty(shape, dtype, device) -> torch.Tensor:
 
 
 def checkpoint_slots(b, CK: int) -> int:
-    """Slots for the chunk checkpoints of all sequences (see codegen.recurrent.state_base)."""
+    """Slots for the chunk checkpoints of all sequences (see codegen.recurrent_ir.state_base)."""
     return (b.B * b.T) // CK + b.n_seqs + 1
 
 
