@@ -49,8 +49,8 @@ def test_spec_text_round_trips_the_ranges():
 
 def test_library_gates_carry_their_ranges():
     from mixc.dsl import load_ir
-    assert load_ir("gla").input("g").range == ir.ValueRange(-math.inf, 0.0, False, True)
-    assert load_ir("mamba2").param("A").range == ir.ValueRange(-math.inf, 0.0, False, True)
+    assert load_ir("gla").input("g").range == ir.ValueRange(-math.inf, 0.0, True, True)   # -inf included: a reset
+    assert load_ir("mamba2").param("A").range == ir.ValueRange(-math.inf, 0.0, True, True)   # -inf included: a reset
 
 
 E = pytest.param
