@@ -112,3 +112,27 @@ class TorchEmitter(Emitter):
         if isinstance(e.left, ir.Num) and e.left.value > 0:
             return self.emit_as(f"torch.exp(_t({b}) * {number(math.log(e.left.value))})", out, [b])
         return self.emit_as(f"_t({self.expand(a, da, out)}) ** {self.expand(b, db, out)}", out, [a, b])
+
+
+def input_loads(m: ir.MixerIR, lead: int, indent: str = "    ") -> tuple[list[str], dict, set]:
+    """The torch printers' loads of a spec's inputs ([B, H, *dims] at lead 2, [B, T, H, *dims]
+    at lead 3), params (reshaped to the lead) and number options, each input's and param's dims
+    put in canonical order: (lines, env {name: (variable, dims)}, the scalar variables). One
+    definition for the chunked torch form (torch_module.py) and the step (torch_step.py)."""
+    order = m.dim_names
+    lines, env, scalars = [f"{indent}_x0 = next(iter(_x.values()))"], {}, set()
+    axes = ", ".join(str(i) for i in range(lead))
+    ones = ", ".join(["1"] * (lead - 1))
+    for decls, src, reshape in ((m.inputs, "_x", False), (m.params, "_p", True)):
+        for d in decls:
+            cd = canon(order, d.shape)
+            perm = "" if cd == d.shape else f".permute({axes}, {', '.join(str(lead + d.shape.index(a)) for a in cd)})"
+            shaped = f".reshape({ones}, *{src}[{d.name!r}].shape)" if reshape else ""
+            lines.append(f"{indent}v_{d.name} = {src}[{d.name!r}]{shaped}{perm}")
+            env[d.name] = (f"v_{d.name}", cd)
+    for o in m.options:
+        if o.kind == "float":
+            lines.append(f"{indent}v_{o.name} = _opt[{o.name!r}]")
+            env[o.name] = (f"v_{o.name}", ())
+            scalars.add(f"v_{o.name}")
+    return lines, env, scalars

@@ -10,7 +10,7 @@ from .. import classes
 from ..derive import affine
 from ..derive.plan import Plan, _key_value
 from .chunk import ChunkCode
-from .torch_expr import TorchEmitter
+from .torch_expr import TorchEmitter, input_loads
 from .triton_expr import canon
 
 I1 = "    "
@@ -31,26 +31,10 @@ def _element_log_decay(em, log_decay, kd, vd, order) -> str:
 
 
 def _env_lines(plan: Plan) -> tuple[list[str], dict, set]:
-    """Loads of the inputs [B, T, H, *canonical dims], params [1, 1, H, *dims] and options."""
-    m, order = plan.ir, plan.ir.dim_names
-    lines = [f"{I1}_x0 = next(iter(_x.values()))",
-             f"{I1}_head = torch.arange(_H, dtype=_x0.dtype, device=_x0.device).reshape(1, 1, _H)"]
-    env, scalars = {}, set()
-    for d in m.inputs:
-        cd = canon(order, d.shape)
-        perm = "" if cd == d.shape else f".permute(0, 1, 2, {', '.join(str(3 + d.shape.index(a)) for a in cd)})"
-        lines.append(f"{I1}v_{d.name} = _x[{d.name!r}]{perm}")
-        env[d.name] = (f"v_{d.name}", cd)
-    for d in m.params:
-        cd = canon(order, d.shape)
-        perm = "" if cd == d.shape else f".permute(0, 1, 2, {', '.join(str(3 + d.shape.index(a)) for a in cd)})"
-        lines.append(f"{I1}v_{d.name} = _p[{d.name!r}].reshape(1, 1, *_p[{d.name!r}].shape){perm}")
-        env[d.name] = (f"v_{d.name}", cd)
-    for o in m.options:
-        if o.kind == "float":
-            lines.append(f"{I1}v_{o.name} = _opt[{o.name!r}]")
-            env[o.name] = (f"v_{o.name}", ())
-            scalars.add(f"v_{o.name}")
+    """Loads of the inputs [B, T, H, *canonical dims], params [1, 1, H, *dims] and options
+    (torch_expr.input_loads), and the head index."""
+    lines, env, scalars = input_loads(plan.ir, 3, I1)
+    lines.insert(1, f"{I1}_head = torch.arange(_H, dtype=_x0.dtype, device=_x0.device).reshape(1, 1, _H)")
     return lines, env, scalars
 
 

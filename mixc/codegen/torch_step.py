@@ -28,7 +28,7 @@ from .. import classes
 from ..derive.plan import Plan
 from ..derive.stabilize import M_EMPTY
 from ..dsl import ir
-from .torch_expr import TorchEmitter
+from .torch_expr import TorchEmitter, input_loads
 from .triton_expr import canon
 
 I1, I2 = "    ", "        "
@@ -290,28 +290,8 @@ class StepWriter:
 
 
 def _inputs(plan: Plan, lead: int) -> tuple[list[str], dict, set]:
-    """Loads of the inputs ([B, H, *dims] or [B, T, H, *dims]), params and options, each
-    input's and param's dims put in canonical order."""
-    m, order = plan.kernel_ir, plan.kernel_ir.dim_names
-    lines, env, scalars = [f"{I1}_x0 = next(iter(_x.values()))"], {}, set()
-    axes = ", ".join(str(i) for i in range(lead))
-    for d in m.inputs:
-        cd = canon(order, d.shape)
-        perm = "" if cd == d.shape else f".permute({axes}, {', '.join(str(lead + d.shape.index(a)) for a in cd)})"
-        lines.append(f"{I1}v_{d.name} = _x[{d.name!r}]{perm}")
-        env[d.name] = (f"v_{d.name}", cd)
-    ones = ", ".join(["1"] * (lead - 1))
-    for d in m.params:
-        cd = canon(order, d.shape)
-        perm = "" if cd == d.shape else f".permute({axes}, {', '.join(str(lead + d.shape.index(a)) for a in cd)})"
-        lines.append(f"{I1}v_{d.name} = _p[{d.name!r}].reshape({ones}, *_p[{d.name!r}].shape){perm}")
-        env[d.name] = (f"v_{d.name}", cd)
-    for o in m.options:
-        if o.kind == "float":
-            lines.append(f"{I1}v_{o.name} = _opt[{o.name!r}]")
-            env[o.name] = (f"v_{o.name}", ())
-            scalars.add(f"v_{o.name}")
-    return lines, env, scalars
+    """Loads of the kernel spec's inputs, params and options (torch_expr.input_loads)."""
+    return input_loads(plan.kernel_ir, lead, I1)
 
 
 def _head_line(lines: list[str], lead: int) -> list[str]:
