@@ -82,9 +82,17 @@ def test_step_gradients_equal_the_reference(name):
     state = {k: v.float().requires_grad_() for k, v in random_state(op.ir, B, H, sizes, seed=6).items()}
     ref_one = {k: v.detach().double().requires_grad_() for k, v in one.items()}
     ref_state = {k: v.detach().double().requires_grad_() for k, v in state.items()}
-    gen = torch.Generator().manual_seed(7)
     o, st = op.step(**one, state=state, mode="torch")
     ro, rst = op.reference_step(**ref_one, state=ref_state)
+    _gradients_agree((o, st), (ro, rst), [("d", one, ref_one), ("dstate", state, ref_state)], name, seed=7)
+
+
+def _gradients_agree(got, want, leaves, name: str, seed: int) -> None:
+    """Backpropagate one random weighting of (output, states) through mixc's result and the
+    float64 reference's; each leaf's gradient (leaves: (label, mixc's leaves, the reference's))
+    must agree."""
+    (o, st), (ro, rst) = got, want
+    gen = torch.Generator().manual_seed(seed)
     w = torch.randn(ro.shape, generator=gen, dtype=torch.float64)
     ws = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in rst.items()}
 
@@ -92,10 +100,10 @@ def test_step_gradients_equal_the_reference(name):
         return (o.double() * w).sum() + sum((st[k].double() * ws[k]).sum() for k in ws)
     loss(o, st).backward()
     loss(ro, rst).backward()
-    for k in one:
-        _close(one[k].grad, ref_one[k].grad, f"{name} d{k}", rtol=1e-3, atol=1e-4)
-    for k in state:
-        _close(state[k].grad, ref_state[k].grad, f"{name} dstate[{k}]", rtol=1e-3, atol=1e-4)
+    for label, mine, ref in leaves:
+        for k in mine:
+            what = f"{name} {label}{k}" if label == "d" else f"{name} {label}[{k}]"
+            _close(mine[k].grad, ref[k].grad, what, rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "cu_seqlens"])
@@ -122,18 +130,7 @@ def test_token_loop_equals_the_reference_with_gradients(name, packed):
     _close(o, ro, f"{name} output")
     for k in rst:
         _close(st[k], rst[k], f"{name} final {k}")
-    gen = torch.Generator().manual_seed(10)
-    w = torch.randn(ro.shape, generator=gen, dtype=torch.float64)
-    ws = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in rst.items()}
-
-    def loss(o, st):
-        return (o.double() * w).sum() + sum((st[k].double() * ws[k]).sum() for k in ws)
-    loss(o, st).backward()
-    loss(ro, rst).backward()
-    for k in args:
-        _close(args[k].grad, ref_args[k].grad, f"{name} d{k}", rtol=1e-3, atol=1e-4)
-    for k in init:
-        _close(init[k].grad, ref_init[k].grad, f"{name} dinit[{k}]", rtol=1e-3, atol=1e-4)
+    _gradients_agree((o, st), (ro, rst), [("d", args, ref_args), ("dinit", init, ref_init)], name, seed=10)
 
 
 @pytest.mark.parametrize("name,loop", [("rwkv4", True), ("hgrn", True), ("mamba", True), ("mlstm", False),
