@@ -384,6 +384,17 @@ def expr_uses(e: Expr) -> list[str]:
     return [u for x in walk(e) for u in x.uses()]
 
 
+def walk_stmts(stmts):
+    """Every statement of a body, nested loops' and branches' included, outer first."""
+    for s in stmts:
+        yield s
+        if isinstance(s, For):
+            yield from walk_stmts(s.body)
+        elif isinstance(s, If):
+            yield from walk_stmts(s.body)
+            yield from walk_stmts(s.orelse)
+
+
 def stmt_exprs(s: Stmt) -> tuple[Expr, ...]:
     """The expressions a statement reads itself (not those of the statements it holds)."""
     if isinstance(s, Let):

@@ -18,14 +18,9 @@ class Pass:
 
 
 def _reads(stmts, counts: Counter) -> Counter:
-    for s in stmts:
+    for s in n.walk_stmts(stmts):
         for e in n.stmt_exprs(s):
             counts.update(n.expr_uses(e))
-        if isinstance(s, n.For):
-            _reads(s.body, counts)
-        elif isinstance(s, n.If):
-            _reads(s.body, counts)
-            _reads(s.orelse, counts)
     return counts
 
 
@@ -49,14 +44,7 @@ def _effects(stmts) -> bool:
 
 
 def _defined(stmts, names: set[str]) -> set[str]:
-    for s in stmts:
-        if isinstance(s, n.Let):
-            names.add(s.name)
-        elif isinstance(s, n.For):
-            _defined(s.body, names)
-        elif isinstance(s, n.If):
-            _defined(s.body, names)
-            _defined(s.orelse, names)
+    names.update(s.name for s in n.walk_stmts(stmts) if isinstance(s, n.Let))
     return names
 
 
