@@ -2,6 +2,8 @@
 on a toy kernel whose traffic is known, compiled for sm_90 through the stand-in driver (a
 process of its own), and fla's Hopper block sizes under that driver (device index 0)."""
 import json
+
+import pytest
 import os
 import subprocess
 import sys
@@ -81,3 +83,19 @@ def test_toy_kernel_traffic_and_flops(tmp_path):
     assert kernel["flops"] == 3 * 5 * dot + dot         # n trips in each of 3 programs, one more in program 0
     if "fla_hopper" in out:     # fla's check_shared_mem(arch, tensor.device.index): a CPU tensor's index is None
         assert out["fla_hopper"] == [False, True, True]
+
+
+@pytest.mark.slow
+def test_the_reports_compile_mixcs_kernels_through_the_stand_in_driver(tmp_path):
+    """bench/static_report and bench/traffic_report on one op, mixc only: every launch compiled
+    for sm_90 through the stand-in driver, no row an error (the launcher's device check refused
+    the CPU tensors that stand in for CUDA and every mixc row read 'KernelUnavailable' once)."""
+    for script in ("static_report", "traffic_report"):
+        out = tmp_path / script
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--specs", "linear_attn", "--impls", "mixc",
+                            "--dim", "32", "--T", "256", "--H", "2", "--jobs", "1", "--out", str(out)],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, (script, p.stdout[-2000:], p.stderr[-2000:])
+        rows = json.loads(next(out.glob("*.json")).read_text())
+        rows = rows.get("rows") or rows.get("results")
+        assert rows and not any("error" in r for r in rows), rows
