@@ -24,6 +24,8 @@ where the chunked and recurrent forms keep them finite; the runtime gives m = 0 
 state and returns the spec's S = S~ exp(m) (runtime/torch_step.py)."""
 from __future__ import annotations
 
+import re
+
 from .. import classes
 from ..derive.plan import Plan
 from ..derive.stabilize import M_EMPTY
@@ -119,6 +121,11 @@ class StepEmitter(TorchEmitter):
         prod, _ = self.emit(f"{self.expand(a, da, full)} * {self.expand(b, db, full)}", full)
         return self.reduce(prod, full, tuple(over))
 
+    def forget_state_var(self, var: str) -> None:
+        """Drop the cached statements that read the variable var (a state buffer just changed in
+        place): the same text must read it again."""
+        self.texts = {k: v for k, v in self.texts.items() if not re.search(rf"\b{re.escape(var)}\b", k[0])}
+
     def forget_states(self) -> None:
         """Drop every cached value that read a state as it is now (after the states change);
         the values read from prev() were computed before (StepWriter._prev_terms)."""
@@ -197,7 +204,7 @@ class StepWriter:
             s = state_vars[upd.state]
             if upd.state in plans:
                 decay, products = plans[upd.state]
-                out_vars[upd.state] = self._update(s, decay, products)
+                out_vars[upd.state] = self._update(upd.state, s, decay, products)
             elif self.inplace:
                 em.lines.append(f"{em.indent}{s}.copy_({new[upd.state]})")
                 out_vars[upd.state] = s
@@ -255,13 +262,36 @@ class StepWriter:
                 products.append((em(left), r))
             else:                                   # folded: key (x) (value + c (right @ S))
                 _, key, value, right, c = piece
-                (rv, rd) = em.contract(*em(right), s, cd, kd)
-                (cv, cdims), (vv, vd) = em(c), em(value)
-                scaled = em.emit_as(f"{em.expand(cv, cdims, rd)} * {rv}", rd, [cv, rv])
-                out = canon(self.m.dim_names, set(vd) | set(rd))
-                corrected = em.emit_as(f"{em.expand(vv, vd, out)} + {em.expand(scaled[0], rd, out)}", out,
-                                       [vv, scaled[0]])
-                products.append((em(key), corrected))
+                later = _after_decay(st.ir_pieces.decay, right, c, self.m.dim_names) if decay is not None else None
+                if later is not None:               # right @ S read from the decayed S (_update)
+                    products.append(("after decay", key, value, *later))
+                    continue
+                products.append((em(key), self._corrected(value, em.contract(*em(right), s, cd, kd), c)))
+        return decay, [p if p[0] == "after decay" else
+                       (em.expand(p[0][0], p[0][1], cd), em.expand(p[1][0], p[1][1], cd),
+                        em.is_scalar(p[0][0]) or em.is_scalar(p[1][0])) for p in products]
+
+    def _corrected(self, value: ir.Expr, read, c: ir.Expr):
+        """value + c * read (read = right @ S: its variable and dims) in as few passes as the
+        factors allow: F * (x - read) where value = F x and c = -F (the delta rules' beta (v - k^T
+        S): two ops, as a person writes it), else one addcmul."""
+        em = self.em
+        rv, rd = read
+        split = _common_factor(value, c, self.m.dim_names)
+        if split is not None:
+            x, f, sign = split
+            (xv, xd), (fv, fd) = em(x), em(f)
+            inner_dims = canon(self.m.dim_names, set(xd) | set(rd))
+            inner = em.emit_as(f"{em.expand(xv, xd, inner_dims)} {sign} {em.expand(rv, rd, inner_dims)}",
+                               inner_dims, [xv, rv])
+            out = canon(self.m.dim_names, set(inner_dims) | set(fd))
+            return em.emit_as(f"{em.expand(inner[0], inner_dims, out)} * {em.expand(fv, fd, out)}", out,
+                              [inner[0], fv])
+        (cv, cdims), (vv, vd) = em(c), em(value)
+        out = canon(self.m.dim_names, set(vd) | set(rd) | set(cdims))
+        return em.emit_as(f"torch.addcmul({em.expand(vv, vd, out)}, {em.expand(cv, cdims, out)}, "
+                          f"{em.expand(rv, rd, out)})", out, [vv, cv, rv])
+
         return decay, [(em.expand(x, dx, cd), em.expand(y, dy, cd), em.is_scalar(x) or em.is_scalar(y))
                        for (x, dx), (y, dy) in products]
 
@@ -270,8 +300,28 @@ class StepWriter:
         """x * y where one is a number (1.0 * y is y)."""
         return y if x == "1.0" else x if y == "1.0" else f"{x} * {y}"
 
-    def _update(self, s: str, decay, products) -> str:
+    def _update(self, name: str, s: str, decay, products) -> str:
+        """The state's new value: decayed, then each outer product added (the products whose
+        right-hand read waits for the decayed state, _after_decay, are computed in between)."""
         em = self.em
+        waiting = [p for p in products if p[0] == "after decay"]
+        if waiting:
+            if self.inplace:
+                em.lines.append(f"{em.indent}{s}.mul_({decay})")
+                em.forget_state_var(s)
+                decayed = s
+            else:
+                decayed = em.emit(f"{s} * {decay}", ())[0]
+            decay = None
+            cd = self.state_dims(name)
+            kd = canon(self.m.dim_names, self.plan.state(name).key_dims)
+            ready = [p for p in products if p[0] != "after decay"]
+            for _, key, value, right, c in waiting:
+                read = em.contract(*em(right), decayed, cd, kd)
+                (kv, kdims), (yv, yd) = em(key), self._corrected(value, read, c)
+                ready.append((em.expand(kv, kdims, cd), em.expand(yv, yd, cd), em.is_scalar(kv) or em.is_scalar(yv)))
+            products = ready
+            s = decayed
         if self.inplace:
             if decay is not None:
                 em.lines.append(f"{em.indent}{s}.mul_({decay})")
@@ -282,11 +332,71 @@ class StepWriter:
         acc = f"{s} * {decay}" if decay is not None else s
         for x, y, scalar in products:
             acc = em.emit(f"{acc} + {self._product(x, y)}" if scalar else f"torch.addcmul({acc}, {x}, {y})", ())[0]
-        if acc == s:                                  # nothing added (a pure decay): a new tensor still
+        if acc == s and not waiting:                  # nothing added (a pure decay): a new tensor still
             acc = em.emit(f"{s} * 1.0", ())[0]
         elif not products:
             acc = em.emit(acc, ())[0]
         return acc
+
+
+def _factors(e: ir.Expr) -> tuple[float, list[ir.Expr]]:
+    """e as a number times a list of factors (a product tree flattened)."""
+    if isinstance(e, ir.Num):
+        return e.value, []
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        (a, fa), (b, fb) = _factors(e.left), _factors(e.right)
+        return a * b, fa + fb
+    return 1.0, [e]
+
+
+def _without(factors: list, remove: list) -> list | None:
+    """factors less each of `remove` (as a multiset), or None where one is missing."""
+    rest = list(factors)
+    for f in remove:
+        if f not in rest:
+            return None
+        rest.remove(f)
+    return rest
+
+
+def _times(coef: float, factors: list, dim_names) -> ir.Expr:
+    """coef * the factors as one expression (Num(1.0) where nothing is left)."""
+    out = None if coef == 1 else ir.Num((), None, coef)
+    for f in factors:
+        out = f if out is None else ir.BinOp(canon(dim_names, set(out.shape) | set(f.shape)), None, "*", out, f)
+    return ir.Num((), None, 1.0) if out is None else out
+
+
+def _after_decay(decay: ir.Expr, right: ir.Expr, c: ir.Expr, dim_names):
+    """(right', c') with c (right @ S) = c' (right' @ (decay * S)), or None: the decay is a
+    factor of right (per key: kda's k * exp(g)) or, a scalar, of c (the gated delta rule's
+    alpha * -beta). Then the step decays S first and reads it once, as a person writes it
+    (S *= alpha; S += k (beta (v - k^T S))^T), one op less than reading the old S."""
+    dcoef, dfac = _factors(decay)
+    if dcoef != 1 or not dfac:
+        return None
+    rcoef, rfac = _factors(right)
+    rest = _without(rfac, dfac)
+    if rest is not None and rest:
+        return _times(rcoef, rest, dim_names), c
+    if decay.shape == ():
+        ccoef, cfac = _factors(c)
+        rest = _without(cfac, dfac)
+        if rest is not None:
+            return right, _times(ccoef, rest, dim_names)
+    return None
+
+
+def _common_factor(value: ir.Expr, c: ir.Expr, dim_names):
+    """(x, F, sign) with value = F x and c = sign1 * F, or None: value + c r = F (x sign r)."""
+    vcoef, vfac = _factors(value)
+    ccoef, cfac = _factors(c)
+    if vcoef != 1 or ccoef not in (1.0, -1.0) or not cfac:
+        return None
+    rest = _without(vfac, cfac)
+    if not rest:
+        return None
+    return _times(1.0, rest, dim_names), _times(1.0, cfac, dim_names), "-" if ccoef == -1 else "+"
 
 
 def _inputs(plan: Plan, lead: int) -> tuple[list[str], dict, set]:

@@ -96,9 +96,9 @@ def step_key(mode, kwargs: dict, state, launches: bool = True) -> tuple | None:
     key = [mode, torch.is_grad_enabled(), launch.settings() if launches else None]
     for k, v in kwargs.items():
         if isinstance(v, torch.Tensor):
-            if v.is_nested or v.layout != torch.strided:    # no shape to key: the binder names it
+            if v.is_nested or v.layout is not torch.strided:    # no shape to key: the binder names it
                 return None
-            key.append((k, _meta(v)))
+            key.append((k, v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous()))
         elif v is None or type(v) in (bool, int, float):
             key.append((k, type(v), v))
         else:

@@ -283,3 +283,19 @@ def test_a_number_option_given_as_a_tensor_is_read_on_every_step():
     state = {k: v.float() for k, v in random_state(op.ir, B, H, sizes, seed=23).items()}
     outs = [op.step(**steps[0], scale=torch.tensor(s), state=state, mode="torch")[0] for s in (0.5, 2.0)]
     _close(outs[1], 4 * outs[0], "scale 2.0 against 0.5")
+
+
+@pytest.mark.parametrize("name", ["delta_rule", "gated_delta_rule", "kda", "comba"])
+def test_delta_rules_step_reads_the_decayed_state_once_as_written_by_hand(name):
+    """The in-place step of a rank-1 correction is the update a person writes (bench/decode_cpu's
+    hand-written ones): S decayed first, then u = beta (v - k^T S) from one read of it, one
+    addcmul_ (no -1 * beta, no k * exp(g) before the read: each op ~2 us of a ~60 us step)."""
+    import inspect
+    src = inspect.getsource(load_module(mixc.load(name).plan()).torch_step_)
+    body = [x.strip() for x in src.splitlines() if "s_S" in x and "_s['S']" not in x]
+    assert "-1.0" not in src, src
+    reads = [x for x in body if "@ s_S" in x]
+    assert len(reads) == 2, src                    # the correction's read and the output's
+    if name != "delta_rule":
+        assert body[0].startswith("s_S.mul_("), src
+    assert sum(".addcmul_(" in x for x in body) == 1, src
