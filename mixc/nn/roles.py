@@ -235,6 +235,31 @@ class NegExpParam(ParamRole):
         return -torch.exp(p)
 
 
+class Rwkv5Decay(ParamRole):
+    """RWKV-5's static decay: the parameter holds time_decay, ramped -6..1 over the channels
+    (RWKV's decay_speed); the op gets the log decay w = -exp(time_decay), always <= 0."""
+
+    doc = "time_decay ramped -6..1 over the channels; the op gets w = -exp(time_decay)"
+
+    def init(self, H, shape):
+        n = math.prod(shape)
+        ramp = torch.linspace(-6.0, 1.0, n) if n > 1 else torch.tensor([-2.5])
+        return ramp.reshape(shape).expand((H,) + shape).clone()
+
+    def value(self, p):
+        return -torch.exp(p)
+
+
+class SigmoidParam(ParamRole):
+    """A param the spec declares in [0, 1] (HGRN-1's lower bound): the parameter holds its
+    logit, N(0, 0.1) at init (a bound near 1/2); the op gets sigmoid of it."""
+
+    doc = "logit N(0, 0.1); the op gets sigmoid(logit), in (0, 1)"
+
+    def value(self, p):
+        return torch.sigmoid(p)
+
+
 class DtBias(ParamRole):
     doc = "softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Mamba)"
 
@@ -296,6 +321,8 @@ PARAM_ROLES: dict = {
     ("mamba", "A"): NegExpParam("s4d_real"),
     ("mamba", "dt_bias"): DtBias(),
     ("s4d", "A"): NegExpParam("s4d_real"),
+    ("rwkv5", "w"): Rwkv5Decay(),
+    ("hgrn1", "lb"): SigmoidParam(),
     ("s4d", "B"): Ones(),
     ("s4d", "log_dt"): LogDt(),
     ("performer", "W"): RandomFeatures(),

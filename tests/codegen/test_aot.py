@@ -42,7 +42,7 @@ def test_every_kernel_compiles(tmp_path, archs, phases):
     want = {(n, k, a) for n in recurrent for k in ("recurrent_fwd", "recurrent_bwd") for a in archs}
     staged = {n for n in chunked if mixc.load(n).plan().layout.intra_matrices}
     # the key-diagonal readouts' A, and the rank-1 setup's inverse (launch.STAGE_SOLVE)
-    assert staged == {"gla", "hgrn2", "rwkv6", "s4d", "delta_rule", "gated_delta_rule", "comba", "kda", "rwkv7"}
+    assert staged == {"gla", "hgrn2", "rwkv6", "s4d", "rwkv5", "delta_rule", "gated_delta_rule", "comba", "kda", "rwkv7"}
     want |= {(n, f"chunk_{d}[{i}]", a) for n in chunked for d in ("fwd", "bwd") for i in phases for a in archs
              if i < 3 or (d == "fwd" and (i == 3 or n in staged))}
     assert got == want
@@ -50,7 +50,7 @@ def test_every_kernel_compiles(tmp_path, archs, phases):
     assert set(recurrent) - chunked == {"mamba"}
     # the rank-1 PHASE 4 of a per-key decay has no matmul: its A is a [C, C, K] sum, its inverse
     # a substitution
-    per_key = {n for n in staged if mixc.load(n).plan().states[0].decay_dims and n not in ("gla", "hgrn2", "rwkv6", "s4d")}
+    per_key = {n for n in staged if mixc.load(n).plan().states[0].decay_dims and n not in ("gla", "hgrn2", "rwkv6", "rwkv5", "s4d")}
     assert per_key == {"kda", "rwkv7"}
     for r in reports:
         assert r["cubin_bytes"] > 0
@@ -92,7 +92,7 @@ def test_the_forward_key_loop_compiles(tmp_path, specs, forms):
     assert p.returncode == 0, p.stderr[-3000:]
     reports = json.loads(p.stdout)
     # the key-diagonal readouts' A, the rank-1 setup's inverse (launch.STAGE_SOLVE)
-    staged = {"gla", "rwkv6", "hgrn2", "s4d", "gated_delta_rule", "kda", "delta_rule", "comba", "rwkv7"} & set(specs)
+    staged = {"gla", "rwkv6", "rwkv5", "hgrn2", "s4d", "gated_delta_rule", "kda", "delta_rule", "comba", "rwkv7"} & set(specs)
     assert {(r["spec"], r["kernel"]) for r in reports} == \
         {(n, f"chunk_{d}[2]") for n in specs for d in forms} | {(n, "chunk_fwd[4]") for n in staged if "fwd" in forms}
     for r in reports:

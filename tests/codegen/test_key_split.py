@@ -253,4 +253,4 @@ def test_the_key_diagonal_walk_holds_its_state_in_static_key_blocks():
                 s = f"s_{st.name}"
                 assert f"{s}_k{i} = tl.load(p_ckpt_{st.name}" in ast.unparse(branch), i   # loaded before the chunks ...
                 assert re.search(rf"\b{s}_k{i} = {s}__\d+", loop), i                  # ... carried through them
-    assert walks == {"gla", "rwkv6", "hgrn2", "s4d"}
+    assert walks == {"gla", "rwkv6", "rwkv5", "hgrn2", "s4d"}

@@ -23,6 +23,8 @@ EXPECTED = {
     "mlstm": (P.SCALAR, ("chunk", "recurrent", "step"), False, "logsigmoid(f)"),
     "gla": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "rwkv6": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "w"),
+    "rwkv5": (P.KEY_DIAG, ("chunk", "recurrent", "step", "conv"), True, "w"),            # w a param
+    "hgrn1": (P.VALUE_DIAG, ("chunk", "recurrent", "step"), False, "log(lb + (1 - lb)*sigmoid(f))"),
     "rwkv4": (P.SCALAR, ("chunk", "recurrent", "step", "conv"), True, "-exp(w)"),      # stabilized exp(k)
     "hgrn": (P.VALUE_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "mamba": (P.ELEMENTWISE, ("scan", "recurrent", "step"), False, "A*softplus(dt + dt_bias)"),
@@ -54,6 +56,7 @@ def test_library_class(name):
     assert first.time_invariant == ti
     assert sp.simplify(first.log_decay - sp.sympify(log_decay, locals={
         "logsigmoid": logsigmoid, "softplus": __import__("mixc.derive.functions", fromlist=["softplus"]).softplus,
+        "sigmoid": __import__("mixc.derive.functions", fromlist=["sigmoid"]).sigmoid,
         **{s.name: s for s in first.log_decay.free_symbols}})) == 0
 
 
