@@ -26,7 +26,7 @@ def test_backward_state_gradients_take_the_checkpoint_dtype(monkeypatch):
     def spy(self, bound, form, per_state, *a, **kw):
         def watch(s, *rest):
             bufs = per_state(s, *rest)
-            seen.append((kw["launch"]["phase"], bufs["dh"].dtype))
+            seen.append((kw["launch"]["stage"], bufs["dh"].dtype))
             return bufs
         return real(self, bound, form, watch, *a, **kw)
     monkeypatch.setattr(Launcher, "backward", spy)
@@ -35,7 +35,7 @@ def test_backward_state_gradients_take_the_checkpoint_dtype(monkeypatch):
         seen.clear()
         out, _ = op(**args, mode="chunk", chunk=16)
         out.float().square().sum().backward()
-        assert seen == [(1, want), (2, want)], (fp32, seen)
+        assert seen == [("walk", want), ("tiles", want)], (fp32, seen)
 
 
 def _call(op, args, f, C=16):

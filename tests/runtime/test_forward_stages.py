@@ -26,7 +26,7 @@ from kernel_checks import check_against_reference
 def _phases_of_one_call(monkeypatch, call) -> list:
     seen = []
     real = Launcher.forward
-    monkeypatch.setattr(Launcher, "forward", lambda *a, **kw: (seen.append(kw["launch"]["phase"]), real(*a, **kw))[1])
+    monkeypatch.setattr(Launcher, "forward", lambda *a, **kw: (seen.append(kw["launch"]["stage"]), real(*a, **kw))[1])
     out = call()
     monkeypatch.setattr(Launcher, "forward", real)
     return out, seen
@@ -60,7 +60,7 @@ def test_staged_forward_equals_the_computing_one(name, dtype, monkeypatch):
             op._fast.clear()            # launched, not a replay (runtime/fastpath.py)
             (o, final), phases = _phases_of_one_call(
                 monkeypatch, lambda: op(**inputs, initial_state=st, output_final_state=True, mode="chunk", chunk=16))
-            assert phases == ([4, 1, 2] if staged else [1, 2])
+            assert phases == (["intra", "walk", "output"] if staged else ["walk", "output"])
             results[staged] = (o, final)
         (o1, f1), (o2, f2) = results[True], results[False]
         torch.testing.assert_close(o1, o2, rtol=0, atol=0, equal_nan=True)
@@ -87,7 +87,7 @@ def test_intra_buffer_holds_each_chunks_matrix_by_token_row(monkeypatch):
 
     def spy(*a, **kw):
         r = real(*a, **kw)
-        if kw["launch"]["phase"] == 4:
+        if kw["launch"]["stage"] == "intra":
             kept["A"] = kw["intra"].clone()
         return r
     monkeypatch.setattr(Launcher, "forward", spy)

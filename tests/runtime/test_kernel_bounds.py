@@ -84,11 +84,11 @@ def test_retention_at_the_cuda_launch_structure_stays_in_bounds(phases, monkeypa
     real = Launcher.forward
 
     def spy(*a, **kw):
-        seen_phases.append((kw["launch"]["phase"], kw["launch"]["block", "V"], kw["launch"]["ckpt_every"]))
+        seen_phases.append((kw["launch"]["stage"], kw["launch"]["block", "V"], kw["launch"]["ckpt_every"]))
         return real(*a, **kw)
     monkeypatch.setattr(Launcher, "forward", spy)
     with bounds_checked() as seen:
         _fwd_bwd(op, args, mode="chunk", chunk=16)
     assert not seen["errors"], seen["errors"][:1]
-    if phases == 2:             # the structure asked for: PHASE 2 in V blocks of 32 below the walk's 64
-        assert (1, 64, 4) in seen_phases and (2, 32, 4) in seen_phases and (3, 64, 4) in seen_phases
+    if phases == 2:             # the structure asked for: the output kernel in V blocks of 32 below the walk's 64
+        assert ("walk", 64, 4) in seen_phases and ("output", 32, 4) in seen_phases and ("refill", 64, 4) in seen_phases
