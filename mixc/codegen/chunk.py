@@ -322,13 +322,15 @@ class ChunkCode:
             body.append(f"{I2}s__m = _mnew")
 
         init, ckpt, load_ckpt, dense, final = [], [], [], [], []
+        walks = self.kernel_stage in ("fused", "walk")
         for st in self.states:
             kd, vd = _axes(st, order)
             init += self.state_io(st, I1)
             init.append(f"{I1}s_{st.name} = tl.zeros([{_block(kd)}, {_block(vd)}], dtype=tl.float32)")
-            init.append(f"{I1}if USE_INITIAL_STATE:")
-            ptr, msk = self.state_ptr(st, f"p_init_{st.name}", "(i_n * H + i_h)")
-            init.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
+            if walks:       # the slot kernels start from a checkpoint (or have no state: intra)
+                init.append(f"{I1}if USE_INITIAL_STATE:")
+                ptr, msk = self.state_ptr(st, f"p_init_{st.name}", "(i_n * H + i_h)")
+                init.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
             # _ck_slot: the checkpoint's slot (templates/chunk_fwd.py.j2); checkpoints in the
             # inputs' dtype where that is bf16/fp16 (launch.checkpoint_dtype)
             ptr, msk = self.state_ptr(st, f"p_ckpt_{st.name}", "(_ck_slot * H + i_h)")
@@ -339,9 +341,9 @@ class ChunkCode:
             ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
             final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
         if self.stab is not None:       # the stabilizer m: a scalar per (sequence, head)
-            init += [f"{I1}s__m = _fhead * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)",
-                     f"{I1}if USE_INITIAL_STATE:",
-                     f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
+            init.append(f"{I1}s__m = _fhead * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)")
+            if walks:
+                init += [f"{I1}if USE_INITIAL_STATE:", f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
             ckpt.append(f"{I4}tl.store(p_ckpt__m + _ck_slot * H + i_h, s__m)")
             load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + _ck_slot * H + i_h)")
             dense.append(f"{I2}tl.store(p_dense__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
