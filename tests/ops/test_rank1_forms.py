@@ -61,10 +61,10 @@ def test_a_left_that_is_no_scaled_key_with_a_scalar_decay_matches_float64(phases
 
 @pytest.mark.parametrize("name", ["delta_rule", pytest.param("rwkv7", marks=pytest.mark.slow)])
 def test_the_staged_inverse_matches_float64(name, monkeypatch):
-    """launch.STAGE_SOLVE: PHASE 4 stores each chunk's (I - M)^-1, PHASE 1 (the walk) and 2 take
+    """launch.STAGE_SOLVE: the intra kernel stores each chunk's (I - M)^-1, the walk and the output kernel take
     U as one matmul with it (launches 4, 1, 2). Against float64, forward and every gradient; an
     inf in one value: the outputs before its token as the computing forward's, NaN from it on in
-    both (PHASE 4 zeroes no row for a value, PHASE 1 and 2 do: rank1.j2's setup)."""
+    both (the intra kernel zeroes no row for a value, the walk and the output kernel do: rank1.j2's setup)."""
     import mixc.runtime.launch as launch
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "STAGE_SOLVE", True)
