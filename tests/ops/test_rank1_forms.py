@@ -27,8 +27,9 @@ mixer own_left
 
 
 def _chunk_source(op) -> str:
+    """The chunked kernels' text (from the forward's first stage kernel on)."""
     src = pipeline.render(op.plan())
-    return src[src.index("_chunk_fwd("):]
+    return src[src.index("_chunk_fwd_fused("):]
 
 
 @pytest.mark.parametrize("name,scaled", [("delta_rule", True), ("gated_delta_rule", True), ("comba", True),
