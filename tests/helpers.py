@@ -21,13 +21,13 @@ def random_args(mixer, *, draw=None, **kwargs):
 
 
 def record_phases(monkeypatch, method: str = "forward") -> list:
-    """The PHASE of every launch mixc.standalone.launcher.Launcher.<method> ("forward" or
-    "backward") makes from here on, in order (the launch still runs)."""
+    """The stage (the kernel: "walk", "output" ...) of every launch mixc.standalone.launcher.
+    Launcher.<method> ("forward" or "backward") makes from here on, in order (the launch still runs)."""
     from mixc.standalone.launcher import Launcher
     seen, real = [], getattr(Launcher, method)
 
     def spy(self, *a, **kw):
-        seen.append(kw["launch"]["phase"])
+        seen.append(kw["launch"]["stage"])
         return real(self, *a, **kw)
     monkeypatch.setattr(Launcher, method, spy)
     return seen

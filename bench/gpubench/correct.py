@@ -7,13 +7,13 @@ launch.CHUNK_PHASES = 1), with the tile dim in blocks of 16 (mode "chunk tile16"
 at D = 32, the partial gradients summed) and with a checkpoint every two chunks (mode "chunk
 ckpt2": at T = 130, three chunks of 64 or five of 32, the last checkpoint's partial; the
 policy of launch.checkpoint_every keeps one per chunk at so few programs) and, where the
-spec stages its intra-chunk matrices (PHASE 4: gla, rwkv6, hgrn2, s4d), without them (mode
+spec stages its intra-chunk matrices (the intra kernel: gla, rwkv6, hgrn2, s4d), without them (mode
 "chunk unstaged": launch.STAGE_INTRA = False), for the rank-1 class with its staged inverse
 (mode "chunk staged solve": launch.STAGE_SOLVE = True, the default since 2026-12-05), and with the forward's
-PHASE 4 and 2 looping
+intra and output kernels looping
 over key blocks of 16 (mode "chunk keyblock16": launch.KEY_BLOCK = 16, a checkpoint per chunk,
 two blocks at D = 32; codegen/key_split.py, which the policy runs at C * K > 32 * 128 where a
-program takes one chunk) and, for the key-diagonal decay, with PHASE 2 walking two chunks in
+program takes one chunk) and, for the key-diagonal decay, with the output kernel walking two chunks in
 static key blocks of 16 (mode "chunk walk keyblock16": codegen/key_walk.py, what its default
 C = 64 runs at K = 128 and long sequences); warps and stages do not change the arithmetic."""
 from __future__ import annotations
@@ -113,16 +113,16 @@ def _modes(op) -> list[tuple]:
         modes += [("chunk", None, "chunk walk", {"CHUNK_PHASES": 1}),
                   ("chunk", None, "chunk tile16", {"CHUNK_TILE": 16, "CHUNK_PHASES": 2}),
                   ("chunk", None, "chunk ckpt2", {"CHECKPOINT_EVERY": 2, "CHUNK_PHASES": 2})]
-        if key_dim(op.plan()) is not None:      # PHASE 4 and 2 over key blocks (one chunk a program)
+        if key_dim(op.plan()) is not None:      # the intra and output kernels over key blocks (one chunk a program)
             modes += [("chunk", None, "chunk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 1, "CHUNK_PHASES": 2})]
         if any(classes.unit(st.transition).walks_key_blocks for st in op.plan().states):
-            # PHASE 2 walking two chunks with its state in static key blocks (codegen/key_walk.py)
+            # the output kernel walking two chunks with its state in static key blocks (codegen/key_walk.py)
             modes += [("chunk", None, "chunk walk keyblock16", {"KEY_BLOCK": 16, "CHECKPOINT_EVERY": 2,
                                                                 "CHUNK_PHASES": 2})]
         solve = any(classes.unit(st.transition).stages_solve for st in op.plan().states)
-        if op.plan().layout.intra_matrices and not solve:     # PHASE 2 computing its intra-chunk matrices
+        if op.plan().layout.intra_matrices and not solve:     # the output kernel computing its intra-chunk matrices
             modes += [("chunk", None, "chunk unstaged", {"STAGE_INTRA": False, "CHUNK_PHASES": 2})]
-        if solve:       # the rank-1 walk and PHASE 2 reading the inverse PHASE 4 staged (off by default)
+        if solve:       # the rank-1 walk and output kernel reading the inverse the intra kernel staged (off by default)
             modes += [("chunk", None, "chunk staged solve", {"STAGE_SOLVE": True, "CHUNK_PHASES": 2})]
     return modes
 

@@ -1,7 +1,7 @@
 """Which variant of the scalar decay's chunked forward faults on the GPU (the H200 run of
 2026-12-04: retention and simple_gla, "illegal memory access" at K = V = 128 bf16). The
 interpreter's bounds checker (tests/interpreter_bounds.py) finds every access of these launches
-in bounds, and probe.py's simple_gla log blames the forward PHASE 2 of the first config (grid
+in bounds, and probe.py's simple_gla log blames the forward output kernel (PHASE 2 then) of the first config (grid
 (3072, 4, 1): V blocks of 32, 8 warps, a checkpoint every 4 chunks, KEY_BLOCK 64). Each variant
 runs one op call (forward, then backward with ones) in a process of its own, all at once (a
 fault poisons only its own context), MIXC_AUTOTUNE=0 (the list's first config), a synchronize
@@ -9,9 +9,9 @@ after every launch:
 
     python3 bench/gpubench/p2_fault.py [B T H D] [--timeout S]     # default 1 2048 16 128
 
-Variants: the launch as on the H200; PHASE 2 in V blocks of 64 (the walk's: the scalar class's
-output_tile off); PHASE 2 at 4 warps; a checkpoint every chunk (CKPT_EVERY 1); one launch (PHASE
-0); fp16; fp32. Prints one line per (spec, variant): ok or the error."""
+Variants: the launch as on the H200; the output kernel in V blocks of 64 (the walk's: the scalar class's
+output_tile off); the output kernel at 4 warps; a checkpoint every chunk (CKPT_EVERY 1); one launch (the fused
+kernels); fp16; fp32. Prints one line per (spec, variant): ok or the error."""
 from __future__ import annotations
 
 import json
@@ -42,7 +42,7 @@ def one(spec: str, variant: str, B: int, T: int, H: int, D: int) -> str:
     orig = kernel_args.KernelArgs.launch
 
     def traced(self, kernel, grid, values):
-        if "p2_warps" in v and values.get("phase") == 2 and "num_warps" in values:
+        if "p2_warps" in v and values.get("stage") == "output" and "num_warps" in values:
             values = dict(values, num_warps=v["p2_warps"])
         orig(self, kernel, grid, values)
         if cuda:

@@ -5,9 +5,9 @@ process of its own; every kernel launch is compiled with the runtime's own speci
 
 Configs: mixc's kernels get the untuned launch on CUDA (the first config of each of
 mixc.runtime.autotune's lists: two launches per direction, 8 warps, 3 stages for the walk and 1
-for PHASE 2; C = launch.chunk_size) and, with --all-configs, every config of the forward's list
-(two launches (p2) or one (p1), warps, stages), the backward taking the same. A kernel launched
-with PHASE n is listed as name[n].
+for the output (tiles) kernel; C = launch.chunk_size) and, with --all-configs, every config of the forward's list
+(two launches (p2) or one (p1), warps, stages), the backward taking the same. mixc's chunked
+kernels are one per stage, listed by name (gla_chunk_fwd_walk, gla_chunk_bwd_tiles ...).
 fla's autotuned kernels get the "typical" config of their Hopper list: the one closest to 4
 warps, blocks of 64 and 2 stages (sort key: |log2(warps / 4)|, then sum |log2(block / 64)|
 over the autotuned block sizes, then |stages - 2|); fla's autotuner would time them all."""
@@ -96,7 +96,7 @@ def run_one(spec: str, impl: str, D: int, T: int, H: int, all_configs: bool) -> 
             rows.append({"spec": spec, "impl": impl, "error": f"{type(err).__name__}: {err}"[:400]})
             continue
         for r in fakecuda.RECORDS:
-            name = r["kernel"] + (f"[{r['constexprs']['PHASE']}]" if "PHASE" in r["constexprs"] else "")
+            name = r["kernel"]          # mixc's chunked kernels: one per stage, named for it
             row = {"spec": spec, "impl": impl, "phase": r["phase"], "kernel": name, "module": r["module"],
                    "num_warps": r["num_warps"], "num_stages": r["num_stages"],
                    "blocks": {k: v for k, v in r["constexprs"].items() if not isinstance(v, bool)

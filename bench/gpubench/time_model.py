@@ -17,8 +17,8 @@ Per launch of P programs (a torch op between kernels: its bytes at full bandwidt
     L_step  = L0[impl] + (matmuls on the path - 1) * L_MMA + solve rows * L_ROW
     t = max(t_bytes, t_flops, t_chain) + LAUNCH      a chain that waits is not also streaming
 
-`steps`: a walk (mixc's PHASE 1 forward and backward, fla's chunk_*_h / dh / dhu kernels)
-carries the state through every chunk of its sequence, T / C steps; mixc's PHASE 2 and 3
+`steps`: a walk (mixc's walk kernels forward and backward, fla's chunk_*_h / dh / dhu kernels)
+carries the state through every chunk of its sequence, T / C steps; mixc's output and refill
 programs walk from a checkpoint through the chunks of their segment (B H T / C / programs
 along axis 0); every other program computes its chunk(s) without waiting on another (1 step).
 The per-step latency is where the kernel's instruction mix enters: L0 is one step of a walk
@@ -80,7 +80,18 @@ FLA_WALKS = {
     "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": 2,
     "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64": 3,
 }
-_MIXC = re.compile(r"_chunk_(fwd|bwd)\[(\d)\]$")
+# mixc's chunked kernels: <spec>_chunk_<fwd|bwd>_<stage>, one kernel per stage; the reports
+# committed before that named them by PHASE, <spec>_chunk_<fwd|bwd>[n] (read as the stage)
+_MIXC = re.compile(r"_chunk_(fwd|bwd)(?:_(fused|walk|output|refill|intra|tiles)|\[(\d)\])$")
+_PHASE_STAGES = {"fwd": ("fused", "walk", "output", "refill", "intra"), "bwd": ("fused", "walk", "tiles")}
+
+
+def mixc_stage(kernel: str) -> tuple[str, str] | None:
+    """(direction, stage) of a mixc chunked kernel's name (None: another kernel)."""
+    m = _MIXC.search(kernel)
+    if not m:
+        return None
+    return m.group(1), m.group(2) or _PHASE_STAGES[m.group(1)][int(m.group(3))]
 # mixc's delta-rule walks: the state's correction is the WY form, solved per chunk inside the
 # walk unless the staged inverse is on (launch.STAGE_SOLVE: on by default since this model chose it)
 SOLVE_IN_WALK = {"delta_rule", "gated_delta_rule", "kda", "rwkv7", "dplr"}
@@ -96,23 +107,23 @@ class Chain:
 def chain_of(spec: str, impl: str, launch: dict, B: int, T: int, H: int, C: int = 64,
              staged_solve: bool = False) -> Chain:
     """The dependent chain of one launch (module doc). staged_solve: the forward staged the
-    inverse (a PHASE 4 launch of a delta rule: launch.STAGE_SOLVE), so its walk takes U as one
+    inverse (an intra launch of a delta rule: launch.STAGE_SOLVE), so its walk takes U as one
     more matmul; the backward's reverse walk solves per chunk either way."""
     name, grid = launch["kernel"], launch.get("grid") or [1, 1, 1]
     if impl == "fla":
         if name in FLA_WALKS:
             return Chain(T / C, FLA_WALKS[name])
         return Chain(1)
-    m = _MIXC.search(name)
-    if not m:
+    ds = mixc_stage(name)
+    if ds is None:
         return Chain(1)
-    direction, phase = m.group(1), int(m.group(2))
+    direction, stage = ds
     solve = C - 1 if spec in SOLVE_IN_WALK else 0
-    if phase == 1 and solve and staged_solve and direction == "fwd":
+    if stage == "walk" and solve and staged_solve and direction == "fwd":
         return Chain(T / C, 4)            # the staged inverse as one more matmul instead of the rows
-    if phase == 1:                          # the walk, forward or reverse
+    if stage == "walk":                     # the walk, forward or reverse
         return Chain(T / C, 3 if solve else 1, solve)
-    if phase in (2, 3) and direction == "fwd":
+    if stage in ("output", "refill") and direction == "fwd":
         return Chain(max(1.0, B * H * (T / C) / grid[0]))
     return Chain(1)
 
@@ -147,7 +158,7 @@ def op_time(dev: Device, k: Constants, result: dict, static_rows: list[dict], B:
     statics = {(r["phase"], r["kernel"]): r for r in static_rows
                if r["spec"] == result["spec"] and r["impl"] == result["impl"]}
     out, rows = {}, []
-    staged = any(_MIXC.search(x["kernel"]) and x["kernel"].endswith("_chunk_fwd[4]") for x in result["launches"])
+    staged = any(mixc_stage(x["kernel"]) == ("fwd", "intra") for x in result["launches"])
     for name, phases in PASSES.items():
         total = 0.0
         for x in result["launches"]:

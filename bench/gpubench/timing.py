@@ -148,7 +148,7 @@ def time_shape(section: str, shape: tuple, specs: list[str], device: str, fla, f
         fla_skip = None if not with_fla else (None if fla is not None else fla_why)
         impls = [("mixc", None)]
         if any(classes.unit(st.transition).stages_solve for st in op.plan().states):
-            # the rank-1 walk reading the inverses PHASE 4 staged (launch.STAGE_SOLVE, off by default)
+            # the rank-1 walk reading the inverses the intra kernel staged (launch.STAGE_SOLVE, off by default)
             impls.append(("mixc staged solve", None))
         impls.append(("fla", fla_skip if with_fla else "skipped: D not in --fla-dims"))
         for impl, skip in impls:

@@ -182,7 +182,7 @@ def launches_of(records: list) -> list[dict]:
             seen[id(k)] = (k, pointer_access(k.asm["ttir"]))
         access = seen[id(k)][1]
         rb, wb, rn, wn = launch_bytes(r["tensors"], access)
-        name = r["kernel"] + (f"[{r['constexprs']['PHASE']}]" if "PHASE" in r["constexprs"] else "")
+        name = r["kernel"]          # mixc's chunked kernels: one per stage, named for it
         try:
             flops = launch_flops(k.asm["ttir"], r["scalars"], r["grid"])
         except Exception:                           # noqa: BLE001 - TTIR this walk does not follow

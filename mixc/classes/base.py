@@ -101,20 +101,20 @@ class TransitionClass:
     # [C, KF], [C, VF], its log decay and its flat key and value axes. The defaults are the
     # diagonal decays' (key- and value-diagonal): the others override what differs.
     compensated_sum: bool = False          # its macros take b as hi + lo (ChunkCode.compensated)
-    # its readout's intra-chunk matrix [C, C] is staged: the forward's PHASE 4 computes it once
-    # per chunk into p_intra, PHASE 2 (every tile block) reads it (ChunkCode.intra_slot)
+    # its readout's intra-chunk matrix [C, C] is staged: the forward's intra kernel computes it once
+    # per chunk into p_intra, the output kernel (every tile block) reads it (ChunkCode.intra_slot)
     stages_intra: bool = False
     # its setup's [C, C] inverse (the rank-1 class's (I - M)^-1) can be staged by the forward's
-    # PHASE 4 for PHASE 1 (the walk) and 2 to read (launch.STAGE_SOLVE: on by default)
+    # intra kernel for the walk and the output kernel to read (launch.STAGE_SOLVE: on by default)
     stages_solve: bool = False
-    # the forward PHASE 2's block of the tile dim (None: launch.CHUNK_TILE, the other launches')
+    # the forward output kernel's block of the tile dim (None: launch.CHUNK_TILE, the other launches')
     output_tile: int | None = None
     # the chunked backward's block of the tile dim, both its launches (None: launch.CHUNK_TILE)
     backward_tile: int | None = None
     # the block of the key dim the chunked kernels loop over where C * K is large (Launcher.key_block, standalone/launcher.py;
     # None: launch.KEY_BLOCK_AT)
     key_block: int | None = None
-    # the forward PHASE 2 walking several chunks holds its state in static key blocks (codegen/
+    # the forward output kernel walking several chunks holds its state in static key blocks (codegen/
     # key_walk.py), where KEY_BLOCK is less than K
     walks_key_blocks: bool = False
     # the chunked form may store the class's checkpoints and dL/dS at chunk ends in bf16/fp16
@@ -124,7 +124,7 @@ class TransitionClass:
 
     def checkpoint_tokens(self, st) -> int | None:
         """Tokens between the chunked forward's checkpoints (None: launch.CHECKPOINT_TOKENS),
-        where a PHASE 2 walking several chunks holds too much (a chunk's tokens: one per chunk)."""
+        where an output kernel walking several chunks holds too much (a chunk's tokens: one per chunk)."""
         return None
 
     def decay_is_vector(self, st) -> bool:

@@ -14,18 +14,18 @@ class KeyDiagonal(TransitionClass):
     template = "key_diag.j2"
     compensated_sum = True          # key_diag.j2's pair log weights: (hi_i - hi_j) + (lo_i - lo_j)
     # the sub-chunk loops that make A (16 diagonal steps of [C, K] exps) run once per chunk in
-    # PHASE 4, not once per tile block in PHASE 2, whose registers they took (sm_90, K = V = 128:
-    # gla's PHASE 2 spilled 32 B, rwkv6's 148 B with them; bench/README.md)
+    # the intra kernel, not once per tile block in the output kernel, whose registers they took (sm_90, K = V = 128:
+    # gla's output kernel spilled 32 B, rwkv6's 148 B with them; bench/README.md)
     stages_intra = True
     # at C = 64 a key block holds its [C, KB] keys, queries, decays (hi, lo, resets) and, in the
     # backward, dq's and dk's terms and the sub-chunk loops' exps: sm_90 (K = V = 128, bf16, 8
-    # warps) spills at KB = 64 / 32 / 16: backward PHASE 2 gla 1200 / 136 / 0 B (fla's whole
-    # backward 420), rwkv6 1752 / 432 / 56 (fla 972); forward PHASE 4 rwkv6 32 / 0 / 0, PHASE 2
+    # warps) spills at KB = 64 / 32 / 16: backward tiles kernel gla 1200 / 136 / 0 B (fla's whole
+    # backward 420), rwkv6 1752 / 432 / 56 (fla 972); forward intra kernel rwkv6 32 / 0 / 0, the output kernel
     # walking four chunks rwkv6 224 / 24 / 0, gla 0 / 0 / 0. The cost: each key block of the
     # backward reads dO and V again in its tile loop (from L2: the HBM bytes are the same), and
     # the walk's static blocks are eight copies of the block's statements
     key_block = 16
-    # PHASE 2 walking R chunks at C = 64 spilled 464 B (gla), 992 (rwkv6) with its state whole
+    # the output kernel walking R chunks at C = 64 spilled 464 B (gla), 992 (rwkv6) with its state whole
     walks_key_blocks = True
 
     def claims(self, u: UpdateShape) -> bool:
@@ -36,7 +36,7 @@ class KeyDiagonal(TransitionClass):
         # registers. C = 64, as fla's: wgmma on sm_90 (C = 32 is below its 64 rows: mma.sync),
         # half C = 32's sequential steps in the walk. It fits with the key dim in blocks
         # of key_block (codegen/key_split.py, key_walk.py): sm_90 at K = V = 128 (bf16, 8 warps)
-        # spills nothing forward (gla, rwkv6; whole in K: PHASE 4 456 and 856 B, PHASE 2 walking
+        # spills nothing forward (gla, rwkv6; whole in K: the intra kernel 456 and 856 B, the output kernel walking
         # four chunks 464 and 992), backward gla 0 B, rwkv6 524 (its walk 468; fla 420 and 972);
         # bytes per token-head gla forward 3344 (C = 32: 3216), forward + backward 9408 (11328)
         # (bench/results/static-sm90, traffic-sm90). The tuner also times 32 and 16 on the GPU.

@@ -28,7 +28,7 @@ class Rank1(TransitionClass):
     # 128 on sm_90 the gated delta rule's two launches spill 332 + 1644 B with blocks of 64 (the
     # corrected values, rank1.j2), 148 + 736 with 32, 104 + 684 with 16 (bench/README.md)
     backward_tile = 16
-    # PHASE 4 can stage each chunk's (I - M)^-1 (launch.STAGE_SOLVE): the walk then takes U as one
+    # the intra kernel can stage each chunk's (I - M)^-1 (launch.STAGE_SOLVE): the walk then takes U as one
     # matmul instead of C - 1 dependent substitution rows; on by default on CUDA (chosen by the
     # time model against its bytes and spills: standalone/launch_data.py, stage_solve)
     stages_solve = True
@@ -36,11 +36,11 @@ class Rank1(TransitionClass):
     def chunk_size(self, st) -> int:
         # a per-key decay makes the A blocks [C, C, K]; otherwise C = 64 (fla's BT): with the
         # corrected values (a scaled-key left, rank1.j2) the walk spills nothing on sm_90 at
-        # K = V = 128, PHASE 2 nothing with a chunk a program (checkpoint_tokens)
+        # K = V = 128, the output kernel nothing with a chunk a program (checkpoint_tokens)
         return 16 if st.decay_dims else 64
 
     def checkpoint_tokens(self, st) -> int | None:
-        # PHASE 2 walking 4 chunks of 64 from a checkpoint keeps the whole state and the chunk's
+        # the output kernel walking 4 chunks of 64 from a checkpoint keeps the whole state and the chunk's
         # [C, K] blocks live (the advance reads R^ S0, a sum over the keys, before each key
         # block's update: no static key blocks): the delta rules spill 612 and 288 B on sm_90;
         # one chunk a program loops over key blocks (codegen/key_split.py) and spills nothing

@@ -14,11 +14,11 @@ class ScalarDecay(TransitionClass):
     conv_form = True
     stabilizable = True
     template = "scalar.j2"
-    # PHASE 2 (the outputs) in the walk's tile blocks (64), as every other class. Blocks of 32
+    # the output kernel (the outputs) in the walk's tile blocks (64), as every other class. Blocks of 32
     # spilled nothing where 64 spilled 128 B (Mamba-2's [C, 64] skip-term operand, sm_90, K = V =
     # 128), but on the first GPU run (H200, Triton 3.6, 2026-12-04) every scalar-decay op at
     # K = V = 128 in that launch (retention at three shapes; simple_gla) ended in "an illegal
-    # memory access", while gla and linear_attn, PHASE 2 in blocks of 64 at the same shape, ran;
+    # memory access", while gla and linear_attn, the output kernel in blocks of 64 at the same shape, ran;
     # the interpreter's bounds checker finds every access in bounds (tests/runtime/
     # test_kernel_bounds.py). Unproven either way until bench/gpubench/p2_fault.py runs on a GPU
     # (its "p2-tile-64" variant is this setting); a fault costs more than a spill.

@@ -1,5 +1,5 @@
 """Code motion around a loop over the blocks of one dim: the machinery of codegen/tile_split.py
-(the backward PHASE 2's loop over the tile dim, rendered by the template) and codegen/
+(the backward tiles kernel's loop over the tile dim, rendered by the template) and codegen/
 key_split.py (the forward's loop over the key dim's blocks, made by the pass).
 
 The statements of one iteration (one chunk's body, the loop's body inlined) are read with

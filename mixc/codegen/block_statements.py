@@ -1,6 +1,6 @@
 """The statements of a rendered kernel as codegen/block_split.py reads them: each statement's
 source, the names it writes and reads (its data flow), whether it stores; and the folding of
-`if` tests on constexprs (PHASE, CKPT_EVERY ...) to the branch a launch takes, evaluated node by
+`if` tests on constexprs (CKPT_EVERY, STAGED_INTRA ...) to the branch a launch takes, evaluated node by
 node: nothing of the kernel's text is run."""
 from __future__ import annotations
 
@@ -93,9 +93,9 @@ _COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt:
 
 
 def _constexpr_test(test, env: dict[str, int]):
-    """The value of an if's test that reads only the constexprs of env (PHASE, CKPT_EVERY ...)
+    """The value of an if's test that reads only the constexprs of env (CKPT_EVERY, STAGED_INTRA ...)
     and integers (comparisons, and, or, not), else None; `and` / `or` decided by one known
-    operand are decided (PHASE == 4 and X is false at PHASE 2 whatever X is). Evaluated here
+    operand are decided (CKPT_EVERY > 1 and X is false at CKPT_EVERY 1 whatever X is). Evaluated here
     node by node: nothing of the kernel's text is run."""
     def value(e):
         if isinstance(e, ast.Name) and e.id in env:
@@ -134,15 +134,8 @@ def _constexpr_test(test, env: dict[str, int]):
         return None
 
 
-def _phase_test(test, phase: int):
-    """_constexpr_test of PHASE alone."""
-    return _constexpr_test(test, {"PHASE": phase})
-
-
 def _fold(stmts: list[Stmt], env) -> list[Stmt]:
-    """`if PHASE ...:` blocks (tests of env's constexprs; an int: PHASE) replaced by the
-    branch taken."""
-    env = {"PHASE": env} if isinstance(env, int) else env
+    """`if CKPT_EVERY ...:` blocks (tests of env's constexprs) replaced by the branch taken."""
     out = []
     for s in stmts:
         taken = _constexpr_test(s.node.test, env) if isinstance(s.node, ast.If) else None

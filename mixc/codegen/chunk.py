@@ -60,8 +60,11 @@ class ChunkCode:
 
     indent = I2                 # the chunk loop's body
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, kernel_stage: str = "fused"):
         self.plan = plan
+        # the kernel this renders (module.py: one kernel per stage; forward: fused, walk,
+        # output, refill, intra; backward: fused, walk, tiles): its code only, chosen here
+        self.kernel_stage = kernel_stage
         self.m = plan.ir
         self.dims = self.m.dim_names
         self.order = ("_T",) + self.dims + (UNIT,)
@@ -72,11 +75,11 @@ class ChunkCode:
         self.row_vectors: set[str] = set()               # of those, the [C] vectors (row_vector)
         self.g_axes: dict[str, tuple[str, ...] | None] = {}      # state -> its log decay's axes
         self.tile = plan.layout.tile
-        # the forward stages its intra-chunk matrices (PHASE 4 -> PHASE 2: hooks sets it; the
+        # the forward stages its intra-chunk matrices (the intra kernel -> the output kernel: hooks sets it; the
         # backward, which reuses forward_body, computes them): intra_slot hands out their places
         self.staged = False
         self.n_intra = 0
-        # the backward tests values apart from keys (_badv_<S>) in PHASE 2, whose tile loop
+        # the backward tests values apart from keys (_badv_<S>) in its tiles kernel, whose tile loop
         # is split (codegen/tile_split.py): a key zeroed by one block's values would differ
         # between the blocks that the statements after the loop read once (ChunkBackward)
         self.values_apart = False
@@ -92,8 +95,8 @@ class ChunkCode:
         return replace(st, transition=classes.STABILIZED_CLASS, ir_pieces=pieces)
 
     def macros(self, unit: classes.TransitionClass):
-        """The unit's kernel macros (mixc/classes/<unit.template>)."""
-        return macros(unit)
+        """The unit's kernel macros (mixc/classes/<unit.template>) for this kernel's stage."""
+        return macros(unit, self.kernel_stage)
 
     def intra_slot(self) -> IntraSlot | None:
         """The place of the next staged intra-chunk matrix in p_intra's rows (index of count);
@@ -308,8 +311,8 @@ class ChunkCode:
             value = f"({value} + tl.zeros([{', '.join(f'_BLOCK_{d}' for d in want)}], dtype=tl.float32))"
         if self.plan.output.readouts:       # NaN from the first token with non-finite keys on
             value = f"tl.where({expand('_pz', ('_T',), want)}, float('nan'), {value})"
-        body.append(f"{I2}if PHASE == 0 or PHASE == 2:")
-        body.append(f"{I3}tl.store(p_out + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
+        if self.kernel_stage in ("fused", "output"):
+            body.append(f"{I2}tl.store(p_out + ({rows} * H + i_h) * {numel(m.output.expr.shape)}"
                     f"{' + ' + offs if offs else ''}, {value}.to(p_out.dtype.element_ty), mask={mask})")
 
         # the states at the chunk's end (forward_body computed them before the readouts)
@@ -319,29 +322,31 @@ class ChunkCode:
             body.append(f"{I2}s__m = _mnew")
 
         init, ckpt, load_ckpt, dense, final = [], [], [], [], []
+        walks = self.kernel_stage in ("fused", "walk")
         for st in self.states:
             kd, vd = _axes(st, order)
             init += self.state_io(st, I1)
             init.append(f"{I1}s_{st.name} = tl.zeros([{_block(kd)}, {_block(vd)}], dtype=tl.float32)")
-            init.append(f"{I1}if USE_INITIAL_STATE:")
-            ptr, msk = self.state_ptr(st, f"p_init_{st.name}", "(i_n * H + i_h)")
-            init.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
+            if walks:       # the slot kernels start from a checkpoint (or have no state: intra)
+                init.append(f"{I1}if USE_INITIAL_STATE:")
+                ptr, msk = self.state_ptr(st, f"p_init_{st.name}", "(i_n * H + i_h)")
+                init.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
             # _ck_slot: the checkpoint's slot (templates/chunk_fwd.py.j2); checkpoints in the
             # inputs' dtype where that is bf16/fp16 (launch.checkpoint_dtype)
             ptr, msk = self.state_ptr(st, f"p_ckpt_{st.name}", "(_ck_slot * H + i_h)")
             ckpt.append(f"{I4}tl.store({ptr}, s_{st.name}.to(p_ckpt_{st.name}.dtype.element_ty), mask={msk})")
             load_ckpt.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)")
             ptr, msk = self.state_ptr(st, f"p_dense_{st.name}", "((bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
-            dense.append(f"{I3}tl.store({ptr}, s_{st.name}.to(p_dense_{st.name}.dtype.element_ty), mask={msk})")
+            dense.append(f"{I2}tl.store({ptr}, s_{st.name}.to(p_dense_{st.name}.dtype.element_ty), mask={msk})")
             ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
             final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
         if self.stab is not None:       # the stabilizer m: a scalar per (sequence, head)
-            init += [f"{I1}s__m = _fhead * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)",
-                     f"{I1}if USE_INITIAL_STATE:",
-                     f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
+            init.append(f"{I1}s__m = _fhead * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)")
+            if walks:
+                init += [f"{I1}if USE_INITIAL_STATE:", f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
             ckpt.append(f"{I4}tl.store(p_ckpt__m + _ck_slot * H + i_h, s__m)")
             load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + _ck_slot * H + i_h)")
-            dense.append(f"{I3}tl.store(p_dense__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
+            dense.append(f"{I2}tl.store(p_dense__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
             final.append(f"{I2}tl.store(p_final__m + i_n * H + i_h, s__m)")
         return common_hooks(self.plan) | {
             "init_states": "\n".join(init),
@@ -372,24 +377,24 @@ class ChunkCode:
                           f"tl.sum(tl.where({g} < float('inf'), 0.0, 1.0), axis=1)")
             parts = parts + [("V" if set(self.g_axes[n]) & set(vd) else "G", g)]
         if self.staged and any(role == "V" for role, _ in parts) and len(parts) > 1:
-            # PHASE 4 (the intra-chunk matrices of every tile block at once) zeroes the keys
-            # that are not finite only: one tile block's values must not zero another's keys
-            # (key_diag.j2's staged_pairs)
+            # the intra kernel (the intra-chunk matrices of every tile block at once) zeroes the
+            # keys that are not finite only: one tile block's values must not zero another's
+            # keys (key_diag.j2's staged_pairs)
             keys = [c for c, (role, _) in zip(checks, parts) if role != "V"]
             values = [c for c, (role, _) in zip(checks, parts) if role == "V"]
-            lines = [f"{I}_bad_{n} = {' + '.join(keys)}",
-                     f"{I}if PHASE != 4:",
-                     f"{I}    _bad_{n} = _bad_{n} + {' + '.join(values)}"]
+            lines = [f"{I}_bad_{n} = {' + '.join(keys)}"]
+            if self.kernel_stage != "intra":
+                lines.append(f"{I}_bad_{n} = _bad_{n} + {' + '.join(values)}")
         elif self.values_apart and self._value_side(parts, vd) and len(parts) > 1:
-            # PHASE 2 of the backward: keys zeroed by their own entries only, the block's
-            # values by both (a value's gradient is zeroed alike: ChunkBackward); PHASE 0 and
-            # 1 zero keys by the block's values too, as the forward does
+            # the backward's tiles kernel: keys zeroed by their own entries only, the block's
+            # values by both (a value's gradient is zeroed alike: ChunkBackward); the walks
+            # zero keys by the block's values too, as the forward does
             keys = [c for c, (role, _) in zip(checks, parts) if role != "V"]
             values = [c for c, (role, _) in zip(checks, parts) if role == "V"]
             lines = [f"{I}_bad_{n} = {' + '.join(keys)}",
-                     f"{I}_badv_{n} = _bad_{n} + {' + '.join(values)}",
-                     f"{I}if PHASE != 2:",
-                     f"{I}    _bad_{n} = _badv_{n}"]
+                     f"{I}_badv_{n} = _bad_{n} + {' + '.join(values)}"]
+            if self.kernel_stage != "tiles":
+                lines.append(f"{I}_bad_{n} = _badv_{n}")
             self.badv.add(n)
         else:
             lines = [f"{I}_bad_{n} = {' + '.join(checks)}"]
@@ -584,7 +589,7 @@ class ChunkCode:
     def advances(self, per_state: dict) -> list[str]:
         """Every state's advance into _snew_<S> (S_C, NaN after a non-finite key), s_<S> left
         at S0 for the readouts. Emitted before the readouts: the keys and S0 die there, not
-        after the output (where PHASE 2 walks several chunks, readouts then advance held Q, K,
+        after the output (where the output kernel walks several chunks, readouts then advance held Q, K,
         S0 and the readout's products at once: sm_90 spilled 28-460 B; this order 0-148 B:
         bench/README.md)."""
         body = []
@@ -593,9 +598,8 @@ class ChunkCode:
             body.append(f"{I2}_s0_{n} = s_{n}")
             advance = self.advance(st, per_state[n]) + [
                 f"{I2}_snew_{n} = tl.where(tl.max(_bad_{n}, axis=0) > 0, float('nan'), s_{n})"]
-            if self.staged:     # PHASE 4 has no state (its loop-carried advance is not compiled away)
-                body += [f"{I2}if PHASE == 4:", f"{I2}    _snew_{n} = s_{n}", f"{I2}else:"]
-                advance = ["    " + line for line in advance]
+            if self.kernel_stage == "intra":     # no state (a loop-carried advance is not compiled away)
+                advance = [f"{I2}_snew_{n} = s_{n}"]
             body += advance
             body.append(f"{I2}s_{n} = _s0_{n}")
         return body
@@ -619,5 +623,6 @@ def g_is_vector(st: P.StatePlan) -> bool:
     return classes.unit(st.transition).decay_is_vector(st)
 
 
-def chunk_fwd_hooks(plan: Plan) -> dict:
-    return ChunkCode(plan).hooks()
+def chunk_fwd_hooks(plan: Plan, kernel_stage: str) -> dict:
+    """The hooks of templates/chunk_fwd.py.j2 for one stage's kernel."""
+    return ChunkCode(plan, kernel_stage).hooks() | {"stage": kernel_stage}

@@ -20,7 +20,7 @@ from .adjoint import Adjoint, combine
 from .chunk import ChunkCode, g_is_vector
 from .recurrent import I1, I2, I3, common_hooks, numel, zeros
 from .key_split import key_dim
-from .tile_split import split_phase2
+from .tile_split import split_tiles
 from .triton_expr import Emitter, canon, expand
 
 
@@ -28,6 +28,10 @@ class ChunkBackward(ChunkCode):
     def hooks(self) -> dict:
         m, order = self.m, self.order
         self.values_apart = True
+        # the walk writes dL/dS only (and the initial states' gradients); the tiles kernel the
+        # inputs' and params' gradients; the fused walk all of them
+        walks = self.kernel_stage != "tiles"
+        grads_out = self.kernel_stage != "walk"
         fb = self.forward_body()
         em, per_state, readouts, oem = fb["em"], fb["per_state"], fb["readouts"], fb["oem"]
         body = list(fb["body"])
@@ -146,12 +150,12 @@ class ChunkBackward(ChunkCode):
             if self._lacks_tile(d.shape):
                 acc = f"_sum_d{d.name}"
                 sums_init.append(f"{I2}{acc} = tl.zeros([{', '.join(f'_BLOCK_{x}' for x in cd)}], dtype=tl.float32)")
-                tail += [f"{I2}if PHASE != 1:", f"{I3}{acc} = {acc} + {value}"]
-                sums_store += [f"{I2}if PHASE != 1:",
-                               f"{I3}tl.store({ptr}, {acc}.to(p_d{d.name}.dtype.element_ty), mask={mask})"]
+                if grads_out:
+                    tail.append(f"{I2}{acc} = {acc} + {value}")
+                    sums_store.append(f"{I2}tl.store({ptr}, {acc}.to(p_d{d.name}.dtype.element_ty), mask={mask})")
                 continue
-            tail.append(f"{I2}if PHASE != 1:")
-            tail.append(f"{I3}tl.store({ptr}, {value}.to(p_d{d.name}.dtype.element_ty), mask={mask})")
+            if grads_out:
+                tail.append(f"{I2}tl.store({ptr}, {value}.to(p_d{d.name}.dtype.element_ty), mask={mask})")
         for d in m.params:
             g = combine(sums, [x for a in adjs for x in a.leaf_parts(("param", d.name))])
             if g is not None:
@@ -159,8 +163,8 @@ class ChunkBackward(ChunkCode):
                 extra = tuple(x for x in g[1] if x not in pd)
                 if extra:
                     g = sums.reduce(g[0], g[1], extra)
-                tail.append(f"{I2}if PHASE != 1:")
-                tail.append(f"{I3}dp_{d.name} = dp_{d.name} + {expand(g[0], g[1], pd)}")
+                if grads_out:
+                    tail.append(f"{I2}dp_{d.name} = dp_{d.name} + {expand(g[0], g[1], pd)}")
         for st in self.states:
             tail.append(f"{I2}d_{st.name} = {' + '.join(grads[st.name]['dS0'])}")
         body += sums.lines + tail
@@ -173,36 +177,40 @@ class ChunkBackward(ChunkCode):
             init.append(f"{I1}d_{n} = tl.zeros([{self._blocks(kd)}, {self._blocks(vd)}], dtype=tl.float32)")
             # a state every tile keeps whole (a normalizer): its final gradient enters once, in tile 0
             whole = self._lacks_tile(self.m.state(n).shape)
-            init.append(f"{I1}if USE_FINAL_STATE_GRAD and PHASE != 2{' and tl.program_id(1) == 0' if whole else ''}:")
-            ptr, msk = self.state_ptr(st, f"p_dfinal_{n}", "(i_n * H + i_h)")
-            init.append(f"{I2}d_{n} = tl.load({ptr}, mask={msk}, other=0.0)")
+            if walks:
+                init.append(f"{I1}if USE_FINAL_STATE_GRAD{' and tl.program_id(1) == 0' if whole else ''}:")
+                ptr, msk = self.state_ptr(st, f"p_dfinal_{n}", "(i_n * H + i_h)")
+                init.append(f"{I2}d_{n} = tl.load({ptr}, mask={msk}, other=0.0)")
             slot = "(bos // _BLOCK__T + i_n + _chunk)"
             ptr, msk = self.state_ptr(st, f"p_ckpt_{n}", f"({slot} * H + i_h)")
             load_ckpt.append(f"{I2}s_{n} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)")
-            # dL/dS at the chunk's end: PHASE 1 keeps it for PHASE 2 ([slots, tiles, H, *dims]
-            # where the state lacks the tile dim: each block's own partial, as for dinit)
+            # dL/dS at the chunk's end: the walk keeps it for the tiles kernel ([slots, tiles, H,
+            # *dims] where the state lacks the tile dim: each block's own partial, as for dinit)
             if whole:
                 slot = f"({slot} * _N_TILES + _tv)"
             ptr, msk = self.state_ptr(st, f"p_dh_{n}", f"({slot} * H + i_h)")
-            load_ckpt += [f"{I2}if PHASE == 1:", f"{I3}tl.store({ptr}, d_{n}, mask={msk})",
-                          f"{I2}if PHASE == 2:", f"{I3}d_{n} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)"]
+            if self.kernel_stage == "walk":
+                load_ckpt.append(f"{I2}tl.store({ptr}, d_{n}, mask={msk})")
+            elif self.kernel_stage == "tiles":
+                load_ckpt.append(f"{I2}d_{n} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)")
             ptr, msk = self.state_ptr(st, f"p_dinit_{n}", f"({self._partial(self.m.state(n).shape, '_nseq')}i_n * H + i_h)")
-            final += [f"{I1}if PHASE != 2:", f"{I2}tl.store({ptr}, d_{n}, mask={msk})"]
+            if walks:
+                final.append(f"{I1}tl.store({ptr}, d_{n}, mask={msk})")
         for d in m.params:
             init.append(f"{I1}dp_{d.name} = {zeros(canon(order, d.shape))}")
             pd = canon(order, d.shape)
             offs = " + ".join(f"{expand(f'_offs_{x}', (x,), pd)}" + "".join(f" * _size_{y}" for y in d.shape[i + 1:])
                               for i, x in enumerate(d.shape)) or "0"
-            final.append(f"{I1}if PHASE != 1:")
-            final.append(f"{I2}tl.store(p_dp_{d.name} + ({self._partial(d.shape, '_nprow')}_prow * H + i_h) * {numel(d.shape)}"
+            if grads_out:
+                final.append(f"{I1}tl.store(p_dp_{d.name} + ({self._partial(d.shape, '_nprow')}_prow * H + i_h) * {numel(d.shape)}"
                          f" + {offs}, dp_{d.name}"
                          + (f", mask={' & '.join(expand(f'_mask_{x}', (x,), pd) for x in pd)})" if pd else ")"))
         if self.stab is not None:     # m is held constant: no gradient of its own
             load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
-            final += [f"{I1}if PHASE != 2:",
-                      f"{I2}tl.store(p_dinit__m + {self._partial((), '_nseq')}i_n * H + i_h, _fhead * 0.0)"]
-        # the tile loop: this program's blocks of the tile dim (one in PHASE 0 and 1, whose walk
-        # keeps one block's d_<state>; PHASE 2 launched with one program along axis 1 takes all)
+            if walks:
+                final.append(f"{I1}tl.store(p_dinit__m + {self._partial((), '_nseq')}i_n * H + i_h, _fhead * 0.0)")
+        # the tile loop: this program's blocks of the tile dim (one in the walks, which keep one
+        # block's d_<state>; the tiles kernel launched with one program along axis 1 takes all)
         tile_loop = []
         if self.tile is not None:
             t = self.tile
@@ -278,15 +286,16 @@ class ChunkBackward(ChunkCode):
         return self.stage(st, "advance_backward", classes.unit(st.transition).chunk_advance_backward(self, st, parts, G))
 
 
-def chunk_bwd_hooks(plan: Plan) -> dict:
-    return ChunkBackward(plan).hooks()
+def chunk_bwd_hooks(plan: Plan, kernel_stage: str) -> dict:
+    """The hooks of templates/chunk_bwd.py.j2 for one stage's kernel."""
+    return ChunkBackward(plan, kernel_stage).hooks() | {"stage": kernel_stage}
 
 
-def split_backward(plan: Plan, source: str) -> str:
-    """The rendered backward with PHASE 2's tile loop split (codegen/tile_split.py). Its
+def split_backward(plan: Plan, source: str, kernel: str) -> str:
+    """The rendered tiles kernel `kernel` with its tile loop split (codegen/tile_split.py). Its
     cotangents: the output's gradient and each state's dL/dS."""
     code = ChunkBackward(plan)
     cotangents = {"_do"} | {f"d_{st.name}" for st in code.states}
     aliases = {d.name: plan.ir.root_dim(d.name) for d in plan.ir.dims if d.alias_of}
     flags = {f"_bad_{st.name}" for st in code.states} | {f"_badv_{st.name}" for st in code.states}
-    return split_phase2(source, f"{plan.name}_chunk_bwd", plan.layout.tile, cotangents, aliases, key_dim(plan), flags)
+    return split_tiles(source, kernel, plan.layout.tile, cotangents, aliases, key_dim(plan), flags)

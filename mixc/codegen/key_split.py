@@ -1,9 +1,9 @@
-"""The chunked forward's PHASE 4 and PHASE 2 over the key dim's blocks (fla's BK).
+"""The chunked forward's intra and output kernels over the key dim's blocks (fla's BK).
 
 A chunk's inputs and every value derived from them are blocks of [C, K] (q, k, the cumulative
 decays, their hi and lo parts, the resets ...): at C = 64 and K = 128 each is 32 fp32 registers
 a thread with 8 warps, and the intra-chunk matrix A of the key-diagonal decay reads five of
-them at once (whole, PHASE 4 and 2 spill at C = 64: bench/results/static-sm90-c64). Each of
+them at once (whole, the intra and output kernels spill at C = 64: bench/results/static-sm90-c64). Each of
 those values is local to its key rows, and what leaves the key dim is a contraction over it
 (A = Q K^T weighted, the readout's (Q * exp(b)) S0, the rank-1 setup's R L^T ...), so the
 chunk runs as
@@ -14,7 +14,7 @@ chunk runs as
         each contraction over the keys       added to its sum (A's sub-chunk loops add theirs)
     the rest, from the sums                  the solve, A V, the output's store
 
-The pass wraps the rendered chunk body of PHASE 4 (the intra-chunk matrices) and of PHASE 2
+The pass wraps the rendered chunk body of the intra kernel (the intra-chunk matrices) and of the output kernel
 where a program takes one chunk (CKPT_EVERY == 1; a state carried through several chunks would
 need every key block live: where the class asks for it, key_walk.py holds it in static key
 blocks instead) in that loop, behind a constexpr test that KEY_BLOCK is less than
@@ -26,7 +26,7 @@ the loop (an l2 norm over K) keeps the rendered chunk, but for the non-finite co
 values by their own (ChunkCode.sanitize), and the output rows from such a token on are NaN by
 the whole count, after the loop.
 
-The backward's PHASE 2 (split_after_tiles, called by tile_split.py) runs each part of its tile
+The backward's tiles kernel (split_after_tiles, called by tile_split.py) runs each part of its tile
 split the same way: what precedes the tile loop over key blocks (A summed; what the tile loop
 reads of it kept whole: split_iteration's live_out), the tile loop's contractions over the keys
 (dv's (K exp(kw)) dL/dS) in a key loop inside it, as fla's dv kernel, and what follows it over
@@ -45,15 +45,20 @@ from .block_split import split_iteration
 from .block_statements import NoSplit, _block, _flow, _fold, _parse
 
 INDENT = "    "
-# (the test that guards a split, the constexprs it folds): a spec with staged intra-chunk
-# matrices (plan.layout.intra_matrices) splits PHASE 4, the PHASE 2 that reads them and the one
-# that computes them (launch.STAGE_INTRA or STAGE_SOLVE off: the rank-1 class's default)
-STAGED_SPLITS = (("PHASE == 4 and KEY_BLOCK < _BLOCK_{k}", {"PHASE": 4, "STAGED_INTRA": 1}),
-                 ("PHASE == 2 and CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}",
-                  {"PHASE": 2, "CKPT_EVERY": 1, "STAGED_INTRA": 1}),
-                 ("PHASE == 2 and CKPT_EVERY == 1 and not STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}",
-                  {"PHASE": 2, "CKPT_EVERY": 1, "STAGED_INTRA": 0}))
-SPLITS = (("PHASE == 2 and CKPT_EVERY == 1 and KEY_BLOCK < _BLOCK_{k}", {"PHASE": 2, "CKPT_EVERY": 1}),)
+# Per kernel, (what it is, the test that guards a split, the constexprs it folds). The intra
+# kernel (a spec with staged intra-chunk matrices: plan.layout.intra_matrices) splits wherever
+# KEY_BLOCK is less than the key dim's block; the output kernel where a program takes one chunk,
+# the staged one in both of its forms (reading the matrices, or computing them where
+# launch.STAGE_INTRA or STAGE_SOLVE is off: the rank-1 class's default)
+SPLITS = {
+    "intra": (("intra", "KEY_BLOCK < _BLOCK_{k}", {}),),
+    "output": (("output", "CKPT_EVERY == 1 and KEY_BLOCK < _BLOCK_{k}", {"CKPT_EVERY": 1}),),
+    "output staged": (("output reading the staged matrices",
+                       "CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}", {"CKPT_EVERY": 1, "STAGED_INTRA": 1}),
+                      ("output computing them",
+                       "CKPT_EVERY == 1 and not STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}",
+                       {"CKPT_EVERY": 1, "STAGED_INTRA": 0})),
+}
 
 
 def key_dim(plan) -> str | None:
@@ -67,18 +72,20 @@ def key_dim(plan) -> str | None:
     return dims[0] if len(dims) == 1 and dims[0] not in aliased else None
 
 
-def split_keys(source: str, kernel: str, key: str | None, flags: set[str], staged: bool, walk: bool = False) -> str:
-    """The kernel `kernel` in `source` with PHASE 2's (and where staged, PHASE 4's) chunk body
-    in a loop over the key dim's blocks where it applies (flags: the base names a block may
-    test alone), else the source with a comment why; walk: PHASE 2 walking several chunks too,
-    its state in static key blocks (codegen/key_walk.py)."""
+def split_keys(source: str, kernel: str, key: str | None, flags: set[str], staged: bool, stage: str,
+               walk: bool = False) -> str:
+    """The kernel `kernel` in `source` (the forward's intra or output kernel: stage) with its
+    chunk body in a loop over the key dim's blocks where it applies (flags: the base names a
+    block may test alone; staged: the spec stages intra-chunk matrices), else the source with a
+    comment why; walk: the output kernel walking several chunks too, its state in static key
+    blocks (codegen/key_walk.py)."""
     if key is None:
         return source
-    return _split_keys(source, kernel, key, frozenset(flags), staged, walk)
+    return _split_keys(source, kernel, key, frozenset(flags), staged, stage, walk)
 
 
 @lru_cache(maxsize=256)         # a process generates a spec's module again per cache folder (tests)
-def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bool, walk: bool) -> str:
+def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bool, stage: str, walk: bool) -> str:
     tree = ast.parse(source)
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == kernel)
     lines = source.split("\n")
@@ -91,16 +98,16 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
         return "\n".join(lines[nodes[0].lineno - 1:nodes[-1].end_lineno]) if nodes else ""
     top, body = text(fn.body[:at]), text(chunk_loop.body)
     branches, why = [], []
-    for test, env in STAGED_SPLITS if staged else SPLITS:
+    for what, test, env in SPLITS[stage + (" staged" if staged and stage == "output" else "")]:
         try:
             sp = _split(top, body, fn, key, env, flags)
             branches.append((test.format(k=key), (sp.before, sp.loop, sp.after)))
         except (NoSplit, UnknownShape) as e:
-            why.append(f"PHASE {env['PHASE']}: {e}")
+            why.append(f"{what}: {e}")
         except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
             # a statement this pass misreads: keep the rendered chunk (the library specs' split
             # is asserted by tests/codegen/test_key_split.py)
-            why.append(f"PHASE {env['PHASE']}: the pass could not read it: {type(e).__name__}: {e}")
+            why.append(f"{what}: the pass could not read it: {type(e).__name__}: {e}")
     inner = indent + INDENT
     new = [f"{indent}# the whole key dim kept (codegen/key_split.py: {_one_line('; '.join(why))})"] if why else []
     for i, (test, (before, loop, after)) in enumerate(branches):
@@ -116,7 +123,7 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
         new += [INDENT + ln if ln.strip() else ln for ln in lines[first - 1:last]]
     else:
         new += lines[first - 1:last]
-    # PHASE 2 walking several chunks: the state in static key blocks (codegen/key_walk.py, which
+    # the output kernel walking several chunks: the state in static key blocks (codegen/key_walk.py, which
     # imports _split from here: imported where used)
     from .key_walk import static_walk
     head = chunk_loop.lineno
@@ -130,10 +137,10 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
         loop_lines = [f"{outer}if {test}:"] + [textwrap.indent(x, outer + INDENT) for x in walk] + \
             [f"{outer}else:"] + [INDENT + ln if ln.strip() else ln for ln in loop_lines]
     except (NoSplit, UnknownShape) as e:
-        loop_lines = [f"{outer}# PHASE 2 walking chunks keeps the whole key dim (codegen/key_walk.py: "
+        loop_lines = [f"{outer}# walking chunks keeps the whole key dim (codegen/key_walk.py: "
                       f"{_one_line(str(e))})"] + loop_lines
     except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
-        loop_lines = [f"{outer}# PHASE 2 walking chunks keeps the whole key dim (codegen/key_walk.py: the pass "
+        loop_lines = [f"{outer}# walking chunks keeps the whole key dim (codegen/key_walk.py: the pass "
                       f"could not read it: {_one_line(f'{type(e).__name__}: {e}')})"] + loop_lines
     return "\n".join(lines[:head - 1] + loop_lines + lines[last:])
 
@@ -217,7 +224,7 @@ def _one_line(text: str) -> str:
 
 def split_after_tiles(top: str, fn: ast.FunctionDef, key: str, before: tuple, loop: tuple, after: tuple,
                       header: str, flags) -> tuple:
-    """The backward PHASE 2's chunk as tile_split.py splits it (before, the tile loop's body,
+    """The backward tiles kernel's chunk as tile_split.py splits it (before, the tile loop's body,
     after; header: the tile loop's `for`) over the key dim's blocks: (before, loop, the key
     loop's before, its body, after), before and loop themselves key-blocked where they split
     (_split_before_tiles; else whole, with a comment why). The sums over the tile
@@ -260,7 +267,7 @@ def split_after_tiles(top: str, fn: ast.FunctionDef, key: str, before: tuple, lo
     except (NoSplit, UnknownShape) as e:
         pre_src = [f"# the whole key dim before the tile loop (codegen/key_split.py: {_one_line(str(e))})"] + pre_src
     prefix = "\n".join(pre_src + [header] + [textwrap.indent(x, INDENT) for x in kept_src or ["pass"]])
-    sp = _split(top, "\n".join(rest), fn, key, {"PHASE": 2}, flags, prefix=prefix)
+    sp = _split(top, "\n".join(rest), fn, key, {}, flags, prefix=prefix)
     return tuple(pre_src), tuple(kept_src), sp.before, sp.loop, sp.after
 
 
@@ -278,7 +285,7 @@ def _split_before_tiles(top: str, fn: ast.FunctionDef, key: str, pre_src: list, 
     rest_reads = _exposed(rest) & defs
     # what the tile loop computes again per key block reads what lacks the key dim whole
     again_reads = {u for s in pre for u in s.uses} & defs
-    sp = _split(top, "\n".join(pre_src), fn, key, {"PHASE": 2}, flags,
+    sp = _split(top, "\n".join(pre_src), fn, key, {}, flags,
                 live_out=frozenset(tile_reads | rest_reads | again_reads))
     if rest_reads - sp.whole:
         raise NoSplit(f"{', '.join(sorted(rest_reads - sp.whole))} (per key block) read after the tile loop")
@@ -290,7 +297,7 @@ def _split_before_tiles(top: str, fn: ast.FunctionDef, key: str, pre_src: list, 
     again = [x for s in pre if not s.defs & sp.whole and not s.effect for x in s.comments + [s.src]]
     tile = _block("\n".join(kept_src))
     body = again + [_as_assign(s) for s in tile]
-    tp = _split(top, "\n".join(body), fn, key, {"PHASE": 2}, flags, prefix="\n".join(before))
+    tp = _split(top, "\n".join(body), fn, key, {}, flags, prefix="\n".join(before))
     kept = [_as_aug(x) for x in tp.before] + [f"for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"] + \
         [textwrap.indent(_as_aug(x), INDENT) for x in tp.loop or ("pass",)] + [_as_aug(x) for x in tp.after]
     return before, kept

@@ -1,4 +1,4 @@
-"""The chunked forward's PHASE 2 walking R chunks (CKPT_EVERY > 1) with its state in static key
+"""The chunked forward's output kernel walking R chunks (CKPT_EVERY > 1) with its state in static key
 blocks (fla's b_h1 .. b_h4, here up to eight).
 
 Where a program takes R chunks from one checkpoint, the state [K, V-block] advances through
@@ -33,12 +33,13 @@ from .block_statements import NoSplit, Stmt, _block, _flow, _fold
 
 INDENT = "    "
 STATIC_BLOCKS = 8
-# (the test that guards the static walk, the constexprs it folds): PHASE 2 with several chunks a
-# program (CKPT_EVERY > 1: any such R folds alike), reading the staged A where the spec stages it
-STAGED_WALK = ("PHASE == 2 and CKPT_EVERY > 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k} "
-               "and _BLOCK_{k} <= {n} * KEY_BLOCK", {"PHASE": 2, "CKPT_EVERY": 2, "STAGED_INTRA": 1})
-WALK = ("PHASE == 2 and CKPT_EVERY > 1 and KEY_BLOCK < _BLOCK_{k} and _BLOCK_{k} <= {n} * KEY_BLOCK",
-        {"PHASE": 2, "CKPT_EVERY": 2})
+# (the test that guards the static walk, the constexprs it folds): the output kernel with several
+# chunks a program (CKPT_EVERY > 1: any such R folds alike), reading the staged A where the spec
+# stages it
+STAGED_WALK = ("CKPT_EVERY > 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k} "
+               "and _BLOCK_{k} <= {n} * KEY_BLOCK", {"CKPT_EVERY": 2, "STAGED_INTRA": 1})
+WALK = ("CKPT_EVERY > 1 and KEY_BLOCK < _BLOCK_{k} and _BLOCK_{k} <= {n} * KEY_BLOCK",
+        {"CKPT_EVERY": 2})
 
 
 def static_walk(top: str, body: str, rest: str, fn: ast.FunctionDef, key: str, flags, staged: bool,

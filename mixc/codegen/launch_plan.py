@@ -9,12 +9,25 @@ from __future__ import annotations
 from .. import classes
 from ..derive.plan import Plan
 from ..derive.stabilize import M as STABILIZER_M
+from ..standalone.kernel_args import CHUNK_STAGES, stage_kernel
 from ..standalone.launch_data import LaunchPlan
 from .key_split import key_dim
 
 
 def kernel_name(plan: Plan, form: str) -> str:
+    """A recurrent kernel's name; a chunked form's stem (its kernels: stage_kernel_name)."""
     return f"{plan.name}_{form}"
+
+
+def chunk_stages(plan: Plan, form: str) -> tuple[str, ...]:
+    """The stages of a chunked form this plan has a kernel for: every one but the forward's
+    intra, which only a spec that stages intra-chunk matrices has (plan.layout.intra_matrices)."""
+    return tuple(s for s in CHUNK_STAGES[form] if s != "intra" or plan.layout.intra_matrices)
+
+
+def stage_kernel_name(plan: Plan, form: str, stage: str) -> str:
+    """The name of a chunked form's kernel for one stage: gla_chunk_fwd_walk ..."""
+    return stage_kernel(kernel_name(plan, form), stage)
 
 
 def launch_plan(plan: Plan) -> LaunchPlan:

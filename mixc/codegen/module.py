@@ -3,6 +3,7 @@ and the versions, the Triton kernels rendered from the templates, and metadata."
 from __future__ import annotations
 
 import pprint
+import textwrap
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ..dsl import ir
 from ..dsl.functions import FUNCTIONS
 from .chunk import chunk_fwd_hooks
 from .key_split import key_dim, split_keys
-from .launch_plan import kernel_name, launch_plan
+from .launch_plan import chunk_stages, kernel_name, launch_plan, stage_kernel_name
 from .chunk_bwd import chunk_bwd_hooks, split_backward
 from .header import docstring_safe
 from .kir import passes, printer
@@ -107,10 +108,50 @@ def op_functions(plan: Plan) -> str:
 STAGES = {
     "recurrent_fwd": "the recurrent forward: tokens in order, every state in registers",
     "recurrent_bwd": "the recurrent backward: chunks of CK tokens from last to first, recomputed from checkpoints",
-    "chunk_fwd": "the chunked forward: per chunk of C tokens the readouts by matmuls and the state advance "
-                 "(PHASE 0 one walk; 1 the checkpoints; 2 the outputs; 3 the state at every chunk start)",
-    "chunk_bwd": "the chunked backward: chunks from last to first, dL/dS carried back (PHASE 0 one walk; 1 dL/dS; "
-                 "2 the gradients)",
+}
+# each chunked kernel: (what it does, what it reads and writes, fla's counterpart); one kernel
+# per stage a launch runs (standalone/launch_data.py CHUNK_STAGES; the launcher names them)
+CHUNK_STAGES = {
+    ("chunk_fwd", "fused"): (
+        "the chunked forward in one walk: per (sequence, head) and tile block, the chunks of C tokens in "
+        "order, the state in registers, each chunk's outputs on the way",
+        "reads the inputs, params, initial states; writes the output, the checkpoints (STORE_CHECKPOINTS) "
+        "and the final states", "fla's fused_chunk kernels"),
+    ("chunk_fwd", "walk"): (
+        "the chunked forward's walk: per (sequence, head) and tile block, the chunks in order, the state "
+        "in registers, no output",
+        "reads the inputs, params, initial states (and the staged inverses: STAGED_INTRA); writes the state "
+        "at every CKPT_EVERY-th chunk start (the checkpoints) and the final states", "fla's chunk_fwd_h"),
+    ("chunk_fwd", "output"): (
+        "the chunked forward's outputs: per (checkpoint slot, head) and tile block, the CKPT_EVERY chunks "
+        "of one checkpoint from it, all slots at once",
+        "reads the inputs, params, the walk's checkpoints (and the staged intra-chunk matrices: "
+        "STAGED_INTRA); writes the output", "fla's chunk_fwd_o"),
+    ("chunk_fwd", "refill"): (
+        "the state at every chunk start, for the backward: per (checkpoint slot, head) and tile block, "
+        "the slot's chunks walked from its checkpoint",
+        "reads the inputs, params and the checkpoints; writes the state at every chunk start (dense)",
+        "none: fla stores every chunk's state in chunk_fwd_h"),
+    ("chunk_fwd", "intra"): (
+        "the chunked forward's intra-chunk matrices: per (checkpoint slot, head), no state, no tile block",
+        "reads the inputs and params; writes each chunk's staged intra-chunk matrices (the readouts' A, "
+        "the rank-1 setup's inverse) for the output kernel (and the rank-1 walk) to read",
+        "fla's chunk_fwd_intra / chunk_scaled_dot_kkt + solve_tril"),
+    ("chunk_bwd", "fused"): (
+        "the chunked backward in one walk: per (sequence, head) and tile block, the chunks from last to "
+        "first, dL/dS in registers, each chunk's forward recomputed from its checkpoint",
+        "reads the inputs, params, the state at every chunk start, the output's and final states' gradients; "
+        "writes every gradient", "none: fla's backward is its dh kernel and its dq/dk/dv kernels"),
+    ("chunk_bwd", "walk"): (
+        "the chunked backward's walk: per (sequence, head) and tile block, the chunks from last to first, "
+        "dL/dS in registers",
+        "reads what the fused walk reads; writes dL/dS at every chunk's end (dh) and the initial states' "
+        "gradients", "fla's chunk_bwd_dh"),
+    ("chunk_bwd", "tiles"): (
+        "the chunked backward's gradients: per (chunk, head), the chunk's forward and gradients, looping "
+        "over the tile dim's blocks inside (codegen/tile_split.py), all chunks at once",
+        "reads the inputs, params, the state at the chunk's start and the walk's dL/dS at its end; writes "
+        "the inputs' and params' gradients", "fla's chunk_bwd_dqkwg / dv kernels"),
 }
 NOTATION = {
     "recurrent": "v_<x> an input's values at this token, s_<S> a state, d_<S> dL/dS, _c*/_b* temporaries",
@@ -119,10 +160,15 @@ NOTATION = {
 }
 
 
-def kernel_header(plan: Plan, form: str) -> tuple[str, ...]:
-    """The comment lines above a kernel: which kernel, which class per state and where its stages
-    come from (chunked kernels: the class's macros), and the notation."""
-    lines = [f"---- {kernel_name(plan, form)}: {STAGES[form]} ----"]
+def kernel_header(plan: Plan, form: str, stage: str | None = None) -> tuple[str, ...]:
+    """The comment lines above a kernel: which kernel (a chunked one: its stage, what it reads
+    and writes, fla's counterpart), which class per state and where its stages come from
+    (chunked kernels: the class's macros), and the notation."""
+    if stage is None:
+        lines = [f"---- {kernel_name(plan, form)}: {STAGES[form]} ----"]
+    else:
+        what, io, fla = CHUNK_STAGES[form, stage]
+        lines = [f"---- {stage_kernel_name(plan, form, stage)}: {what} ----", f"{io}; counterpart: {fla}"]
     for st in plan.states:
         unit = classes.unit(st.transition)
         where = f" (its stages: mixc/classes/{unit.template})" if form.startswith("chunk") and unit.template else ""
@@ -131,8 +177,12 @@ def kernel_header(plan: Plan, form: str) -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _kernel_comment(plan: Plan, form: str) -> str:
-    return "".join(f"# {line}\n" for line in kernel_header(plan, form))
+def _kernel_comment(plan: Plan, form: str, stage: str | None = None) -> str:
+    if stage is None:
+        return "".join(f"# {line}\n" for line in kernel_header(plan, form))
+    # a chunked kernel's header, wrapped (what it does, reads and writes, fla's counterpart)
+    return "".join(f"# {part}\n" for line in kernel_header(plan, form, stage)
+                   for part in textwrap.wrap(line, 98, subsequent_indent="  ", break_on_hyphens=False))
 
 
 RECURRENT = ("recurrent_fwd", "recurrent_bwd")
@@ -169,24 +219,43 @@ def kir_text(plan: Plan) -> str:
     return "\n".join(out)
 
 
-def _render_kernel(plan: Plan, form: str, hooks: dict) -> str:
-    """One kernel form from its template: its name, its arguments (the one definition,
-    plan.layout.kernel_args: standalone/kernel_args.py) and the hooks of its body, under a comment
-    that says which kernel and class it is."""
-    return _kernel_comment(plan, form) + _env().get_template(f"{form}.py.j2").render(
-        kernel=kernel_name(plan, form), arguments=plan.layout.kernel_args[form], **hooks)
+def _render_kernel(plan: Plan, form: str, stage: str, hooks: dict) -> str:
+    """One stage's kernel of a chunked form from its template: its name, its arguments (the
+    one definition, plan.layout.kernel_args: standalone/kernel_args.py) and the hooks of its
+    body (rendered for that stage), under a comment that says which kernel and class it is."""
+    return _kernel_comment(plan, form, stage) + _env().get_template(f"{form}.py.j2").render(
+        kernel=stage_kernel_name(plan, form, stage), arguments=plan.layout.kernel_args[form], **hooks)
 
 
-def split_forward(plan: Plan, source: str) -> str:
-    """The rendered forward with PHASE 4's and 2's chunk over the key dim's blocks (codegen/
-    key_split.py) where the states share one key dim (key_dim); a block
-    tests its own keys' non-finite entries (_bad_<S>)."""
+def forward_kernels(plan: Plan) -> list[str]:
+    """The chunked forward's kernels, one per stage (chunk_stages), each with its chunk over the
+    key dim's blocks where it applies (codegen/key_split.py: the output and intra kernels, where
+    the states share one key dim, key_dim); a key block tests its own keys' non-finite entries
+    (_bad_<S>)."""
     key = key_dim(plan)
-    if key is None:
-        return source
     flags = {f"_bad_{st.name}" for st in plan.states} | {f"_badv_{st.name}" for st in plan.states}
     walk = any(classes.unit(st.transition).walks_key_blocks for st in plan.states)
-    return split_keys(source, kernel_name(plan, "chunk_fwd"), key, flags, bool(plan.layout.intra_matrices), walk)
+    staged = bool(plan.layout.intra_matrices)
+    out = []
+    for stage in chunk_stages(plan, "chunk_fwd"):
+        source = _render_kernel(plan, "chunk_fwd", stage, chunk_fwd_hooks(plan, stage))
+        if stage in ("output", "intra"):
+            source = split_keys(source, stage_kernel_name(plan, "chunk_fwd", stage), key, flags, staged,
+                                stage, walk and stage == "output")
+        out.append(source)
+    return out
+
+
+def backward_kernels(plan: Plan) -> list[str]:
+    """The chunked backward's kernels, one per stage, the tiles kernel's tile loop split
+    (codegen/tile_split.py)."""
+    out = []
+    for stage in chunk_stages(plan, "chunk_bwd"):
+        source = _render_kernel(plan, "chunk_bwd", stage, chunk_bwd_hooks(plan, stage))
+        if stage == "tiles":
+            source = split_backward(plan, source, stage_kernel_name(plan, "chunk_bwd", stage))
+        out.append(source)
+    return out
 
 
 def generate(plan: Plan) -> str:
@@ -201,8 +270,9 @@ def generate(plan: Plan) -> str:
     kernels = recurrent_ir(plan)
     body = printer.kernel(kernels["recurrent_fwd"]) + "\n\n" + printer.kernel(kernels["recurrent_bwd"])
     if plan.layout.chunked:
-        body += "\n\n" + split_forward(plan, _render_kernel(plan, "chunk_fwd", chunk_fwd_hooks(plan)))
-        body += "\n\n" + split_backward(plan, _render_kernel(plan, "chunk_bwd", chunk_bwd_hooks(plan)))
+        for source in forward_kernels(plan) + backward_kernels(plan):
+            body += "\n\n" + source.rstrip("\n") + "\n"
+        body += "\n\n" + _env().get_template("chunk_helpers.py.j2").render()
 
     body += "\n\n" + _env().get_template("torch_step.py.j2").render(**torch_step_hooks(plan))
     if plan.layout.torch_chunked:

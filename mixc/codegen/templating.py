@@ -22,6 +22,9 @@ def macro_env() -> jinja2.Environment:
                               trim_blocks=True, lstrip_blocks=True, autoescape=False)
 
 
-def macros(unit: classes.TransitionClass):
-    """The macros of a class's template as attributes (each renders its lines of Triton)."""
-    return macro_env().get_template(unit.template).module
+@lru_cache(maxsize=None)
+def macros(unit: classes.TransitionClass, stage: str = "fused"):
+    """The macros of a class's template as attributes (each renders its lines of Triton), for
+    the kernel of one stage: the template reads `stage` (forward: fused, walk, output, refill,
+    intra; backward: fused, walk, tiles) where a stage's code differs, so a kernel holds its own."""
+    return macro_env().get_template(unit.template).make_module({"stage": stage})

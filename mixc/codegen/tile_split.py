@@ -1,11 +1,11 @@
-"""The chunked backward's PHASE 2, split around its tile loop as fla's dq/dk kernels are.
+"""The chunked backward's tiles kernel, split around its tile loop as fla's dq/dk kernels are.
 
-PHASE 2 writes one chunk's gradients, looping over the blocks of the tile dim (V: a [K, V]
+The tiles kernel writes one chunk's gradients, looping over the blocks of the tile dim (V: a [K, V]
 state block is what fits in registers). As rendered, the loop body is the walk's: every
 statement runs once per block, so the loads of q, k and g, the cumulative decays, the
 intra-chunk matrices and the adjoints that lack the tile dim are recomputed per block, their
 partials summed (and the registers of both kinds live at once: the spills of issue 16). This
-pass rewrites the rendered PHASE 2 into
+pass rewrites the rendered tiles kernel into
 
     what no block changes                   once, before the loop
     for each block:
@@ -25,8 +25,8 @@ statement is "dual" when both forms are needed: its per-block value for what sta
 (the original code), its summed value after the loop. A reduction over the block of forward
 values only (a max, as in a row's non-finite test) is no such sum: it and what reads it stay
 per block, added to their sums in the loop as rendered. Where the statements after the loop
-would need a per-block value, or a statement has no shape rule (block_shapes.py), PHASE 2
-keeps its rendered loop (NoSplit, the reason in a comment of the kernel).
+would need a per-block value, or a statement has no shape rule (block_shapes.py), the tiles
+kernel keeps its rendered loop (NoSplit, the reason in a comment of the kernel).
 """
 from __future__ import annotations
 
@@ -36,28 +36,26 @@ from functools import lru_cache
 
 from .block_shapes import Shapes, UnknownShape, call_name
 from .block_split import split_iteration
-from .block_statements import NoSplit, _block, _fold, _phase_test
+from .block_statements import NoSplit, _block
 from .key_split import split_after_tiles
 
-PHASE = 2                          # the launch whose tile loop is split
 INDENT = "    "
 
 
 # ---- the kernel -------------------------------------------------------------------------
 
-def split_phase2(source: str, kernel: str, tile: str | None, cotangents: set[str],
-                 aliases: dict[str, str] | None = None, key: str | None = None, flags: set[str] = frozenset()) -> str:
-    """The kernel `kernel` in `source` with PHASE 2's tile loop split (the rendered loop kept
-    for PHASE 0 and 1); where the split does not apply, the source with a comment why.
-    aliases: dim -> the dim it aliases (same block)."""
+def split_tiles(source: str, kernel: str, tile: str | None, cotangents: set[str],
+                aliases: dict[str, str] | None = None, key: str | None = None, flags: set[str] = frozenset()) -> str:
+    """The tiles kernel `kernel` in `source` with its tile loop split; where the split does not
+    apply, the source with a comment why. aliases: dim -> the dim it aliases (same block)."""
     if tile is None:
         return source
-    return _split_phase2(source, kernel, tile, frozenset(cotangents), tuple(sorted((aliases or {}).items())), key,
+    return _split_tiles(source, kernel, tile, frozenset(cotangents), tuple(sorted((aliases or {}).items())), key,
                          frozenset(flags))
 
 
 @lru_cache(maxsize=256)         # a process generates a spec's module again per cache folder (tests)
-def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, alias_items: tuple,
+def _split_tiles(source: str, kernel: str, tile: str, cotangents: frozenset, alias_items: tuple,
                   key: str | None = None, flags: frozenset = frozenset()) -> str:
     aliases = dict(alias_items)
     tree = ast.parse(source)
@@ -70,7 +68,7 @@ def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, al
         if isinstance(st, ast.For) and call_name(st.iter.func) == "range" and st.target.id == "_cc":
             chunk_loop = st
             break
-        shapes.run(_fold_nodes([st]))
+        shapes.run([st])
     if chunk_loop is None:
         raise AssertionError(f"{kernel}: no chunk loop")
     # the split takes the chunk's whole body: what precedes the tile loop (the rows, the sums'
@@ -88,7 +86,7 @@ def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, al
     def text(nodes):
         return "\n".join(lines[nodes[0].lineno - 1:nodes[-1].end_lineno]) if nodes else ""
     try:
-        body = [s for part in (head, loop.body, rest) if part for s in _fold(_block(text(part)), PHASE)]
+        body = [s for part in (head, loop.body, rest) if part for s in _block(text(part))]
         sp = split_iteration(body, tile=tile, shapes=shapes, outer=outer, cotangents=cotangents)
     except (NoSplit, UnknownShape) as e:
         return _kept(lines, first, indent, str(e))
@@ -104,7 +102,7 @@ def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, al
         top = text(fn.body[:fn.body.index(chunk_loop)])
         try:
             pre, kept, kb, kl, ka = split_after_tiles(top, fn, key, sp.before, sp.loop, sp.after, header, flags)
-            new += [f"{indent}if PHASE == 2 and KEY_BLOCK < _BLOCK_{key}:",
+            new += [f"{indent}if KEY_BLOCK < _BLOCK_{key}:",
                     f"{inner}# the tile loop split (codegen/tile_split.py), then the key dim in blocks of KEY_BLOCK",
                     f"{inner}# (codegen/key_split.py): each block sums its rows of the tile blocks' contractions",
                     f"{inner}# that carry the key dim in a tile loop of its own, then its rows of the rest"]
@@ -120,34 +118,23 @@ def _split_phase2(source: str, kernel: str, tile: str, cotangents: frozenset, al
         except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
             new += [f"{indent}# the whole key dim after the tile loop (codegen/key_split.py: the pass could not "
                     f"read it: {_one_line(f'{type(e).__name__}: {e}')})"]
-    new += [f"{indent}{'elif' if new and new[0].lstrip().startswith('if ') else 'if'} PHASE == 2:",
-           f"{inner}# the tile loop split (codegen/tile_split.py): what no block changes once, before the",
-           f"{inner}# loop; per block what carries it and the contractions over it, summed; the rest once,",
-           f"{inner}# after the loop, from the sums"]
-    new += [textwrap.indent(x, inner) for x in sp.before]
-    new += [inner + header]
-    new += [textwrap.indent(x, inner + INDENT) for x in sp.loop] or [inner + INDENT + "pass"]
-    new += [textwrap.indent(x, inner) for x in sp.after]
-    new += [f"{indent}else:"]
-    new += [INDENT + ln if ln.strip() else ln for ln in lines[first - 1:last]]
+    keyed = bool(new) and new[0].lstrip().startswith("if ")
+    at = inner if keyed else indent
+    if keyed:
+        new += [f"{indent}else:"]
+    new += [f"{at}# the tile loop split (codegen/tile_split.py): what no block changes once, before the",
+            f"{at}# loop; per block what carries it and the contractions over it, summed; the rest once,",
+            f"{at}# after the loop, from the sums"]
+    new += [textwrap.indent(x, at) for x in sp.before]
+    new += [at + header]
+    new += [textwrap.indent(x, at + INDENT) for x in sp.loop] or [at + INDENT + "pass"]
+    new += [textwrap.indent(x, at) for x in sp.after]
     return "\n".join(lines[:first - 1] + new + lines[last:])
 
 
 def _kept(lines: list[str], first: int, indent: str, why: str) -> str:
-    note = f"{indent}# PHASE 2 keeps the walk's tile loop (codegen/tile_split.py: {_one_line(why)})"
+    note = f"{indent}# the walk's tile loop kept (codegen/tile_split.py: {_one_line(why)})"
     return "\n".join(lines[:first - 1] + [note] + lines[first - 1:])
-
-
-def _fold_nodes(nodes):
-    """Statements with `if PHASE ...` replaced by PHASE 2's branch (for the shapes before the loop)."""
-    out = []
-    for n in nodes:
-        taken = _phase_test(n.test, PHASE) if isinstance(n, ast.If) else None
-        if taken is None:
-            out.append(n)
-        else:
-            out += _fold_nodes(n.body if taken else n.orelse)
-    return out
 
 
 def _one_line(text: str) -> str:

@@ -7,9 +7,9 @@ it without asking the code generator (the generated module's METADATA carries th
 - tile, split: the dims the recurrent kernels split into blocks, one program each (grid axes
   1 and 2; fla's BV and BK blocks);
 - chunk_size: the default chunk C of the chunked kernels and of the torch backend's form;
-- intra_matrices: how many intra-chunk matrices [C, C] the chunked forward's PHASE 4 stores for
-  its PHASE 2 to read (one per readout term of a class that stages them: classes/<unit>.py
-  stages_intra); 0: PHASE 2 computes every one itself;
+- intra_matrices: how many intra-chunk matrices [C, C] the chunked forward's intra kernel stores for
+  its output kernel to read (one per readout term of a class that stages them: classes/<unit>.py
+  stages_intra); 0: the output kernel computes every one itself;
 - kernel_args: each kernel form's argument list (standalone/kernel_args.py), from which the
   template signature, the launch call and the ahead-of-time signature are made."""
 from __future__ import annotations
@@ -43,7 +43,7 @@ class KernelLayout:
     # TF32 products on tensor cores, fp32's accuracy) where no state has a key dim (aft_simple,
     # rwkv4: their products run over the chunk's tokens only, small); a normalized output over
     # [K, V] states (based, performer, linear_transformer, mlstm) keeps bf16 matmuls: fp32 operands
-    # took based's PHASE 2 past sm_90's shared memory (340 KB) and no run showed it needed
+    # took based's output kernel past sm_90's shared memory (340 KB) and no run showed it needed
     half_states: bool = True
     half_matmuls: bool = True
     kernel_args: dict[str, KernelArgs] = field(default_factory=dict, compare=False)
@@ -117,7 +117,7 @@ def torch_chunk_supported(plan) -> str | None:
 def intra_matrices(plan) -> int:
     """The intra-chunk matrices the chunked forward stages (KernelLayout.intra_matrices): one per
     term of each readout of a state whose class computes its [C, C] matrix apart from the state
-    (stages_intra: the key-diagonal decay's, whose sub-chunk loops cost a PHASE 2 program more
+    (stages_intra: the key-diagonal decay's, whose sub-chunk loops cost an output program more
     registers and exps than its matmuls do), and one per state whose class can stage its setup's
     inverse (stages_solve: the rank-1 class's (I - M)^-1, staged where launch.STAGE_SOLVE asks).
     A stabilized state is a scalar decay in the kernels (codegen/chunk.py): none."""

@@ -87,11 +87,11 @@ def configs(plan: Plan, form: str, sizes: dict[str, int] | None = None) -> list[
     chunk:          C in chunk_candidates(plan) (warps and stages tuned per C by the next two)
     chunk_fwd/bwd:  two launches (launch.CHUNK_PHASES: every chunk at once) at 8 warps and 3
                     stages, at 4 warps and 3 stages, at 8 warps and 1 stage; one launch (the
-                    walk) at 8 warps and 1 stage. Stages are the walk's: a PHASE 2 launch takes
+                    walk) at 8 warps and 1 stage. Stages are the walk's: an output (tiles) launch takes
                     one (its loop has one iteration, nothing to pipeline). The sm_90 static
                     report (bench/README.md) at K = V = 128: with 8 warps no forward kernel
                     spills and the backward's spill 0.4-1.5 KB; with 4 warps the forwards spill
-                    up to 1.7 KB and three PHASE 2 backwards (gla, rwkv6, gated_delta_rule)
+                    up to 1.7 KB and three backward tiles kernels (gla, rwkv6, gated_delta_rule)
                     24-34 KB (kept for small head dims); the walk's backward at 3 stages needs
                     more shared memory than a block has (248 KiB). Each config compiles two
                     kernels at most; the list, 6 distinct kernels per form and C

@@ -1,8 +1,8 @@
 """The kernel calls' fast path (issue 17): op.step() (in place too, runtime/decode.py) and op()
 without gradients, on arguments that look like an earlier call's, replay that call's launches
 without binding them again: one launch (the recurrent forward, a step, the chunked forward in
-one walk) or the chunked forward's two (CUDA's default: PHASE 1 walks the chunks and writes
-the checkpoints and final states, PHASE 2 every chunk's output from its checkpoint), fixed
+one walk) or the chunked forward's two (CUDA's default: the walk kernel writes the checkpoints
+and final states, the output kernel every chunk's output from its checkpoint), fixed
 length or packed (cu_seqlens).
 
 What a call's launches need is fixed by what its arguments look like: the bound sizes, the
@@ -13,9 +13,9 @@ shape, dtype, device, contiguity and requires_grad; numbers and flags by type an
 grad mode, the mode asked and launch.settings()), and the first call with a key records the
 launches the one launcher made (standalone/launcher.py, recording()) into a StepRecipe: per
 launch its kernel, grid, numbers and where each tensor comes from (a "source": an input or
-param, a given state, the packed offsets and PHASE 2's chunk table made from them, or a buffer
-the call allocates, by recorded shape and dtype). A buffer one launch writes and a later one reads (PHASE 1's checkpoints, read by
-PHASE 2) is one source, allocated once per call. A later call with the same key does a dict
+param, a given state, the packed offsets and the output kernel's chunk table made from them, or a buffer
+the call allocates, by recorded shape and dtype). A buffer one launch writes and a later one reads (the walk's checkpoints, read by
+the output kernel) is one source, allocated once per call. A later call with the same key does a dict
 lookup, the .contiguous() and state .to(float32) of the slow path, allocates the buffers, and
 launches: no bind, no plan or module lookup, no option evaluation.
 
@@ -50,8 +50,8 @@ from ..standalone.binding import cu_seqlens_values
 
 _F32 = torch.float32
 MAX_RECIPES = 64          # per op: a serving loop sees a few batch sizes; a key per shape beyond is a leak
-# What replayed packed calls made from their checked offsets (the offsets on the device, PHASE
-# 2's chunk table), by what was made: (the offsets' values, the result). A model's layers pass
+# What replayed packed calls made from their checked offsets (the offsets on the device, the
+# output kernel's chunk table), by what was made: (the offsets' values, the result). A model's layers pass
 # one cu_seqlens, so each layer after the first reuses the first's; other values make it anew
 # (one entry per kind of thing made: bounded).
 _FROM_OFFSETS: dict = {}
@@ -118,17 +118,17 @@ def step_key(mode, kwargs: dict, state, launches: bool = True) -> tuple | None:
 
 
 def _call_launches(log: list) -> list | None:
-    """The launches of the call a log ends with (tuning runs come first): its last, and PHASE 1
-    (after the PHASE 4 of staged intra-chunk matrices) before a PHASE 2. The launcher logs
-    backward launches too: the forward's are read."""
+    """The launches of the call a log ends with (tuning runs come first): its last, and the walk
+    (after the intra kernel of staged intra-chunk matrices) before an output kernel. The
+    launcher logs backward launches too: the forward's are read."""
     log = [r for r in log if r["form"] in ("recurrent_fwd", "chunk_fwd")]
     if not log or log[-1] is None:
         return None
-    if log[-1]["values"].get("phase") != 2:
+    if log[-1]["values"].get("stage") != "output":
         return log[-1:]
-    before = [4, 1] if log[-1]["values"].get("staged_intra") else [1]      # Launcher.chunk_forward's order
+    before = ["intra", "walk"] if log[-1]["values"].get("staged_intra") else ["walk"]  # Launcher.chunk_forward's order
     n = len(before) + 1
-    if len(log) < n or any(r is None for r in log[-n:]) or [r["values"].get("phase") for r in log[-n:-1]] != before:
+    if len(log) < n or any(r is None for r in log[-n:]) or [r["values"].get("stage") for r in log[-n:-1]] != before:
         return None
     return log[-n:]
 
@@ -148,7 +148,7 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
     first, last = launches[0], launches[-1]
     x0 = first["x0"]
     # each tensor a launch took, by identity: the first time it is seen decides its source, so
-    # a buffer passed again (PHASE 1's checkpoints in PHASE 2, the output as an unused pointer's
+    # a buffer passed again (the walk's checkpoints in the output kernel, the output as an unused pointer's
     # dummy) is the same source; a tensor of no known role is not replayed
     sources, seen = [], {}
 
@@ -167,7 +167,7 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
     recorded, finals, out = [], [], None
     for r in launches:
         values, kinds = r["values"], {name: kind for name, shape, kind in r["states"]}
-        packed, reads_ckpts = values.get("varlen", False), values.get("phase") == 2
+        packed, reads_ckpts = values.get("varlen", False), values.get("stage") == "output"
 
         def classify(k, t):
             role, of = (k[0], k[1]) if isinstance(k, tuple) else (k, None)
@@ -184,7 +184,7 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
                 return source(t, ("chunk_seq", values["chunk"] * values.get("ckpt_every", 1), values["n_seqs"],
                                   t.shape[0]))
             if role == "ckpt" and reads_ckpts:
-                return None                         # PHASE 2 reads checkpoints this call did not write
+                return None                         # the output kernel reads checkpoints this call did not write
             if role in ("out", "final", "ckpt", "dense", "intra", "init", "cu_seqlens"):
                 zeros = role == "init" and values["use_initial"]       # a state not given: 0
                 return source(t, ("buf", tuple(t.shape), t.dtype, zeros), unique=True)
@@ -261,7 +261,7 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
             t = state_indices
         elif kind == "cu":
             t = offsets
-        else:                               # "chunk_seq": PHASE 2's table of each slot's sequence
+        else:                               # "chunk_seq": the output kernel's table of each slot's sequence
             t = _from_offsets((s, device), values, lambda: chunk_seqs(offsets, *s[1:], device))
         made.append(t)
     for ln in r.launches:

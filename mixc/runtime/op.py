@@ -148,7 +148,7 @@ class MixerOp(HeldBySpec):
     def _kernels_recorded(self, key, kwargs, bound, output_final_state: bool, CK: int, chunked: bool,
                           one_token: bool = False):
         """_kernels, its launches kept for replay under key where the call wants no gradients
-        (runtime/fastpath.py: one launch, or the chunked forward's PHASE 1 and PHASE 2)."""
+        (runtime/fastpath.py: one launch, or the chunked forward's walk and output kernels)."""
         with launch.recording() as log:
             o, st = self._kernels(bound, output_final_state, CK, chunked)
         if key is not None and not (torch.is_grad_enabled() and _needs_grad(bound)):

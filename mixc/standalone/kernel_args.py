@@ -26,6 +26,20 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 FORMS = ("recurrent_fwd", "recurrent_bwd", "chunk_fwd", "chunk_bwd")
+# The chunked forms are one kernel per stage a launch runs, all stages of a form taking the
+# form's arguments, each named <spec>_<form>_<stage> (stage_kernel). Forward: fused (the walk
+# with the outputs, one launch), walk (the states: checkpoints, final states), output (every
+# chunk's output from its checkpoint), refill (the state at every chunk start, for the
+# backward), intra (the staged intra-chunk matrices: specs whose class stages them);
+# backward: fused (one launch), walk (dL/dS at every chunk's end), tiles (every chunk's
+# gradients, the tile dim's blocks looped inside).
+CHUNK_STAGES = {"chunk_fwd": ("fused", "walk", "output", "refill", "intra"),
+                "chunk_bwd": ("fused", "walk", "tiles")}
+
+
+def stage_kernel(stem: str, stage: str) -> str:
+    """The name of a chunked form's kernel for one stage (stem: <spec>_<form>)."""
+    return f"{stem}_{stage}"
 # Triton's launch options: a launch's values may hold them next to the arguments
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
@@ -45,10 +59,10 @@ ROLES: dict[str, Role] = {
     "final": Role("p_final_{}", "pointer", "fp32", "a state's final value [N, H, *dims]"),
     "ckpt": Role("p_ckpt_{}", "pointer", "fp32", "a state at each chunk start [slots, H, *dims]"),
     "dense": Role("p_dense_{}", "pointer", "fp32",
-                  "the chunked forward's PHASE 3: the state at every chunk start [slots, H, *dims]"),
+                  "the chunked forward's refill: the state at every chunk start [slots, H, *dims]"),
     "intra": Role("p_intra", "pointer", "io",
-                  "the chunked forward's intra-chunk matrices in the matmuls' dtype: PHASE 4 writes them, "
-                  "PHASE 2 reads them [rows, H, n, C]"),
+                  "the chunked forward's intra-chunk matrices in the matmuls' dtype: the intra kernel writes "
+                  "them, the output kernel reads them [rows, H, n, C]"),
     "scratch": Role("p_scratch_{}", "pointer", "fp32", "CK recomputed states per program"),
     "dfinal": Role("p_dfinal_{}", "pointer", "fp32", "the final state's gradient [N, H, *dims]"),
     "dinit": Role("p_dinit_{}", "pointer", "fp32", "the initial state's gradient (per tile or split block)"),
@@ -58,7 +72,7 @@ ROLES: dict[str, Role] = {
     "dinput": Role("p_d{}", "pointer", "io", "an input's gradient (float32 partials per tile or split block)"),
     "dparam": Role("p_dp_{}", "pointer", "fp32", "a param's gradient partials, per (sequence, head)"),
     "cu_seqlens": Role("p_cu_seqlens", "pointer", "i32", "packed sequences' offsets"),
-    "chunk_seq": Role("p_chunk_seq", "pointer", "i32", "PHASE 2 with packed sequences: each slot's sequence"),
+    "chunk_seq": Role("p_chunk_seq", "pointer", "i32", "the slot kernels with packed sequences: each slot's sequence"),
     "state_indices": Role("p_state_indices", "pointer", "i32", "each sequence's row of a state cache"),
     # runtime scalars
     "option": Role("v_{}", "scalar", "fp32", "a number option's value"),
@@ -83,10 +97,10 @@ ROLES: dict[str, Role] = {
     "use_dfinal": Role("USE_FINAL_STATE_GRAD", "constexpr", None, "read the final states' gradient"),
     "use_indices": Role("USE_STATE_INDICES", "constexpr", None, "states live in a cache of slots"),
     "dot": Role("DOT", "constexpr", None, "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16, 3 fp32 (tf32x3)"),
-    "key_block": Role("KEY_BLOCK", "constexpr", None, "the key dim's block in PHASE 4 and 2's loop over it"),
-    "staged_intra": Role("STAGED_INTRA", "constexpr", None, "PHASE 2 reads the intra-chunk matrices PHASE 4 wrote"),
-    "phase": Role("PHASE", "constexpr", None, "0: one walk; 1 and 2: the two launches; 3: every chunk's state; "
-                                              "4: the intra-chunk matrices"),
+    "key_block": Role("KEY_BLOCK", "constexpr", None, "the key dim's block in the intra and output kernels' loop "
+                                                      "over it"),
+    "staged_intra": Role("STAGED_INTRA", "constexpr", None,
+                         "the output kernel reads the intra-chunk matrices the intra kernel wrote"),
 }
 
 
@@ -218,7 +232,7 @@ def _recurrent_bwd(inputs, params, options, states, dims) -> list[Line]:
 
 def _chunk_tail() -> tuple[list[Line], list[Line]]:
     """What the chunked kernels add after the dims as floats, and after their sizes and blocks."""
-    after_fsize = [*_one("chunk_seq", "PHASE 2 with packed sequences: the sequence of each chunk slot"),
+    after_fsize = [*_one("chunk_seq", "the slot kernels with packed sequences: the sequence of each chunk slot"),
                    *_one("n_seqs", "sequences")]
     after_blocks = [*_one("chunk", "the chunk size C"),
                     *_one("unit", "the unit axis of a state without key or value dims")]
@@ -233,10 +247,10 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_comment("option values (runtime scalars)"),
         *_each(options, "option"),
         *_comment("states: initial in, final out [N, H, *state dims]; checkpoints at the start of every",
-                  "CKPT_EVERY-th chunk [slots, H, *state dims]; PHASE 3 writes every chunk's start into dense"),
+                  "CKPT_EVERY-th chunk [slots, H, *state dims]; the refill writes every chunk's start into dense"),
         *_each(states, "init", "final", "ckpt", "dense"),
-        *_one("intra", "PHASE 4 writes each chunk's intra-chunk matrices [rows, H, n, C], PHASE 2 (the rank-1 "
-                       "walk, PHASE 1, too) reads them"),
+        *_one("intra", "the intra kernel writes each chunk's intra-chunk matrices [rows, H, n, C], the output "
+                       "kernel (and the rank-1 walk) reads them"),
         Line((Arg("out"), Arg("cu_seqlens"))),
         Line((Arg("T"), Arg("H"))),
         *_comment("grouped heads: head i_h reads head i_h // _group_x of input x"),
@@ -244,15 +258,13 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "fsize"), *after_fsize,
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_initial"), *_one("store_final"), *_one("varlen"), *_one("store_ckpt"),
-        *_one("ckpt_every", "chunks per checkpoint (PHASE 2, 3 and 4: chunks per program)"),
-        *_one("staged_intra", "PHASE 2 (and the rank-1 walk) reads the intra-chunk matrices PHASE 4 wrote (else "
-                              "computes them)"),
-        *_one("key_block", "PHASE 4 and 2 loop over the key dim in blocks of this, where less than its block "
-                           "(codegen/key_split.py; PHASE 2 walking chunks: static blocks, key_walk.py)"),
+        *_one("ckpt_every", "chunks per checkpoint (the output, refill and intra kernels: chunks per program)"),
+        *_one("staged_intra", "the output kernel (and the rank-1 walk) reads the intra-chunk matrices the intra "
+                              "kernel wrote (else computes them)"),
+        *_one("key_block", "the intra and output kernels loop over the key dim in blocks of this, where less than "
+                           "its block (codegen/key_split.py; the output kernel walking chunks: static blocks, "
+                           "key_walk.py)"),
         *_one("dot", "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16, 3 fp32 (tf32x3)"),
-        *_one("phase", "0: all in one pass; 1: the states (checkpoints) only; 2: the output; "
-                       "3: the state at every chunk start from the checkpoints (the backward's); "
-                       "4: the intra-chunk matrices (before 1 and 2)"),
     ]
 
 
@@ -263,7 +275,7 @@ def _chunk_bwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(inputs, "input"), *_each(params, "param"), *_each(options, "option"),
         *_comment("per state: checkpoints at chunk starts [slots, H, *dims], the final state's gradient in,",
                   "the initial state's gradient out [N, H, *dims], dL/dS at each chunk's end [slots, H, *dims]",
-                  "(written by PHASE 1, read by PHASE 2)"),
+                  "(written by the walk, read by the tiles kernel)"),
         *_each(states, "ckpt", "dfinal", "dinit", "dh"),
         *_comment("the output's gradient in; the inputs' gradients out, the params' per (sequence, head)"),
         *_one("do"), *_each(inputs, "dinput"), *_each(params, "dparam"),
@@ -274,9 +286,8 @@ def _chunk_bwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "fsize"), *after_fsize,
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_dfinal"), *_one("varlen"), *_one("dot"),
-        *_one("key_block", "PHASE 2 loops over the key dim in blocks of this before, in and after its tile "
-                           "loop, where less than its block (codegen/key_split.py)"),
-        *_one("phase", "0: all in one pass; 1: dL/dS per chunk; 2: the rest per chunk"),
+        *_one("key_block", "the tiles kernel loops over the key dim in blocks of this before, in and after its "
+                           "tile loop, where less than its block (codegen/key_split.py)"),
     ]
 
 

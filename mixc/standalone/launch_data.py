@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, fields
 from functools import cached_property
 
-from .kernel_args import KernelArgs, kernel_args
+from .kernel_args import CHUNK_STAGES, KernelArgs, kernel_args, stage_kernel
 
 @dataclass(frozen=True)
 class LaunchPlan:
@@ -30,9 +30,9 @@ class LaunchPlan:
     fp32_states: tuple[str, ...] = ()    # states whose checkpoints stay float32 (the stabilizer's m)
     half_states: bool = True             # half-precision checkpoints allowed (plan.layout.half_states)
     half_matmuls: bool = True            # half-precision matmul operands (plan.layout.half_matmuls)
-    intra_matrices: int = 0              # intra-chunk matrices PHASE 4 can stage (plan.layout.intra_matrices)
+    intra_matrices: int = 0              # intra-chunk matrices the intra kernel can stage (plan.layout.intra_matrices)
     stages_solve: bool = False           # a state's class stages an inverse (STAGE_SOLVE decides)
-    output_tile: int | None = None       # the forward PHASE 2's tile block (the class's output_tile)
+    output_tile: int | None = None       # the forward output kernel's tile block (the class's output_tile)
     backward_tile: int | None = None     # the chunked backward's tile block (the class's backward_tile)
     key_block: int | None = None         # the classes' smallest key block (None: KEY_BLOCK_AT)
     checkpoint_tokens: int | None = None  # the classes' fewest tokens per checkpoint (None: the setting's)
@@ -63,7 +63,19 @@ class LaunchPlan:
 
     @cached_property
     def kernel_names(self) -> dict[str, str]:
+        """form -> a recurrent kernel's name, or a chunked form's stem (kernel_name)."""
         return dict(self.kernels)
+
+    def kernel_name(self, form: str, stage: str | None = None) -> str:
+        """The kernel a launch of `form` runs: a chunked form's kernel for `stage`
+        (kernel_args.CHUNK_STAGES: gla_chunk_fwd_walk ...), a recurrent form's own."""
+        stem = self.kernel_names[form]
+        if form not in CHUNK_STAGES:
+            return stem
+        if stage not in CHUNK_STAGES[form]:
+            raise ValueError(f"{form}: a launch names its stage, one of {', '.join(CHUNK_STAGES[form])}; "
+                             f"got {stage!r}")
+        return stage_kernel(stem, stage)
 
     @cached_property
     def kernel_args(self) -> dict[str, KernelArgs]:
@@ -74,7 +86,7 @@ class LaunchPlan:
 
     @cached_property
     def tile_loop(self) -> bool:
-        """Whether the chunked backward's PHASE 2 runs one program per (chunk, head), looping over
+        """Whether the chunked backward's tiles kernel runs one program per (chunk, head), looping over
         the tile dim's blocks inside: then what lacks the tile dim (dq, dk, dg) is summed in
         registers and written once in the inputs' dtype, where one program per block would write
         float32 partials for torch to sum and cast (fla's dqkwg loops over V likewise; at K = V =
@@ -91,10 +103,10 @@ def _env_flag(name: str) -> bool:
 @dataclass(frozen=True)
 class LaunchSettings:
     """The launch knobs (runtime/launch.py's module attributes carry mixc.load's values)."""
-    # The chunked kernels in two launches each (forward: PHASE 1 walks the chunks for the states,
-    # PHASE 2 computes every chunk's output at once, fla's chunk_fwd_h + chunk_fwd_o; backward:
-    # PHASE 1 walks back for dL/dS at every chunk's end, PHASE 2 computes every chunk's gradients
-    # at once, fla's dh + dq/dk/dv kernels) or in one walk each (PHASE 0). None: the launch
+    # The chunked kernels in two launches each (forward: the walk kernel for the states, the
+    # output kernel for every chunk's output at once, fla's chunk_fwd_h + chunk_fwd_o; backward:
+    # the walk for dL/dS at every chunk's end, the tiles kernel for every chunk's gradients at
+    # once, fla's dh + dq/dk/dv kernels) or in one walk each (the fused kernels). None: the launch
     # config's choice on CUDA (two untuned), one under the interpreter; 1 or 2 forces it.
     chunk_phases: int | None = None
     # Block of the tile dim (V, Mamba-2's P) in the chunked kernels: the state per program is
@@ -106,14 +118,15 @@ class LaunchSettings:
     # Every checkpoint float32: else the chunked forward's checkpoints (and the backward's dL/dS)
     # are stored in the inputs' dtype where that is bf16 or fp16, as fla stores its h.
     fp32_checkpoints: bool = False
-    # Chunks between the chunked forward's checkpoints (R): PHASE 1 stores the state at every
-    # R-th chunk start only, PHASE 2 walks each checkpoint's R chunks, the backward refills them
-    # (PHASE 3). None: checkpoint_tokens // C on a GPU (at least min_programs PHASE 2 programs),
+    # Chunks between the chunked forward's checkpoints (R): the walk stores the state at every
+    # R-th chunk start only, the output kernel walks each checkpoint's R chunks, the backward
+    # refills them (the refill kernel). None: checkpoint_tokens // C on a GPU (at least
+    # min_programs output programs),
     # 1 under the interpreter; an int forces it.
     checkpoint_every: int | None = None
     checkpoint_tokens: int = 256
     min_programs: int = 512
-    # The forward in two launches stages the intra-chunk matrices (PHASE 4) of the classes that
+    # The forward in two launches stages the intra-chunk matrices (the intra kernel) of the classes that
     # stage them (the key-diagonal decay's A); stage_solve: the rank-1 class's inverse too, so
     # the walk takes U as one matmul instead of C - 1 dependent substitution rows. On since
     # 2026-12-05 by the time model (bench/time_model, bench/README.md): the delta rules' forward
@@ -122,7 +135,7 @@ class LaunchSettings:
     # ~0.1). Unmeasured on a GPU: bench/gpu_check's "chunk staged solve" and the default time both.
     stage_intra: bool = True
     stage_solve: bool = True
-    # The key dim's block in the chunked forward's PHASE 4 and 2: None: key_block_at where the
+    # The key dim's block in the chunked forward's intra and output kernels: None: key_block_at where the
     # chunk's [C, K] blocks exceed key_block_elements, else the whole dim; an int forces it.
     key_block: int | None = None
     key_block_at: int = 64
@@ -137,7 +150,7 @@ class LaunchSettings:
                    fp32_checkpoints=os.environ.get("MIXC_FP32_CHECKPOINTS") == "1")
 
 
-# PHASE 2's walk covers the key dim in at most this many static blocks (codegen/key_walk.py)
+# The output kernel's walk covers the key dim in at most this many static blocks (codegen/key_walk.py)
 STATIC_BLOCKS = 8
 
 
@@ -158,6 +171,6 @@ class LaunchConfig:
 
 
 # The untuned chunked launch on CUDA: two launches, 8 warps, 3 stages for the walk and 1 for
-# PHASE 2 (no spills in the forward at K = V = 128 on sm_90 and shared memory that fits, where
+# the output kernel (no spills in the forward at K = V = 128 on sm_90 and shared memory that fits, where
 # Triton's default 4 warps spill); the tuner's list starts with it (runtime/autotune.py).
 CHUNK_DEFAULT = LaunchConfig(8, 3, phases=2)

@@ -87,7 +87,7 @@ def dot_code(dtype: torch.dtype, half_matmuls: bool, interpreting: bool) -> int:
 
 
 def chunk_seqs(cu_seqlens: torch.Tensor, C: int, n: int, programs: int, device) -> torch.Tensor:
-    """Each checkpoint slot's sequence (PHASE 2 of packed sequences, int32 [programs]): the last
+    """Each checkpoint slot's sequence (the slot kernels of packed sequences, int32 [programs]): the last
     whose first slot (cu_seqlens[i] // C + i) is at most the slot; made on the device (no sync).
     runtime/fastpath.py makes it per replayed call."""
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
@@ -128,7 +128,7 @@ _RECORDING = threading.local()
 @contextmanager
 def recording():
     """Collect the launches made inside (a list of dicts in launch order, each with its "form";
-    tuning runs come first; the chunked forward's PHASE 4 and 1 before its PHASE 2). Recordings
+    tuning runs come first; the chunked forward's intra and walk kernels before its output kernel). Recordings
     nest: a launch is logged in every one open (the fast path records inside a test's)."""
     logs = getattr(_RECORDING, "logs", ())
     log = []
@@ -158,10 +158,11 @@ class Launcher:
     def __init__(self, lp: LaunchPlan, module, settings: LaunchSettings, tune=None, refuse=None):
         self.lp, self.module, self.s, self.tune, self.refuse = lp, module, settings, tune, refuse
 
-    def kernel(self, form: str, device):
+    def kernel(self, form: str, device, stage: str | None = None):
+        """The kernel a launch of `form` runs (a chunked form's: its stage's, by name)."""
         if self.refuse is not None:
             self.refuse(device)
-        return getattr(self.module, self.lp.kernel_names[form])
+        return getattr(self.module, self.lp.kernel_name(form, stage))
 
     # ---- blocks and grids ----
     def dim_blocks(self, b, config: LaunchConfig | None = None) -> dict:
@@ -187,9 +188,9 @@ class Launcher:
         return blocks
 
     def output_blocks(self, b) -> dict:
-        """The forward PHASE 2's block of the tile dim where its class sets one (output_tile),
-        else nothing (chunk_blocks'): PHASE 2 reads the checkpoints by element, so its tile
-        blocks need not be PHASE 1's."""
+        """The forward output kernel's block of the tile dim where its class sets one (output_tile),
+        else nothing (chunk_blocks'): it reads the checkpoints by element, so its tile blocks
+        need not be the walk's."""
         return self._class_tile(b, self.lp.output_tile)
 
     def backward_blocks(self, b) -> dict:
@@ -218,7 +219,7 @@ class Launcher:
         return max(1, -(-b.sizes[split] // blocks["block", split]))
 
     def key_block(self, blocks: dict, C: int) -> int:
-        """The key dim's block in PHASE 4 and 2 for chunks of C tokens (the whole dim where the
+        """The key dim's block in the intra and output kernels for chunks of C tokens (the whole dim where the
         forward keeps it, or the spec has no key loop); a class may set a smaller block."""
         key, s = self.lp.key, self.s
         # a spec without dims (RWKV-4's `state a[], b[]`) has no block at all: the unit block
@@ -238,7 +239,7 @@ class Launcher:
 
     def checkpoint_every(self, b, C: int) -> int:
         """R for chunks of C tokens on these shapes (a shape-only rule: torch.compile's fake
-        checkpoints take the same): checkpoint_tokens // C, halved while PHASE 2's programs (one
+        checkpoints take the same): checkpoint_tokens // C, halved while the output kernel's programs (one
         per checkpoint, head and tile block) would number fewer than min_programs."""
         s = self.s
         if s.checkpoint_every:
@@ -252,7 +253,7 @@ class Launcher:
         return every
 
     def stages(self, stage_solve: bool | None = None) -> bool:
-        """Whether the two-launch forward runs PHASE 4 and PHASE 1 and 2 read what it staged."""
+        """Whether the two-launch forward runs the intra kernel, and the walk and output kernels read what it staged."""
         if not self.lp.intra_matrices:
             return False
         if self.lp.stages_solve:
@@ -271,7 +272,7 @@ class Launcher:
         return checkpoint_dtype(chunked, dtype, self.s, state in self.lp.fp32_states, self.lp.half_states)
 
     def chunk_launch(self, b, C: int, every: int = 1) -> tuple[int, dict]:
-        """(programs per head of a PHASE 2 launch, the chunked kernels' launch arguments), each
+        """(programs per head of an output launch, the chunked kernels' launch arguments), each
         program taking `every` chunks. Packed sequences take one program per checkpoint slot,
         each told its sequence by a table (chunk_seqs: no host sync)."""
         x0 = next(iter(b.inputs.values()))
@@ -308,11 +309,13 @@ class Launcher:
         return v
 
     def _launch(self, form: str, device, grid: tuple, v: dict, **record) -> None:
-        kernel = self.kernel(form, device)
+        """kernel[grid] on v: a chunked form's kernel for the stage v names (v["stage"])."""
+        stage = v.get("stage")
+        kernel = self.kernel(form, device, stage)
         args = self.lp.kernel_args[form]
         args.launch(kernel, grid, v)
-        _record(form=form, module=self.module, kernel=self.lp.kernel_names[form], grid=grid, args=args, values=v,
-                **record)
+        _record(form=form, module=self.module, kernel=self.lp.kernel_name(form, stage), grid=grid, args=args,
+                values=v, **record)
 
     def forward(self, b, form: str, *, output_final_state: bool, checkpoints: bool, chunk_tokens: int,
                 launch: dict, out_dtype=None, ckpts_in: dict | None = None, write_out: bool = True,
@@ -320,11 +323,13 @@ class Launcher:
                 tiles: int | None = None, intra: torch.Tensor | None = None, staged: bool = False):
         """Launch a forward kernel; `launch` the sizes, blocks and constexprs the caller chose
         and Triton's options. chunk_tokens: tokens per checkpoint; ckpts_in: checkpoints to read
-        (the chunked PHASE 2 and 3); write_out=False: no output (PHASE 1, 3, 4), None returned
-        for it; grid0: programs along axis 0 (default: sequences x heads); finals_into: the final
-        states' buffers (a step in place); dense_into: PHASE 3's buffers; tiles: programs along
-        axis 1 (default: the tile dim's blocks); intra: the matrices PHASE 4 writes and PHASE 2
-        reads where staged. Returns (o, finals or None, checkpoints or None)."""
+        (the chunked output and refill kernels); write_out=False: no output (the walk, refill,
+        intra), None returned for it; grid0: programs along axis 0 (default: sequences x heads);
+        finals_into: the final states' buffers (a step in place); dense_into: the refill's
+        buffers; tiles: programs along axis 1 (default: the tile dim's blocks); intra: the
+        matrices the intra kernel writes and the output kernel reads where staged. A chunked
+        launch names its kernel's stage in launch["stage"]. Returns (o, finals or None,
+        checkpoints or None)."""
         lp = self.lp
         x0 = next(iter(b.inputs.values()))
         device, n, H = x0.device, b.n_seqs, b.H
@@ -372,7 +377,7 @@ class Launcher:
         (summed over sequences) and the initial states, None for what this launch does not
         `write`. grid0: programs along axis 0 (default: sequences x heads); param_rows: the
         params' partial rows per tile block (default: one per sequence); tile_programs: programs
-        along axis 1 (default: one per block of the tile dim; the chunked PHASE 2 takes 1)."""
+        along axis 1 (default: one per block of the tile dim; the chunked tiles kernel takes 1)."""
         lp = self.lp
         device, n, H = next(iter(b.inputs.values())).device, b.n_seqs, b.H
         # what lacks the tile (split) dim gets one gradient partial per tile (split) block, summed below
@@ -468,29 +473,29 @@ class Launcher:
             kw = dict(output_final_state=output_final_state, chunk_tokens=C * every, out_dtype=out_dtype)
             launch = common | (cfg.launch() if cfg is not None else {})
             if self.phases(cfg, x0.device) == 1:
-                return self.forward(b, "chunk_fwd", checkpoints=checkpoints, launch=launch | {"phase": 0}, **kw)
+                return self.forward(b, "chunk_fwd", checkpoints=checkpoints, launch=launch | {"stage": "fused"}, **kw)
             intra = None
-            if self.stages():      # PHASE 4: the intra-chunk matrices (or inverses), once per chunk
-                # in the dtype PHASE 2's matmul takes A in (dot_code: so the same bits as computed)
+            if self.stages():      # the intra kernel: the intra-chunk matrices (or inverses), once per chunk
+                # in the dtype the output kernel's matmul takes A in (dot_code: so the same bits as computed)
                 dot_dtype = {1: torch.bfloat16, 2: torch.float16}.get(common["dot"], torch.float32)
                 intra = empty((x0.shape[0] * x0.shape[1], b.H, self.lp.intra_matrices, C), dot_dtype, x0.device)
                 self.forward(b, "chunk_fwd", checkpoints=False, ckpts_in={}, write_out=False, grid0=programs * b.H,
-                             tiles=1, intra=intra, launch=_one_stage(launch) | {"phase": 4},
+                             tiles=1, intra=intra, launch=_one_stage(launch) | {"stage": "intra"},
                              **(kw | {"output_final_state": False}))
-            # PHASE 1 walks the chunks for the states (checkpoints, final states); PHASE 2 the outputs
+            # the walk: the chunks for the states (checkpoints, final states); then the outputs
             _, finals, ckpts = self.forward(b, "chunk_fwd", checkpoints=True, write_out=False, intra=intra,
-                                            staged=intra is not None, launch=launch | {"phase": 1}, **kw)
+                                            staged=intra is not None, launch=launch | {"stage": "walk"}, **kw)
             kw["output_final_state"] = False
             o, _, _ = self.forward(b, "chunk_fwd", checkpoints=False, ckpts_in=ckpts, grid0=programs * b.H,
                                    intra=intra, staged=intra is not None,
-                                   launch=_one_stage(launch) | {"phase": 2} | self.output_blocks(b),
+                                   launch=_one_stage(launch) | {"stage": "output"} | self.output_blocks(b),
                                    **kw)
             return o, finals, (ckpts if checkpoints else None)
         return run(self.tuned(b, "chunk_fwd", run, C))
 
     def chunk_states(self, b, ckpts: dict, C: int) -> dict:
         """The state at every chunk start (what the chunked backward reads) from the forward's
-        checkpoints at every checkpoint_every-th: PHASE 3, one program per checkpoint walking
+        checkpoints at every checkpoint_every-th: the refill kernel, one program per checkpoint walking
         its chunks; the checkpoints themselves where they are dense already."""
         every = self.checkpoint_every(b, C)
         have, want = next(iter(ckpts.values())).shape[0], checkpoint_slots(b, C * every)
@@ -509,7 +514,7 @@ class Launcher:
         def run(cfg):
             self.forward(b, "chunk_fwd", output_final_state=False, checkpoints=False, chunk_tokens=C * every,
                          ckpts_in=ckpts, write_out=False, grid0=programs * b.H, dense_into=dense,
-                         launch=_one_stage(common | (cfg.launch() if cfg is not None else {})) | {"phase": 3})
+                         launch=_one_stage(common | (cfg.launch() if cfg is not None else {})) | {"stage": "refill"})
         run(self.tuned(b, "chunk_fwd", run, C))
         return dense
 
@@ -529,7 +534,7 @@ class Launcher:
             if self.phases(cfg, x0.device) == 1:
                 def per_state(name, shape, dfin, dinit, device):
                     return dict(ckpt=ckpts[name], dfinal=dfin if dfin is not None else dinit, dinit=dinit, dh=dinit)
-                return self.backward(b, "chunk_bwd", per_state, do, dfinal, launch=common | {"phase": 0})
+                return self.backward(b, "chunk_bwd", per_state, do, dfinal, launch=common | {"stage": "fused"})
             dh = {}
 
             def per_state(name, shape, dfin, dinit, device):
@@ -537,19 +542,19 @@ class Launcher:
                 # dL/dS at chunk ends in the checkpoints' dtype (bf16 for bf16 inputs)
                 dh[name] = empty((slots * parts, H) + shape, self.checkpoint_dtype(True, x0.dtype, name), device)
                 return dict(ckpt=ckpts[name], dfinal=dfin if dfin is not None else dinit, dinit=dinit, dh=dh[name])
-            # PHASE 1 writes dh and the initial states' gradients; PHASE 2 (same buffers) the rest
+            # the walk writes dh and the initial states' gradients; the tiles kernel (same buffers) the rest
             _, _, dinit = self.backward(b, "chunk_bwd", per_state, do, dfinal, write=("dinit",),
-                                        launch=common | {"phase": 1})
+                                        launch=common | {"stage": "walk"})
             dinputs, dparams, _ = self.backward(
                 b, "chunk_bwd", lambda name, *a: dict(ckpt=ckpts[name], dfinal=do, dinit=do, dh=dh[name]),
                 do, dfinal, write=("inputs", "params"), grid0=chunk_programs * H, param_rows=chunk_programs,
-                launch=_one_stage(common) | {"phase": 2}, tile_programs=1 if self.lp.tile_loop else None)
+                launch=_one_stage(common) | {"stage": "tiles"}, tile_programs=1 if self.lp.tile_loop else None)
             return dinputs, dparams, dinit
         return run(self.tuned(b, "chunk_bwd", run, C))
 
 
 def _one_stage(kw: dict) -> dict:
-    """A PHASE 2 (or 3, 4) launch's arguments: one stage where stages are set (its chunk loop has
+    """An output (refill, intra, tiles) launch's arguments: one pipeline stage where stages are set (its chunk loop has
     one iteration per program, or checkpoint_every; pipelining would hold the next chunk's
     inputs in shared memory; not measured on a GPU)."""
     return kw | {"num_stages": 1} if "num_stages" in kw else kw

@@ -105,7 +105,8 @@ class _Namespace:
 
 class CompiledOp:
     """op(**kwargs) and op.step(**kwargs) of a compiled module: `meta` its METADATA, `namespace`
-    its globals (the @triton.jit functions METADATA["kernels"] names)."""
+    its globals (the @triton.jit functions METADATA["kernels"] names: a chunked form's stem, its
+    kernels <stem>_<stage>, LaunchPlan.kernel_name)."""
 
     def __init__(self, meta: dict, namespace: dict):
         self.meta, self.ns = meta, namespace

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .. import pipeline
-from ..codegen.module import kernel_name
+from ..codegen.launch_plan import chunk_stages, kernel_name, stage_kernel_name
 from ..derive.plan import Plan
 from ..runtime.cache import interpreting
 from ..runtime.launch import rules
@@ -31,15 +31,19 @@ from ..standalone.launcher import block
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # constexpr values of the switches of every template, by role (standalone/kernel_args.py)
 _SWITCHES = {"use_initial": True, "store_final": True, "varlen": False, "store_ckpt": True, "use_dfinal": True,
-             "use_indices": False, "ck": 32, "unit": 16, "phase": 0}
+             "use_indices": False, "ck": 32, "unit": 16}
+# every stage's kernel of the chunked forms (standalone/kernel_args.py CHUNK_STAGES)
+STAGES = ("fused", "walk", "output", "refill", "intra", "tiles")
 _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}
 
 
 def _form(kernel, plan: Plan) -> str:
-    """The form of one of the plan's kernels (its name is kernel_name(plan, form))."""
+    """The form of one of the plan's kernels (its name is kernel_name(plan, form), a chunked
+    form's stage_kernel_name(plan, form, stage))."""
     name = getattr(kernel, "fn", kernel).__name__
     for form in plan.layout.kernel_args:
-        if name == kernel_name(plan, form):
+        if name == kernel_name(plan, form) or (form.startswith("chunk") and name in {
+                stage_kernel_name(plan, form, s) for s in chunk_stages(plan, form)}):
             return form
     raise ValueError(f"{name} is none of {plan.name}'s kernels ({', '.join(plan.layout.kernel_args)})")
 
@@ -93,16 +97,18 @@ def compile_kernel(kernel, sig: dict, constexprs: dict, arch: int = 90, num_warp
 
 
 def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat16",
-                 phases=(0, 1, 2, 3, 4), forms=None, key_block: int | None = None,
+                 stages=STAGES, forms=None, key_block: int | None = None,
                  ckpt_every: int = 1, stage_solve: bool = False) -> list[dict]:
     """Compile every kernel of a library spec (or .mix file) for each arch; one report per kernel,
-    the chunked kernels once per PHASE in `phases` (0: the walk alone; 1, 2: the two launches;
-    3: the forward's refill of every chunk's state, which the backward launches first; 4: the
-    forward's intra-chunk matrices, where the plan stages them). forms: only these kernel forms;
-    key_block: the forward's KEY_BLOCK (and ckpt_every chunks a program), so that PHASE 2 and 4
-    compile their loop over the key dim's blocks (codegen/key_split.py; PHASE 2 walking more
-    than one chunk: its static key blocks, codegen/key_walk.py); stage_solve: the rank-1 walk and
-    PHASE 2 reading the inverses PHASE 4 staged (launch.STAGE_SOLVE's path)."""
+    a chunked form's the kernels of its stages in `stages` (fused: the walk alone; walk and
+    output, walk and tiles: the two launches; refill: the forward's refill of every chunk's
+    state, which the backward launches first; intra: the forward's intra-chunk matrices, where
+    the plan stages them), each reported as <form>_<stage>. forms: only these kernel forms;
+    key_block: the forward's KEY_BLOCK (and ckpt_every chunks a program), so that the output and
+    intra kernels compile their loop over the key dim's blocks (codegen/key_split.py; the output
+    kernel walking more than one chunk: its static key blocks, codegen/key_walk.py);
+    stage_solve: the rank-1 walk and output kernel reading the inverses the intra kernel staged
+    (launch.STAGE_SOLVE's path)."""
     if interpreting():
         raise RuntimeError("ahead-of-time compilation needs compiled kernels: unset TRITON_INTERPRET")
     plan = pipeline.compile(name)
@@ -114,21 +120,21 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
     for form, kname in mod.METADATA["kernels"].items():
         if forms is not None and form not in forms:
             continue
-        kernel = getattr(mod, kname)
-        sig, const = signature(kernel, plan, sizes, dtype, stage_solve)
-        if key_block is not None and "KEY_BLOCK" in const:
-            const["KEY_BLOCK"] = key_block
-            if "CKPT_EVERY" in const:
-                const["CKPT_EVERY"] = ckpt_every
-        forward = form == "chunk_fwd"
-        staged = [p for p in phases if p < 3 or (forward and p == 3) or (forward and p == 4 and plan.layout.intra_matrices)]
-        for phase in (staged if "PHASE" in const else (None,)):
+        kernels = ([(f"{form}_{s}", getattr(mod, stage_kernel_name(plan, form, s)))
+                    for s in chunk_stages(plan, form) if s in stages]
+                   if form.startswith("chunk") else [(form, getattr(mod, kname))])
+        for label, kernel in kernels:
+            sig, const = signature(kernel, plan, sizes, dtype, stage_solve)
+            if key_block is not None and "KEY_BLOCK" in const:
+                const["KEY_BLOCK"] = key_block
+                if "CKPT_EVERY" in const:
+                    const["CKPT_EVERY"] = ckpt_every
             for arch in archs:
                 t0 = time.perf_counter()
-                ck = compile_kernel(kernel, sig, const | ({"PHASE": phase} if phase is not None else {}), arch=arch)
+                ck = compile_kernel(kernel, sig, const, arch=arch)
                 ptx = ck.asm["ptx"]
                 tensor_cores = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None
-                out.append({"spec": name, "kernel": form + (f"[{phase}]" if phase is not None else ""),
+                out.append({"spec": name, "kernel": label,
                             "arch": f"sm_{arch}", "shared_bytes": ck.metadata.shared, **ptxas_usage(ptx, arch),
                             "tensor_cores": tensor_cores, "cubin_bytes": len(ck.asm["cubin"]),
                             "seconds": round(time.perf_counter() - t0, 2)})
@@ -158,10 +164,10 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
 
 
 def report_table(reports: list[dict]) -> str:
-    head = f"{'spec':18} {'kernel':14} {'arch':6} {'regs':>5} {'spill B':>8} {'smem B':>8} {'tensor cores':12}"
+    head = f"{'spec':18} {'kernel':18} {'arch':6} {'regs':>5} {'spill B':>8} {'smem B':>8} {'tensor cores':12}"
     rows = [head, "-" * len(head)]
     for r in reports:
-        rows.append(f"{r['spec']:18} {r['kernel']:14} {r['arch']:6} {str(r['registers']):>5} "
+        rows.append(f"{r['spec']:18} {r['kernel']:18} {r['arch']:6} {str(r['registers']):>5} "
                     f"{str(r['spill_bytes']):>8} {r['shared_bytes']:>8} {str(r['tensor_cores'] or '-'):12}")
     return "\n".join(rows)
 
@@ -172,35 +178,37 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, action="append")
     p.add_argument("--size", type=int, default=16)
     p.add_argument("--table", action="store_true", help="a table instead of JSON")
-    p.add_argument("--phases", default="0,1,2,3,4",
-                   help="PHASEs of the chunked kernels to compile (0: the walk alone; 1,2: the two launches; "
-                        "3: the forward's refill of every chunk's state for the backward; 4: the forward's "
-                        "intra-chunk matrices, where staged)")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help="the chunked forms' kernels to compile, by stage (fused: the walk alone; walk and output, "
+                        "walk and tiles: the two launches; refill: the forward's refill of every chunk's state for "
+                        "the backward; intra: the forward's intra-chunk matrices, where staged)")
     p.add_argument("--forms", help="only these kernel forms (comma-separated: chunk_fwd, chunk_bwd, ...)")
-    p.add_argument("--key-block", type=int, help="the chunked forward's KEY_BLOCK (one chunk a program): PHASE 2 "
-                                                 "and 4 compile their loop over key blocks where it is less than "
-                                                 "the key dim's block")
+    p.add_argument("--key-block", type=int, help="the chunked forward's KEY_BLOCK (one chunk a program): the output "
+                                                 "and intra kernels compile their loop over key blocks where it is "
+                                                 "less than the key dim's block")
     p.add_argument("--ckpt-every", type=int, default=1,
-                   help="with --key-block: the chunks a forward PHASE 2 program walks (CKPT_EVERY; more than "
+                   help="with --key-block: the chunks a forward output program walks (CKPT_EVERY; more than "
                         "one: the state in static key blocks, codegen/key_walk.py)")
     p.add_argument("--stage-solve", action="store_true",
                    help="the rank-1 class's staged inverse (launch.STAGE_SOLVE, on by default at run time): its walk and "
-                        "PHASE 2 read it; without it they compile with the solve in the walk (STAGE_SOLVE off)")
+                        "output kernel read it; without it they compile with the solve in the walk (STAGE_SOLVE off)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="specs compiled at once, one process each (default: the CPU count)")
     args = p.parse_args(argv)
     archs = tuple(args.arch or (90, 80))
-    phases = tuple(int(x) for x in args.phases.split(",") if x)
+    stages = tuple(x for x in args.stages.split(",") if x)
+    if set(stages) - set(STAGES):
+        p.error(f"--stages: expected some of {', '.join(STAGES)}, got {', '.join(sorted(set(stages) - set(STAGES)))}")
     forms = tuple(args.forms.split(",")) if args.forms else None
     n = len(args.specs)
     if args.jobs > 1 and n > 1:
         # the Triton compiler and ptxas are CPU-bound: processes, one spec each
         with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs) as pool:
             per_spec = list(pool.map(compile_spec, args.specs, [archs] * n, [args.size] * n, ["bfloat16"] * n,
-                                     [phases] * n, [forms] * n, [args.key_block] * n, [args.ckpt_every] * n,
+                                     [stages] * n, [forms] * n, [args.key_block] * n, [args.ckpt_every] * n,
                                      [args.stage_solve] * n))
     else:
-        per_spec = [compile_spec(name, archs, args.size, phases=phases, forms=forms, key_block=args.key_block,
+        per_spec = [compile_spec(name, archs, args.size, stages=stages, forms=forms, key_block=args.key_block,
                                  ckpt_every=args.ckpt_every, stage_solve=args.stage_solve) for name in args.specs]
     reports = [r for rs in per_spec for r in rs]
     if args.table:

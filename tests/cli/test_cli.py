@@ -115,8 +115,10 @@ def test_compile_report_lists_every_kernel():
     lines = p.stdout.splitlines()
     assert lines[0].split() == ["spec", "kernel", "arch", "regs", "spill", "B", "smem", "B", "tensor", "cores"]
     kernels = {(ln.split()[1], ln.split()[2]) for ln in lines[2:]}
-    # the chunked kernels once per PHASE (0: the walk alone; 1 and 2: the two launches; the
-    # forward's 3: the backward's refill of the states between checkpoints)
-    assert kernels == {(k, a) for k in ("recurrent_fwd", "recurrent_bwd", "chunk_fwd[3]") + tuple(
-        f"chunk_{d}[{i}]" for d in ("fwd", "bwd") for i in range(3)) for a in ("sm_90",)}
-    assert any("chunk_fwd[2]" in ln and "sm_90" in ln and "wgmma" in ln for ln in lines)
+    # the chunked kernels, one per stage (fused: the walk alone; walk and output, walk and tiles:
+    # the two launches; the forward's refill: the backward's refill of the states between
+    # checkpoints; simple_gla stages no intra-chunk matrix: no intra kernel)
+    assert kernels == {(k, a) for k in ("recurrent_fwd", "recurrent_bwd") + tuple(
+        f"chunk_fwd_{s}" for s in ("fused", "walk", "output", "refill")) + tuple(
+        f"chunk_bwd_{s}" for s in ("fused", "walk", "tiles")) for a in ("sm_90",)}
+    assert any("chunk_fwd_output" in ln and "sm_90" in ln and "wgmma" in ln for ln in lines)

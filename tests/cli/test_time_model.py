@@ -52,11 +52,16 @@ def test_a_walk_waits_its_chain_per_wave_and_the_solve_lengthens_each_step():
 
 
 @pytest.mark.parametrize("spec,impl,kernel,grid,want", [
+    ("gla", "mixc", "gla_chunk_fwd_walk", [16, 2, 1], tm.Chain(128)),
+    ("gla", "mixc", "gla_chunk_bwd_walk", [16, 2, 1], tm.Chain(128)),
+    ("gla", "mixc", "gla_chunk_fwd_output", [512, 2, 1], tm.Chain(4)),
+    ("gla", "mixc", "gla_chunk_fwd_refill", [512, 2, 1], tm.Chain(4)),
+    ("gla", "mixc", "gla_chunk_bwd_tiles", [2048, 1, 1], tm.Chain(1)),
+    ("delta_rule", "mixc", "delta_rule_chunk_fwd_walk", [16, 2, 1], tm.Chain(128, 3, 63)),
+    # the names of the reports committed before one kernel per stage: by PHASE
     ("gla", "mixc", "gla_chunk_fwd[1]", [16, 2, 1], tm.Chain(128)),
-    ("gla", "mixc", "gla_chunk_bwd[1]", [16, 2, 1], tm.Chain(128)),
     ("gla", "mixc", "gla_chunk_fwd[2]", [512, 2, 1], tm.Chain(4)),
     ("gla", "mixc", "gla_chunk_bwd[2]", [2048, 1, 1], tm.Chain(1)),
-    ("delta_rule", "mixc", "delta_rule_chunk_fwd[1]", [16, 2, 1], tm.Chain(128, 3, 63)),
     ("gla", "fla", "chunk_fwd_kernel_h", [64, 1, 1], tm.Chain(128)),
     ("gated_delta_rule", "fla", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", [32, 1, 1], tm.Chain(128, 2)),
     ("gla", "fla", "chunk_gla_fwd_kernel_o", [256, 16, 1], tm.Chain(1)),

@@ -148,6 +148,7 @@ def test_tuned_blocks_compute_the_same(monkeypatch):
 SCRIPT = r"""
 import json, sys
 from mixc.tools.aot import compile_kernel, signature
+from mixc.codegen.launch_plan import stage_kernel_name
 from mixc.runtime import autotune
 from mixc.runtime.cache import load_module
 import mixc
@@ -156,18 +157,22 @@ for name, sizes in (("simple_gla", {"K": 16, "V": 16}), ("mamba", {"N": 16, "P":
     plan = mixc.load(name).plan()
     mod = load_module(plan)
     for form, kname in mod.METADATA["kernels"].items():
-        kernel = getattr(mod, kname)
-        sig, const = signature(kernel, plan, sizes)
         if form.startswith("chunk"):
+            second = "output" if form == "chunk_fwd" else "tiles"
             for C in autotune.chunk_candidates(plan):
                 for cfg in autotune.configs(plan, form):
-                    # what the config launches: PHASE 1 and 2 (the latter at one stage), or PHASE 0
-                    launches = [(1, cfg.num_stages), (2, 1)] if cfg.phases == 2 else [(0, cfg.num_stages)]
-                    for phase, stages in launches:
-                        ck = compile_kernel(kernel, sig, dict(const, _BLOCK__T=C, PHASE=phase), num_warps=cfg.num_warps,
+                    # what the config launches: the walk and the output (tiles) kernel, the latter at
+                    # one stage, or the fused walk
+                    launches = [("walk", cfg.num_stages), (second, 1)] if cfg.phases == 2 else [("fused", cfg.num_stages)]
+                    for stage, stages in launches:
+                        kernel = getattr(mod, stage_kernel_name(plan, form, stage))
+                        sig, const = signature(kernel, plan, sizes)
+                        ck = compile_kernel(kernel, sig, dict(const, _BLOCK__T=C), num_warps=cfg.num_warps,
                                             num_stages=stages)
-                        out.append((name, form, C, phase, cfg.num_warps, stages, len(ck.asm["cubin"]) > 0))
+                        out.append((name, form, C, stage, cfg.num_warps, stages, len(ck.asm["cubin"]) > 0))
         else:
+            kernel = getattr(mod, kname)
+            sig, const = signature(kernel, plan, sizes)
             for cfg in autotune.configs(plan, form, sizes):
                 c = dict(const)
                 if cfg.tile: c["_BLOCK_" + plan.layout.tile] = cfg.tile
@@ -186,7 +191,7 @@ def test_every_config_compiles_for_sm90(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout)
     assert all(r[-1] for r in got)
-    # simple_gla: 2 C x (3 two-launch configs x PHASE 1 and 2 + 1 walk) x 2 chunked kernels;
+    # simple_gla: 2 C x (3 two-launch configs x the walk and the output (tiles) kernel + 1 fused walk) x 2 chunked forms;
     # mamba's recurrent kernels: 6 configs each
     assert sum(r[0] == "simple_gla" and r[1].startswith("chunk") for r in got) == 28
     assert sum(r[0] == "mamba" for r in got) == 12

@@ -15,6 +15,7 @@ import mixc
 from helpers import random_args
 from mixc import pipeline
 from mixc.standalone import kernel_args as ka
+from mixc.codegen.launch_plan import chunk_stages, kernel_name, stage_kernel_name
 from mixc.derive.layout import kernel_layout
 from mixc.dsl import library_names
 from mixc.runtime import launch
@@ -38,12 +39,12 @@ def test_every_kernel_signature_is_its_definition(plan):
     and the launch call's are the definition's, for every form of every library spec."""
     mod = pipeline.load(plan)
     assert set(mod.METADATA["kernels"]) == set(plan.layout.kernel_args)
-    for form, kname in mod.METADATA["kernels"].items():
+    for form, kname, kernel in _kernels(plan, mod):
         args = plan.layout.kernel_args[form]
-        params = inspect.signature(inspect.unwrap(getattr(mod, kname).fn)).parameters
+        params = inspect.signature(inspect.unwrap(kernel.fn)).parameters
         assert [(n, "constexpr" in str(p.annotation)) for n, p in params.items()] == \
-            [(a.name, a.constexpr) for a in args.args], form
-        sig, const = aot.signature(getattr(mod, kname), plan, {d: 16 for d in plan.ir.dim_names})
+            [(a.name, a.constexpr) for a in args.args], kname
+        sig, const = aot.signature(kernel, plan, {d: 16 for d in plan.ir.dim_names})
         assert list(sig) == [a.name for a in args.args]
         assert [n for n, t in sig.items() if t == "constexpr"] == list(const)
         # the launch: positional up to the first constexpr, the rest by name, each once
@@ -51,6 +52,18 @@ def test_every_kernel_signature_is_its_definition(plan):
         assert len(set(args.positional) | {k for _, k in args.named}) == len(args.args)
     # a compiled module's runtime builds the same lists from METADATA's names
     assert ka.metadata_kernel_args(mod.METADATA) == plan.layout.kernel_args
+
+
+def _kernel_names(plan) -> list[tuple[str, str]]:
+    """(form, name) of every kernel of the plan: a chunked form's one per stage."""
+    return [(form, stage_kernel_name(plan, form, s)) for form in plan.layout.kernel_args if form.startswith("chunk")
+            for s in chunk_stages(plan, form)] + \
+        [(form, kernel_name(plan, form)) for form in plan.layout.kernel_args if not form.startswith("chunk")]
+
+
+def _kernels(plan, mod) -> list[tuple]:
+    """(form, name, kernel) of every kernel of the module."""
+    return [(form, name, getattr(mod, name)) for form, name in _kernel_names(plan)]
 
 
 class _Recorder:
@@ -99,15 +112,15 @@ def test_a_renamed_argument_changes_the_signature_the_launches_and_aot(monkeypat
     # the body still says IS_VARLEN and p_cu_seqlens (hooks and templates name them): only the
     # signature is under test, so the kernels are not run
     text, renamed = _module(plan, tmp_path, "renamed")     # never pipeline.load: the cache keeps the real one
-    for form in plan.layout.kernel_args:
-        block = text[text.index(f"def gla_{form}("):]
+    for _, name in _kernel_names(plan):
+        block = text[text.index(f"def {name}("):]
         block = block[:block.index("\n):")]
         assert "    IS_PACKED: tl.constexpr," in block and "p_offsets" in block
         assert "IS_VARLEN" not in block and "p_cu_seqlens" not in block
 
     rec = _Recorder()
     monkeypatch.setattr(launch, "module_for", lambda *a: types.SimpleNamespace(
-        **{name: rec for name in renamed.METADATA["kernels"].values()}))
+        **{name: rec for _, name in _kernel_names(plan)}))
 
     def kernel_fn(form):         # a Python function with the renamed kernel's parameters
         args = plan.layout.kernel_args[form].args
@@ -125,11 +138,11 @@ def test_a_renamed_argument_changes_the_signature_the_launches_and_aot(monkeypat
     # a compiled module's runtime: the same names from the same definition
     meta = renamed.METADATA
     rec.calls.clear()
-    CompiledOp(meta, {meta["kernels"]["chunk_fwd"]: rec})(**kw, mode="chunk")
+    CompiledOp(meta, {name: rec for _, name in _kernel_names(plan)})(**kw, mode="chunk")
     got = kernel_fn("chunk_fwd").bind(*rec.calls[-1][0], **rec.calls[-1][1]).arguments
     assert got["IS_PACKED"] is False
 
-    sig, const = aot.signature(types.SimpleNamespace(__name__="gla_chunk_fwd"), plan, {"K": 16, "V": 16})
+    sig, const = aot.signature(types.SimpleNamespace(__name__="gla_chunk_fwd_walk"), plan, {"K": 16, "V": 16})
     assert sig["IS_PACKED"] == "constexpr" and const["IS_PACKED"] is False and sig["p_offsets"] == "*i32"
     assert "IS_VARLEN" not in sig and "p_cu_seqlens" not in sig
 

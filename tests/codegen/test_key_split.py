@@ -1,4 +1,4 @@
-"""The chunked forward's PHASE 4 and 2 over the key dim's blocks (mixc/codegen/key_split.py):
+"""The chunked forward's intra and output kernels over the key dim's blocks (mixc/codegen/key_split.py):
 where it applies, what lands inside and outside the loop, and its refusals. The split kernels'
 numbers against float64: tests/runtime/test_key_split.py (three key blocks, five specs)."""
 from __future__ import annotations
@@ -21,28 +21,32 @@ SPLIT = "# the key dim in blocks of KEY_BLOCK (codegen/key_split.py)"
 KEPT = "# the whole key dim kept (codegen/key_split.py"
 
 
+def _walk_branch(fn: ast.FunctionDef) -> ast.If | None:
+    """The output kernel's branch walking chunks in static key blocks (codegen/key_walk.py)."""
+    return next((n for n in fn.body if isinstance(n, ast.If) and "CKPT_EVERY > 1" in ast.unparse(n.test)
+                 and n.orelse and isinstance(n.orelse[0], ast.For)), None)
+
+
 def _chunk_loop(fn: ast.FunctionDef) -> ast.For:
-    """The forward's chunk loop as rendered (with its PHASE 4 and 2 key loops): where PHASE 2
+    """A forward kernel's chunk loop as rendered (with its key loops): where the output kernel
     walking chunks has static key blocks (codegen/key_walk.py), the else of that branch."""
+    walk = _walk_branch(fn)
+    if walk is not None:
+        return walk.orelse[0]
     for n in fn.body:
         if isinstance(n, ast.For) and n.target.id == "_chunk":
             return n
-        if isinstance(n, ast.If) and "CKPT_EVERY > 1" in ast.unparse(n.test):
-            return n.orelse[0]
     raise AssertionError(f"{fn.name}: no chunk loop")
 
 
-def _chunk_body(name: str) -> list[ast.stmt]:
-    src = generate(pipeline.compile(name))
-    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_fwd")
-    return _chunk_loop(fn).body
+def _kernel(src: str, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
-def _branch(name: str, phase: int) -> ast.If:
-    node = next(n for n in _chunk_body(name) if isinstance(n, ast.If))
-    while not ast.unparse(node.test).startswith(f"PHASE == {phase}"):
-        node = node.orelse[0]
-    return node
+def _branch(name: str, stage: str) -> ast.If:
+    """The first key-split branch of the spec's forward kernel for `stage` (intra, output)."""
+    fn = _kernel(generate(pipeline.compile(name)), f"{name}_chunk_fwd_{stage}")
+    return next(n for n in _chunk_loop(fn).body if isinstance(n, ast.If) and "KEY_BLOCK <" in ast.unparse(n.test))
 
 
 def _parts(branch: ast.If) -> tuple[str, str, str]:
@@ -53,8 +57,8 @@ def _parts(branch: ast.If) -> tuple[str, str, str]:
 
 
 def test_every_library_spec_with_one_key_dim_is_split():
-    """Every chunked library spec whose states share one key dim gets PHASE 2's loop (and where
-    it stages intra-chunk matrices, PHASE 4's and the PHASE 2 that computes them, launch.
+    """Every chunked library spec whose states share one key dim gets the output kernel's loop (and where
+    it stages intra-chunk matrices, the intra kernel's and the output kernel's that computes them, launch.
     STAGE_INTRA or STAGE_SOLVE off, besides the one that reads them): the six issue 16 measures
     among them; gated_delta_product keeps the whole dim (a reduction over its keys is read by
     each key row), and says so."""
@@ -74,20 +78,29 @@ def test_every_library_spec_with_one_key_dim_is_split():
     # Triton's loops keep a variable's type: nothing assigned in a key loop (a block) may rebind a
     # name from before the chunk loop (the whole dim's _offs_K, the states)
     for name in split:
-        src = generate(pipeline.compile(name))
-        fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_fwd")
-        at = next(i for i, n in enumerate(fn.body) if isinstance(n, (ast.For, ast.If)) and "_chunk" in ast.unparse(n))
-        top = {t.id for n in fn.body[:at] for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
-        loops = [n for n in ast.walk(_chunk_loop(fn)) if isinstance(n, ast.For) and n.target.id == "_kb"]
-        assigned = {t.id for lp in loops for t in ast.walk(lp) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
-        assert not assigned & top, (name, assigned & top)
+        plan = pipeline.compile(name)
+        src = generate(plan)
+        for stage in ("output", "intra") if plan.layout.intra_matrices else ("output",):
+            fn = _kernel(src, f"{name}_chunk_fwd_{stage}")
+            at = next(i for i, n in enumerate(fn.body) if isinstance(n, (ast.For, ast.If)) and "_chunk" in ast.unparse(n))
+            top = {t.id for n in fn.body[:at] for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+            loops = [n for n in ast.walk(_chunk_loop(fn)) if isinstance(n, ast.For) and n.target.id == "_kb"]
+            assert loops, (name, stage)
+            assigned = {t.id for lp in loops for t in ast.walk(lp) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+            assert not assigned & top, (name, stage, assigned & top)
+        # no other kernel of the module has a key loop
+        others = [n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name.startswith(f"{name}_chunk_fwd_")
+                  and n.name.rsplit("_", 1)[1] not in ("output", "intra")]
+        assert others and not any(isinstance(x, ast.For) and x.target.id == "_kb" for n in others for x in ast.walk(n))
     assert "reduces over the blocks but is read within the loop" in kept["gated_delta_product"]
 
 
-def test_gla_phase4_sums_A_over_the_key_blocks():
-    """gla's PHASE 4: q, k and g load per block, both sub-chunk loops add into A, zeroed before
-    the loop and stored once after it."""
-    before, loop, after = _parts(_branch("gla", 4))
+def test_gla_intra_kernel_sums_A_over_the_key_blocks():
+    """gla's intra kernel: q, k and g load per block, both sub-chunk loops add into A, zeroed
+    before the loop and stored once after it."""
+    branch = _branch("gla", "intra")
+    assert ast.unparse(branch.test) == "KEY_BLOCK < _BLOCK_K"
+    before, loop, after = _parts(branch)
     assert "_A = tl.zeros([_BLOCK__T, _BLOCK__T]" in before
     for x in ("v_q = tl.load(p_q", "v_k = tl.load(p_k", "v_g = tl.load(p_g", "for _I in tl.static_range",
               "for _jj in range(16)", "_offs_K__2 = _kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK)"):
@@ -97,12 +110,12 @@ def test_gla_phase4_sums_A_over_the_key_blocks():
     assert "_BLOCK_K" not in loop
 
 
-def test_gla_phase2_reads_the_state_by_key_block():
-    """gla's PHASE 2 (one chunk a program): the state's rows of the block and (Q * exp(b0)) S0
-    summed in the loop; A, V and the output after it, from the sum; the whole non-finite test
-    NaNs the rows (after), a block's own zeroes nothing here (no key enters PHASE 2's matmuls)."""
-    branch = _branch("gla", 2)
-    want = "PHASE == 2 and CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_K"
+def test_gla_output_kernel_reads_the_state_by_key_block():
+    """gla's output kernel (one chunk a program): the state's rows of the block and (Q * exp(b0))
+    S0 summed in the loop; A, V and the output after it, from the sum; the whole non-finite test
+    NaNs the rows (after), a block's own zeroes nothing here (no key enters its matmuls)."""
+    branch = _branch("gla", "output")
+    want = "CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_K"
     assert ast.unparse(branch.test) == ast.unparse(ast.parse(want, mode="eval"))
     before, loop, after = _parts(branch)
     assert "tl.load(p_ckpt_S" in loop and "_r1_sum += _mixc_dot(" in loop
@@ -173,18 +186,18 @@ def test_a_loop_that_does_not_only_add_is_refused():
 
 
 def test_gla_backward_sums_its_key_rows_in_a_tile_loop_of_their_own():
-    """gla's backward PHASE 2 where KEY_BLOCK is less than K: no value of the whole key dim.
+    """gla's backward tiles kernel where KEY_BLOCK is less than K: no value of the whole key dim.
     A key loop before the tile loop sums the intra-chunk A; the tile loop keeps dv and the
     [C, C] sum dO V^T, with dv's (K * exp(kw)) dL/dS summed in a key loop of its own, not the
     sums that carry the key dim (dO S0^T, V dh^T, sum(S0 * dh)); after it each key block sums
     its rows of those in a tile loop of its own, then stores its rows of dq, dk, dg; the tile
-    split alone stays for other launches (elif)."""
+    split alone stays for a launch with the whole key dim (else)."""
     src = generate(pipeline.compile("gla"))
-    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "gla_chunk_bwd")
+    fn = _kernel(src, "gla_chunk_bwd_tiles")
     chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
     branch = chunk_loop.body[0]
-    assert ast.unparse(branch.test) == ast.unparse(ast.parse("PHASE == 2 and KEY_BLOCK < _BLOCK_K", mode="eval"))
-    assert ast.unparse(branch.orelse[0].test) == "PHASE == 2"
+    assert ast.unparse(branch.test) == "KEY_BLOCK < _BLOCK_K"
+    assert [n.target.id for n in branch.orelse if isinstance(n, ast.For)].count("_tv") == 1
     assert "_BLOCK_K" not in "\n".join(ast.unparse(n) for n in branch.body)
     loops = [n for n in branch.body if isinstance(n, ast.For)]
     assert [n.target.id for n in loops] == ["_kb", "_tv", "_kb"]
@@ -204,11 +217,11 @@ def test_gla_backward_sums_its_key_rows_in_a_tile_loop_of_their_own():
 
 @pytest.mark.parametrize("name", ["gla", "rwkv6", "hgrn2", "simple_gla", "retention", "lightning_attn", "mamba2"])
 def test_the_backward_key_branch_holds_no_value_of_the_whole_key_dim(name):
-    """The six specs whose backward PHASE 2 loops over key blocks: A before the tile loop, dv's
+    """The six specs whose backward tiles kernel loops over key blocks: A before the tile loop, dv's
     key contraction inside it and dq, dk, dg after it each in a key loop, so no [C, K] block of
     the whole dim is live in the branch (the spills at C = 64 came from those)."""
     src = generate(pipeline.compile(name))
-    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_bwd")
+    fn = _kernel(src, f"{name}_chunk_bwd_tiles")
     chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
     branch = chunk_loop.body[0]
     assert "KEY_BLOCK < _BLOCK_" in ast.unparse(branch.test)
@@ -224,7 +237,7 @@ def test_the_backward_key_branch_holds_no_value_of_the_whole_key_dim(name):
 
 
 def test_the_key_diagonal_walk_holds_its_state_in_static_key_blocks():
-    """The forward PHASE 2 walking several chunks (CKPT_EVERY > 1): the key-diagonal decay's
+    """The forward output kernel walking several chunks (CKPT_EVERY > 1): the key-diagonal decay's
     specs (its class's walks_key_blocks) hold the state as one carried block per key block,
     under a constexpr test each past the first, and no value of the whole key dim in the chunk
     loop; the other classes keep the rendered walk (the scalar decay's fits whole: mamba2's
@@ -235,8 +248,8 @@ def test_the_key_diagonal_walk_holds_its_state_in_static_key_blocks():
         if plan.sequence is not None or "chunk_fwd" not in metadata(plan)["kernels"]:
             continue
         src = generate(plan)
-        fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == f"{name}_chunk_fwd")
-        branch = next((n for n in fn.body if isinstance(n, ast.If) and "CKPT_EVERY > 1" in ast.unparse(n.test)), None)
+        fn = _kernel(src, f"{name}_chunk_fwd_output")
+        branch = _walk_branch(fn)
         if branch is None:
             continue
         walks.add(name)

@@ -1,7 +1,8 @@
-"""The backward PHASE 2's tile loop split (mixc/codegen/tile_split.py): where it applies, what
-lands inside and outside the loop, and its refusals. The split kernels' numbers are checked
+"""The backward tiles kernel's tile loop split (mixc/codegen/tile_split.py): where it applies,
+what lands inside and outside the loop, and its refusals. The split kernels' numbers are checked
 against float64 by every chunked spec's two-launch tests (tests/ops/test_kernel_shapes.py runs
-PHASE 2 over three tile blocks) and tests/runtime/test_backward_split.py (non-finite values)."""
+the tiles kernel over three tile blocks) and tests/runtime/test_backward_split.py (non-finite
+values)."""
 from __future__ import annotations
 
 import ast
@@ -15,10 +16,10 @@ from mixc.dsl import library_names
 from mixc.codegen.block_shapes import Shapes, UnknownShape
 from mixc.codegen.block_split import split_iteration
 from mixc.codegen.block_statements import _block
-from mixc.codegen.tile_split import split_phase2
+from mixc.codegen.tile_split import split_tiles
 
 SPLIT_NOTE = "# the tile loop split (codegen/tile_split.py)"
-KEPT_NOTE = "# PHASE 2 keeps the walk's tile loop"
+KEPT_NOTE = "# the walk's tile loop kept"
 
 
 def _chunked_library_specs():
@@ -34,17 +35,18 @@ def _kernel(source: str, name: str) -> ast.FunctionDef:
     return next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
-def _split_branch(fn: ast.FunctionDef) -> ast.If:
+def _split_body(fn: ast.FunctionDef) -> list[ast.stmt]:
+    """The tiles kernel's chunk body as the tile split made it (past the key blocks' branch,
+    tests/codegen/test_key_split.py: its else)."""
     chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
-    branch = chunk_loop.body[0]
-    while isinstance(branch, ast.If) and ast.unparse(branch.test) != "PHASE == 2":
-        branch = branch.orelse[0]          # past the key blocks' branch (tests/codegen/test_key_split.py)
-    assert isinstance(branch, ast.If) and ast.unparse(branch.test) == "PHASE == 2"
-    return branch
+    first = chunk_loop.body[0]
+    if isinstance(first, ast.If) and "KEY_BLOCK <" in ast.unparse(first.test):
+        return first.orelse
+    return chunk_loop.body
 
 
 def test_every_chunked_library_spec_is_split():
-    """Every library spec with a chunked backward and a tile dim gets the split PHASE 2 (none
+    """Every library spec with a chunked backward and a tile dim gets the split tiles kernel (none
     keeps the rendered loop): the eight issue 16 measures among them."""
     names = _chunked_library_specs()
     assert {"simple_gla", "gla", "rwkv6", "delta_rule", "gated_delta_rule", "mamba2", "retention",
@@ -57,11 +59,11 @@ def test_simple_gla_loop_holds_only_what_carries_the_block():
     """simple_gla: q, k and g are loaded before and after the loop, never in it; the loop loads
     V's block, dO's, S0's and dL/dS's, adds the four contractions over V (dO V^T, dO S0^T,
     V dh^T, sum(S0 * dh)) and stores dv; dq, dk, dg are stored once, after the loop."""
-    fn = _kernel(generate(pipeline.compile("simple_gla")), "simple_gla_chunk_bwd")
-    branch = _split_branch(fn)
-    loop = next(n for n in branch.body if isinstance(n, ast.For) and n.target.id == "_tv")
-    before = branch.body[:branch.body.index(loop)]
-    after = branch.body[branch.body.index(loop) + 1:]
+    src = generate(pipeline.compile("simple_gla"))
+    body = _split_body(_kernel(src, "simple_gla_chunk_bwd_tiles"))
+    loop = next(n for n in body if isinstance(n, ast.For) and n.target.id == "_tv")
+    before = body[:body.index(loop)]
+    after = body[body.index(loop) + 1:]
     loop_text = "\n".join(ast.unparse(s) for s in loop.body)
     for x in ("p_q", "p_k", "p_g", "p_dq", "p_dk", "p_dg"):
         assert x not in loop_text, x
@@ -73,9 +75,12 @@ def test_simple_gla_loop_holds_only_what_carries_the_block():
     for x in ("p_dq", "p_dk", "p_dg", "p_q", "p_k"):
         assert x in after_text, x
     assert any(isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "_dA_sum" for s in before)
-    # PHASE 0 and 1 keep the rendered loop
-    assert isinstance(branch.orelse[0], ast.Assign) and any(
-        isinstance(s, ast.For) and s.target.id == "_tv" for s in branch.orelse)
+    # the walks keep the rendered loop: the chunk's body inside it
+    for stage in ("walk", "fused"):
+        walk = _kernel(src, f"simple_gla_chunk_bwd_{stage}")
+        chunk_loop = next(n for n in walk.body if isinstance(n, ast.For) and n.target.id == "_cc")
+        tiles = [s for s in chunk_loop.body if isinstance(s, ast.For) and s.target.id == "_tv"]
+        assert len(tiles) == 1 and "tl.load(p_q" in ast.unparse(tiles[0]), stage
 
 
 def _iteration(text: str):
@@ -128,7 +133,7 @@ def test_an_unknown_construct_keeps_the_rendered_loop():
     """Where the pass cannot read a statement's shape, the kernel keeps its loop and says why."""
     src = textwrap.dedent("""
         @triton.jit
-        def k_chunk_bwd(p_x, p_dx, _BLOCK_V: tl.constexpr, PHASE: tl.constexpr):
+        def k_chunk_bwd_tiles(p_x, p_dx, _BLOCK_V: tl.constexpr):
             _offs__T = tl.arange(0, 16)
             for _cc in range(0, 2):
                 _rows = _offs__T + _cc
@@ -138,7 +143,7 @@ def test_an_unknown_construct_keeps_the_rendered_loop():
                     y = tl.mystery(x)
                     tl.store(p_dx + _rows[:, None] * 8 + _offs_V[None, :], y)
     """)
-    out = split_phase2(src, "k_chunk_bwd", "V", {"_do"})
+    out = split_tiles(src, "k_chunk_bwd_tiles", "V", {"_do"})
     assert KEPT_NOTE in out and "no shape rule for tl.mystery" in out
     assert out.replace(next(ln for ln in out.splitlines() if KEPT_NOTE in ln) + "\n", "") == src
 
@@ -170,12 +175,13 @@ def test_ssa_gives_each_assignment_its_own_name_and_keeps_sums():
     assert [s.kind for s in stmts] == ["", "", "ACC", "", "", "ACC"]
 
 
-@pytest.mark.parametrize("test,want", [("PHASE == 2", True), ("PHASE != 1", True), ("PHASE < 2", False),
-                                       ("PHASE >= 2 and PHASE != 4", True), ("not PHASE == 2", False),
-                                       ("PHASE == 2 or IS_VARLEN", True), ("PHASE == 4 and IS_VARLEN", False),
-                                       ("PHASE == 2 and IS_VARLEN", None), ("PHASE.bit_length() == 2", None)])
-def test_phase_tests_fold_without_running_the_kernels_text(test, want):
-    """`if PHASE ...:` folds to PHASE 2's branch only where the test is PHASE against integers
-    (an `and` / `or` that one such operand decides is decided)."""
-    from mixc.codegen.block_statements import _phase_test
-    assert _phase_test(ast.parse(test, mode="eval").body, 2) is want
+@pytest.mark.parametrize("test,want", [
+    ("CKPT_EVERY == 2", True), ("CKPT_EVERY != 1", True), ("CKPT_EVERY < 2", False),
+    ("CKPT_EVERY >= 2 and CKPT_EVERY != 4", True), ("not CKPT_EVERY == 2", False),
+    ("CKPT_EVERY == 2 or IS_VARLEN", True), ("CKPT_EVERY == 4 and IS_VARLEN", False),
+    ("CKPT_EVERY == 2 and IS_VARLEN", None), ("CKPT_EVERY.bit_length() == 2", None)])
+def test_constexpr_tests_fold_without_running_the_kernels_text(test, want):
+    """`if CKPT_EVERY ...:` folds to the branch a launch takes only where the test is the
+    constexpr against integers (an `and` / `or` that one such operand decides is decided)."""
+    from mixc.codegen.block_statements import _constexpr_test
+    assert _constexpr_test(ast.parse(test, mode="eval").body, {"CKPT_EVERY": 2}) is want

@@ -417,8 +417,8 @@ CLASHES = [
     ("param-dfinal_S", _clash(params="A[K], dfinal_S[K]"), 5, 9, "p_dfinal_S"),
     ("input-dh_S", _clash("q[K], k[K], v[V], dh_S[K]"), 5, 9, "p_dh_S"),          # the two-launch backward's
     ("input-chunk_seq", _clash("q[K], k[K], v[V], chunk_seq[K]"), 3, 27, "p_chunk_seq"),
-    ("input-intra", _clash("q[K], k[K], v[V], intra[K]"), 3, 27, "p_intra"),       # the forward's PHASE 4
-    ("input-dense_S", _clash("q[K], k[K], v[V], dense_S[K]"), 5, 9, "p_dense_S"),  # the forward's PHASE 3
+    ("input-intra", _clash("q[K], k[K], v[V], intra[K]"), 3, 27, "p_intra"),       # the forward's intra kernel
+    ("input-dense_S", _clash("q[K], k[K], v[V], dense_S[K]"), 5, 9, "p_dense_S"),  # the forward's refill kernel
     ("input-ckpt__m", _clash("q[K], k[K], v[V], ckpt__m[K]"), 3, 27, "p_ckpt__m"),     # the stabilizer's state
 ]
 

@@ -53,7 +53,7 @@ def test_half_precision_only_where_the_output_is_linear_in_the_readouts(name):
 
 @pytest.mark.parametrize("B,T,H,D", [(1, 40, 2, 16)], ids=[case_id(B=1, T=40, H=2, D=16)])
 def test_aft_simple_chunked_bf16_is_within_the_eager_error(B, T, H, D, monkeypatch):
-    """Three chunks of 16 in two launches (PHASE 1 stores the chunk-start states, PHASE 2 and the
+    """Three chunks of 16 in two launches (the walk stores the chunk-start states, the output kernel and the
     backward read them): every error within 4x of mode "torch" in bf16 (before the fix the
     gradients were 25x off it)."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)

@@ -234,7 +234,7 @@ def test_tiled_recurrent_kernels_with_varlen(monkeypatch):
                             cu_seqlens=torch.tensor([0, 5, 5, 12]))
 
 
-# a chunked spec with a param over the tile dim (V): its PHASE 2 keeps one program per block
+# a chunked spec with a param over the tile dim (V): its tiles kernel keeps one program per block
 PARAM_OVER_TILE = """
 mixer gated_skip
   dims   K, V
@@ -249,7 +249,7 @@ mixer gated_skip
 @pytest.mark.parametrize("text,name", [(PARAM_OVER_TILE, "gated_skip"), (None, "simple_gla")],
                          ids=["param-over-tile", "simple_gla"])
 def test_chunked_backward_loops_over_the_tile_blocks(text, name, monkeypatch):
-    """PHASE 2 of the chunked backward: one program per (chunk, head) loops over the tile
+    """The chunked backward's tiles kernel: one program per (chunk, head) loops over the tile
     dim's blocks and sums dq, dk, dg in registers (LaunchPlan.tile_loop), so the gradients come
     out of the kernel in the inputs' dtype with no float32 partials for torch to sum; a spec
     with a param over the tile dim keeps one program per block (its param loaded per program),
@@ -265,11 +265,11 @@ def test_chunked_backward_loops_over_the_tile_blocks(text, name, monkeypatch):
     real = Launcher.backward
 
     def spy(*a, **kw):
-        grids.append((kw["launch"]["phase"], kw.get("tile_programs")))
+        grids.append((kw["launch"]["stage"], kw.get("tile_programs")))
         return real(*a, **kw)
     monkeypatch.setattr(Launcher, "backward", spy)
     args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes={"K": 8, "V": 40}, dtype=torch.float32,
                               requires_grad=True, seed=11)
     st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
     check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
-    assert (2, 1 if text is None else None) in grids and (1, None) in grids
+    assert ("tiles", 1 if text is None else None) in grids and ("walk", None) in grids

@@ -53,7 +53,7 @@ def test_recurrent_matches_reference(name, flags):
 def chunk_phases(request, monkeypatch):
     """The chunked kernels in one launch each (the walk over the chunks) or two (the walk for
     the states, then every chunk at once: the CUDA default), the two launches with a checkpoint
-    every two chunks as on CUDA (PHASE 2 walks two chunks from each, the backward refills the
+    every two chunks as on CUDA (the output kernel walks two chunks from each, the backward refills the
     states first: launch.checkpoint_every)."""
     import mixc.runtime.launch as launch
     monkeypatch.setattr(launch, "CHUNK_PHASES", request.param)

@@ -27,8 +27,9 @@ mixer own_left
 
 
 def _chunk_source(op) -> str:
+    """The chunked kernels' text (from the forward's first stage kernel on)."""
     src = pipeline.render(op.plan())
-    return src[src.index("_chunk_fwd("):]
+    return src[src.index("_chunk_fwd_fused("):]
 
 
 @pytest.mark.parametrize("name,scaled", [("delta_rule", True), ("gated_delta_rule", True), ("comba", True),
@@ -61,10 +62,10 @@ def test_a_left_that_is_no_scaled_key_with_a_scalar_decay_matches_float64(phases
 
 @pytest.mark.parametrize("name", ["delta_rule", pytest.param("rwkv7", marks=pytest.mark.slow)])
 def test_the_staged_inverse_matches_float64(name, monkeypatch):
-    """launch.STAGE_SOLVE: PHASE 4 stores each chunk's (I - M)^-1, PHASE 1 (the walk) and 2 take
+    """launch.STAGE_SOLVE: the intra kernel stores each chunk's (I - M)^-1, the walk and the output kernel take
     U as one matmul with it (launches 4, 1, 2). Against float64, forward and every gradient; an
     inf in one value: the outputs before its token as the computing forward's, NaN from it on in
-    both (PHASE 4 zeroes no row for a value, PHASE 1 and 2 do: rank1.j2's setup)."""
+    both (the intra kernel zeroes no row for a value, the walk and the output kernel do: rank1.j2's setup)."""
     import mixc.runtime.launch as launch
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "STAGE_SOLVE", True)
@@ -74,7 +75,7 @@ def test_the_staged_inverse_matches_float64(name, monkeypatch):
                               requires_grad=True, seed=3)
     st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
     check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
-    assert phases[:3] == [4, 1, 2]
+    assert phases[:3] == ["intra", "walk", "output"]
     bad = {k: v.detach().clone() for k, v in args.items()}
     bad["v"][1, 18, 0, 3] = float("inf")
     outs = {}

@@ -1,5 +1,5 @@
-"""The chunked backward's PHASE 2 with its tile loop split (mixc/codegen/tile_split.py) where a
-value is not finite in one tile block. PHASE 2 now zeroes a key by its own entries only and a
+"""The chunked backward's tiles kernel with its tile loop split (mixc/codegen/tile_split.py) where a
+value is not finite in one tile block. The tiles kernel now zeroes a key by its own entries only and a
 block's value rows (and their gradients) by the key's and the block's values (sanitize's
 _badv_<S>): the statements after the loop read one key matrix for every block. What the
 forward makes of such a token is NaN from it on, so what must hold is what a right-padded batch
@@ -24,8 +24,8 @@ def test_a_bad_value_leaves_the_earlier_gradients_of_a_finite_run(name, monkeypa
     value (block 1); dO zero from token 21 on. Every gradient's rows 0..20 equal (to fp32
     rounding) those of the same call with that entry finite, and are finite; the bad value's
     gradient is zero in its block, also where dO is not (the gradient of the zeroed row, as
-    PHASE 0 gives: there the block zeroes the key too). delta_rule: the rank-1 class, whose keys enter the
-    transition (PHASE 2 keeps them where the forward zeroed them in that block)."""
+    the fused walk gives: there the block zeroes the key too). delta_rule: the rank-1 class, whose keys enter the
+    transition (the tiles kernel keeps them where the forward zeroed them in that block)."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "CHUNK_TILE", 16)
     op = mixc.load(name)

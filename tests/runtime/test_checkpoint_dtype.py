@@ -1,4 +1,4 @@
-"""The chunked forward's checkpoints (the states at chunk starts that PHASE 2 and the backward
+"""The chunked forward's checkpoints (the states at chunk starts that the output kernel and the backward
 read) are stored in the inputs' dtype where that is bf16 or fp16, as fla stores its h (issue 16
 item 3: half the checkpoint bytes); fp32 inputs keep fp32, MIXC_FP32_CHECKPOINTS=1 (or
 launch.FP32_CHECKPOINTS) keeps fp32 for everyone, the registered op's fake says the same dtype
@@ -14,7 +14,7 @@ from mixc.runtime.inputs import random_args
 
 
 def test_backward_state_gradients_take_the_checkpoint_dtype(monkeypatch):
-    """PHASE 1 of the two-launch backward hands dL/dS at each chunk's end to PHASE 2 in the
+    """The walk of the two-launch backward hands dL/dS at each chunk's end to the tiles kernel in the
     checkpoints' dtype (bf16 here), and in fp32 under FP32_CHECKPOINTS."""
     op = mixc.load("simple_gla")
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
@@ -26,7 +26,7 @@ def test_backward_state_gradients_take_the_checkpoint_dtype(monkeypatch):
     def spy(self, bound, form, per_state, *a, **kw):
         def watch(s, *rest):
             bufs = per_state(s, *rest)
-            seen.append((kw["launch"]["phase"], bufs["dh"].dtype))
+            seen.append((kw["launch"]["stage"], bufs["dh"].dtype))
             return bufs
         return real(self, bound, form, watch, *a, **kw)
     monkeypatch.setattr(Launcher, "backward", spy)
@@ -35,7 +35,7 @@ def test_backward_state_gradients_take_the_checkpoint_dtype(monkeypatch):
         seen.clear()
         out, _ = op(**args, mode="chunk", chunk=16)
         out.float().square().sum().backward()
-        assert seen == [(1, want), (2, want)], (fp32, seen)
+        assert seen == [("walk", want), ("tiles", want)], (fp32, seen)
 
 
 def _call(op, args, f, C=16):
@@ -89,7 +89,7 @@ def test_stabilizer_m_checkpoint_stays_fp32():
 def test_gradients_through_bf16_checkpoints(name, phases, monkeypatch):
     """bf16 checkpoints against fp32 ones, both against the float64 reference: the extra error
     is the rounding of a state to bf16 (2^-8), well inside what bf16 inputs already cost. In two
-    launches (phases = 2) the backward's dL/dS at chunk ends (PHASE 1 -> PHASE 2) follows the
+    launches (phases = 2) the backward's dL/dS at chunk ends (the walk -> the tiles kernel) follows the
     same rule."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", phases)
     op = mixc.load(name)

@@ -1,14 +1,14 @@
-"""The chunked forward's stages beside PHASE 1 and 2 (docs/kernels.md). The staged intra-chunk
-matrices (plan.layout.intra_matrices, the key-diagonal decay's): in two launches PHASE 4 computes
-each chunk's [C, C] matrix A once and PHASE 2, every tile block, reads it back instead of
-computing it (launch.STAGE_INTRA). A is stored in the dtype PHASE 2's matmul takes it in (bf16
+"""The chunked forward's stages beside the walk and the output kernel (docs/kernels.md). The staged intra-chunk
+matrices (plan.layout.intra_matrices, the key-diagonal decay's): in two launches the intra kernel computes
+each chunk's [C, C] matrix A once and the output kernel, every tile block, reads it back instead of
+computing it (launch.STAGE_INTRA). A is stored in the dtype the output kernel's matmul takes it in (bf16
 inputs: bf16 on a GPU, fp32 under the interpreter, whose bf16 tl.dot is wrong), so the staged
 forward equals the computing one bit for bit: checked with two tile blocks, fp32 and bf16, a
 readout of S_t (gla) and of S_{t-1} (rwkv6), a value that is not finite in one tile block only
 and a key that is not finite; A itself against float64 pairs. Packed sequences:
 test_sparse_checkpoints.py's packed test runs gla too; every chunked spec's two-launch test in
-tests/ops/test_kernels.py runs the staged path. The scalar decay's PHASE 2 tile blocks (32,
-narrower than PHASE 1's) against the float64 reference."""
+tests/ops/test_kernels.py runs the staged path. The scalar decay's output kernel tile blocks (32,
+narrower than the walk's) against the float64 reference."""
 import pytest
 import torch
 
@@ -26,7 +26,7 @@ from kernel_checks import check_against_reference
 def _phases_of_one_call(monkeypatch, call) -> list:
     seen = []
     real = Launcher.forward
-    monkeypatch.setattr(Launcher, "forward", lambda *a, **kw: (seen.append(kw["launch"]["phase"]), real(*a, **kw))[1])
+    monkeypatch.setattr(Launcher, "forward", lambda *a, **kw: (seen.append(kw["launch"]["stage"]), real(*a, **kw))[1])
     out = call()
     monkeypatch.setattr(Launcher, "forward", real)
     return out, seen
@@ -38,7 +38,7 @@ def _phases_of_one_call(monkeypatch, call) -> list:
 def test_staged_forward_equals_the_computing_one(name, dtype, monkeypatch):
     """B1-T60-H1-K8-V32, C = 16, tiles of 16 (two tile blocks), R = 2: outputs and final states
     bit for bit with STAGE_INTRA on (launches 4, 1, 2) and off (1, 2); an inf in one value of
-    tile block 0 (the block PHASE 4's program loads: were its keys zeroed by that value, block
+    tile block 0 (the block the intra kernel's program loads: were its keys zeroed by that value, block
     1's outputs would lose the pairs with that token) and a NaN in one key give the same
     non-finite values and the same finite ones both ways."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
@@ -50,7 +50,7 @@ def test_staged_forward_equals_the_computing_one(name, dtype, monkeypatch):
     st = random_state(op.ir, 1, 1, sizes)
     bad = dict(args)
     bad["v"] = args["v"].clone()
-    bad["v"][0, 20, 0, 5] = float("inf")               # tile block 0 of V only (PHASE 4's block)
+    bad["v"][0, 20, 0, 5] = float("inf")               # tile block 0 of V only (the intra kernel's block)
     bad["k"] = args["k"].clone()
     bad["k"][0, 50, 0, 3] = float("nan")
     for inputs in (args, bad):
@@ -60,7 +60,7 @@ def test_staged_forward_equals_the_computing_one(name, dtype, monkeypatch):
             op._fast.clear()            # launched, not a replay (runtime/fastpath.py)
             (o, final), phases = _phases_of_one_call(
                 monkeypatch, lambda: op(**inputs, initial_state=st, output_final_state=True, mode="chunk", chunk=16))
-            assert phases == ([4, 1, 2] if staged else [1, 2])
+            assert phases == (["intra", "walk", "output"] if staged else ["walk", "output"])
             results[staged] = (o, final)
         (o1, f1), (o2, f2) = results[True], results[False]
         torch.testing.assert_close(o1, o2, rtol=0, atol=0, equal_nan=True)
@@ -74,7 +74,7 @@ def test_staged_forward_equals_the_computing_one(name, dtype, monkeypatch):
 
 
 def test_intra_buffer_holds_each_chunks_matrix_by_token_row(monkeypatch):
-    """What PHASE 4 writes: row t of p_intra is token t's row of its chunk's A (causal: zero
+    """What the intra kernel writes: row t of p_intra is token t's row of its chunk's A (causal: zero
     past the diagonal), each chunk's A equal to the pairs sum_d q_id k_jd exp(b_id - b_jd)
     computed here in float64 from the inputs (gla, B1-T40-H1, C = 16: chunks of 16, 16, 8)."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
@@ -87,7 +87,7 @@ def test_intra_buffer_holds_each_chunks_matrix_by_token_row(monkeypatch):
 
     def spy(*a, **kw):
         r = real(*a, **kw)
-        if kw["launch"]["phase"] == 4:
+        if kw["launch"]["stage"] == "intra":
             kept["A"] = kw["intra"].clone()
         return r
     monkeypatch.setattr(Launcher, "forward", spy)
@@ -106,8 +106,8 @@ def test_intra_buffer_holds_each_chunks_matrix_by_token_row(monkeypatch):
 @pytest.mark.parametrize("name,sizes", [("mamba2", {"N": 4, "P": 48}), ("mlstm", {"K": 4, "V": 48})],
                          ids=["mamba2-N4-P48", "mlstm-K4-V48"])
 def test_output_tile_blocks_differ_from_the_walks(name, sizes, monkeypatch):
-    """The scalar decay's PHASE 2 in tile blocks of 32 (classes/scalar.py output_tile), PHASE 1
-    blocks of 64 (launch.CHUNK_TILE): a tile dim of 48 (one PHASE 1 block, two PHASE 2 blocks,
+    """The scalar decay's output kernel in tile blocks of 32 (classes/scalar.py output_tile), the walk
+    blocks of 64 (launch.CHUNK_TILE): a tile dim of 48 (one walk block, two output blocks,
     the second partial), B1-T40-H2, C = 16, R = 2, against the float64 reference in forward,
     final state and every gradient: mamba2, and mlstm (a stabilizer and a normalizer n[K]
     without the tile dim, whole in every block)."""

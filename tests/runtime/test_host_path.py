@@ -52,7 +52,11 @@ def test_no_file_system_work_hashing_or_ir_walk_after_the_first_call(name, phase
     names = {d.name for d in op.ir.inputs}
     one = {k: (v[:, 0] if k in names else v) for k, v in args.items()}
     mod = cache.load_module(op.plan())
-    for kernel in mod.METADATA["kernels"].values():
+    # every kernel: the recurrent ones by name, the chunked forms' one per stage (<stem>_<stage>)
+    stems = tuple(mod.METADATA["kernels"].values())
+    kernels = [k for k in vars(mod) if k in stems or k.startswith(tuple(f"{s}_" for s in stems))]
+    assert len(kernels) > len(stems)
+    for kernel in kernels:
         monkeypatch.setattr(mod, kernel, _NoLaunch())
 
     def calls():
@@ -299,7 +303,7 @@ def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_repla
         op(**args, cu_seqlens=torch.tensor([1, 2, 6]))
     with pytest.raises(ArgumentError, match="non-decreasing"):
         op(**args, cu_seqlens=torch.tensor([0, 7, 6]))
-    # one offsets tensor changed in place between replays (what they made from it, PHASE 2's
+    # one offsets tensor changed in place between replays (what they made from it, the output kernel's
     # chunk table too, is kept by the checked values): the new values are checked and used
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     cu = torch.tensor([0, 2, 6])
@@ -327,13 +331,13 @@ def test_a_call_with_a_new_look_is_bound_and_packed_offsets_are_checked_on_repla
          "gla-packed-state-recurrent", "simple_gla-packed-state-R2"])
 def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, with_state, dtype, mode, every,
                                                                  monkeypatch):
-    """The chunked forward in two launches (CUDA's: PHASE 1 checkpoints and final states,
-    PHASE 2 the outputs, and gla's PHASE 4 between them, its intra-chunk matrices; forced here
+    """The chunked forward in two launches (CUDA's: the walk writes checkpoints and final states,
+    the output kernel the outputs, and gla's intra kernel before them, its intra-chunk matrices; forced here
     under the interpreter) replays them all: outputs and final
     states bit for bit as bound calls, with and without an initial state and final state, fixed
     length and packed, no launch bound (Launcher.forward unused); mlstm's stabilizer state starts
     at 0 per call; bf16 (its checkpoints in bf16); the packed recurrent forward (one launch) too;
-    a checkpoint every two chunks (the replay's PHASE 2 slot table spans two chunks per slot).
+    a checkpoint every two chunks (the replay's output kernel slot table spans two chunks per slot).
     The replayed output against float64."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", every)
@@ -341,7 +345,7 @@ def test_a_replayed_two_phase_chunked_call_equals_the_bound_call(name, packed, w
     sizes = {d: 4 for d in op.ir.dim_names}
     B, T = (1, 20 if every == 1 else 100) if packed else (2, 20)
     args, _ = random_args(op.ir, B=B, T=T, H=2, sizes=sizes, dtype=dtype, seed=12)
-    # gla stages its intra-chunk matrices: PHASE 4, 1 and 2
+    # gla stages its intra-chunk matrices: the intra kernel, the walk and the output kernel
     launches = 1 if mode == "recurrent" else 3 if op.plan().layout.intra_matrices else 2
     # the second sequence across a chunk boundary (C = 16); with R = 2 lengths 40 and 60, whose
     # slot table (first slots bos // 32 + i: 0, 2) differs from one chunk per slot's (0, 3)
@@ -389,10 +393,10 @@ def test_a_launch_setting_changed_after_a_call_is_not_replayed_past(monkeypatch)
     phases = []
     real = Launcher.forward
     monkeypatch.setattr(Launcher, "forward",
-                        lambda *a, **kw: (phases.append(kw["launch"].get("phase")), real(*a, **kw))[1])
+                        lambda *a, **kw: (phases.append(kw["launch"].get("stage")), real(*a, **kw))[1])
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     o2, _ = op(**args)
-    assert phases == [4, 1, 2]              # gla stages its intra-chunk matrices (PHASE 4, first)
+    assert phases == ["intra", "walk", "output"]     # gla stages its intra-chunk matrices (the intra kernel, first)
     torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
 
 
@@ -411,7 +415,7 @@ def test_replay_checks_offsets_written_without_a_version_bump(how, monkeypatch):
     tensor's _version as it was; replay checked the offsets only on a new _version and launched
     the kernels on [0, 40, 32] (heap corruption, issue 30). It checks their values every call,
     and launches on a copy made from the checked values: a valid change gives the bound call's
-    numbers (PHASE 2's chunk table is made from the new values too)."""
+    numbers (the output kernel's chunk table is made from the new values too)."""
     import numpy as np
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     op = mixc.load("simple_gla")

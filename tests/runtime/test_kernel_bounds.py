@@ -4,7 +4,7 @@ against the launch's tensor arguments). The checker itself first: an access one 
 is caught and named, also where the caller swallows the error (the autotuner did). Then a few
 specs at tiny shapes in their default runs, and retention (the H200 fault, 2026-12-04) at the
 CUDA launch's structure: two launches each way, a checkpoint every 4 chunks, the key dim in
-blocks, PHASE 2 in V blocks of 32 below the walk's 64, bf16 with DOT = 1 (the GPU's matmul
+blocks, the output kernel in V blocks of 32 below the walk's 64, bf16 with DOT = 1 (the GPU's matmul
 inputs). MIXC_BOUNDS_CHECK=1 runs the whole suite so (tests/conftest.py)."""
 import pytest
 import torch
@@ -67,7 +67,7 @@ def test_default_runs_stay_in_bounds(name, mode):
 @pytest.mark.parametrize("phases", [2, 1])
 def test_retention_at_the_cuda_launch_structure_stays_in_bounds(phases, monkeypatch):
     """retention as launched on the H200 at K = V = 128, scaled down: K = V = 64 at C = 16, the
-    walk's V blocks of 64 (CHUNK_TILE) and PHASE 2's of 32 (the scalar decay's output_tile), the
+    walk's V blocks of 64 (CHUNK_TILE) and the output kernel's of 32 (the scalar decay's output_tile), the
     key dim in blocks of 32 (KEY_BLOCK < K), a checkpoint every 4 chunks (CKPT_EVERY, T = 150: a
     partial last span), two sequences, bf16 with the GPU's bf16 matmul code."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", phases)
@@ -84,11 +84,11 @@ def test_retention_at_the_cuda_launch_structure_stays_in_bounds(phases, monkeypa
     real = Launcher.forward
 
     def spy(*a, **kw):
-        seen_phases.append((kw["launch"]["phase"], kw["launch"]["block", "V"], kw["launch"]["ckpt_every"]))
+        seen_phases.append((kw["launch"]["stage"], kw["launch"]["block", "V"], kw["launch"]["ckpt_every"]))
         return real(*a, **kw)
     monkeypatch.setattr(Launcher, "forward", spy)
     with bounds_checked() as seen:
         _fwd_bwd(op, args, mode="chunk", chunk=16)
     assert not seen["errors"], seen["errors"][:1]
-    if phases == 2:             # the structure asked for: PHASE 2 in V blocks of 32 below the walk's 64
-        assert (1, 64, 4) in seen_phases and (2, 32, 4) in seen_phases and (3, 64, 4) in seen_phases
+    if phases == 2:             # the structure asked for: the output kernel in V blocks of 32 below the walk's 64
+        assert ("walk", 64, 4) in seen_phases and ("output", 32, 4) in seen_phases and ("refill", 64, 4) in seen_phases

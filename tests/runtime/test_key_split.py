@@ -1,6 +1,6 @@
-"""The chunked forward's PHASE 4 and PHASE 2 over the key dim's blocks (mixc/codegen/
+"""The chunked forward's intra kernel and the output kernel over the key dim's blocks (mixc/codegen/
 key_split.py): KEY_BLOCK = 16 at a key dim of 40 (three blocks, the last partial), two launches,
-one chunk a program (the interpreter's CKPT_EVERY), so PHASE 2 (and PHASE 4 where staged) run
+one chunk a program (the interpreter's CKPT_EVERY), so the output kernel (and the intra kernel where staged) run
 the loop; the output, final state and every gradient against the float64 reference (mutation:
 one block instead of three fails every spec). And a key
 that is not finite in one block: a block zeroes its keys by its own entries, the output is NaN
@@ -16,13 +16,13 @@ from helpers import random_args, random_state
 from kernel_checks import check_against_reference
 
 # every library spec the pass splits (tests/codegen/test_key_split.py): the key-diagonal decay
-# (staged A: PHASE 4 and 2; rwkv6's prev readout and bonus, s4d, hgrn2), the rank-1 class (a
+# (staged A: the intra and output kernels; rwkv6's prev readout and bonus, s4d, hgrn2), the rank-1 class (a
 # scalar decay, a per-key one: kda, comba, rwkv7), the scalar and prefix-sum classes
 SPECS = ["gla", "rwkv6", "hgrn2", "s4d", "delta_rule", "gated_delta_rule", "kda", "comba", "rwkv7", "simple_gla",
          "retention", "lightning_attn", "mamba2", "mlstm", "linear_transformer", "performer"]
 
 
-# ... and whose backward PHASE 2 also loops over key blocks after its tile loop
+# ... and whose backward tiles kernel also loops over key blocks after its tile loop
 BACKWARD = {"gla", "rwkv6", "hgrn2", "simple_gla", "retention", "lightning_attn", "mamba2"}
 
 
@@ -44,13 +44,13 @@ def _against_float64(name, monkeypatch, *, every: int, cu, grads: bool, seed: in
 @pytest.mark.parametrize("name", SPECS)
 def test_forward_over_key_blocks_matches_float64(name, monkeypatch):
     """One chunk a program (a packed batch for gla). Output and final state; every gradient
-    too where the backward's PHASE 2 loops over key blocks (elsewhere the backward is
-    unchanged and reads the forward's checkpoints from PHASE 1, which has no key loop)."""
+    too where the backward's tiles kernel loops over key blocks (elsewhere the backward is
+    unchanged and reads the forward's checkpoints from the walk, which has no key loop)."""
     _against_float64(name, monkeypatch, every=1, cu=torch.tensor([0, 5, 21, 37]) if name == "gla" else None,
                      grads=name in BACKWARD, seed=31)
 
 
-# ... and whose forward PHASE 2 walking several chunks holds the state in static key blocks
+# ... and whose forward output kernel walking several chunks holds the state in static key blocks
 # (codegen/key_walk.py: the key-diagonal decay's)
 WALK = ["gla", "rwkv6", "hgrn2", "s4d"]
 
@@ -58,7 +58,7 @@ WALK = ["gla", "rwkv6", "hgrn2", "s4d"]
 @pytest.mark.parametrize("name", WALK)
 def test_a_walk_over_static_key_blocks_matches_float64(name, monkeypatch):
     """The key dim 40 in static blocks of 16 (three of the eight copies, the third partial, the
-    rest past K), a checkpoint every two chunks: PHASE 2's first program walks two chunks with
+    rest past K), a checkpoint every two chunks: the output kernel's first program walks two chunks with
     each block's state rows carried (a packed batch for gla: sequences of 3 and 34 tokens).
     Output and final state (mutation: the state not carried from one chunk to the next, or a
     block left out, fails every spec)."""
@@ -116,7 +116,7 @@ def test_a_bad_key_in_one_static_block_makes_the_walk_nan_from_there(monkeypatch
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's inf * 0
 def test_a_bad_key_leaves_the_earlier_gradients_of_a_finite_run(monkeypatch):
-    """gla (whose backward PHASE 2 loops over key blocks too), as above with dO zero from token
+    """gla (whose backward tiles kernel loops over key blocks too), as above with dO zero from token
     21 on (a padded batch): every gradient's rows 0..20 equal those of the finite call, and are
     finite."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)

@@ -1,5 +1,5 @@
 """Host-side tables of the chunked kernels' two-launch form (runtime/launch.py): which
-sequence and chunk each PHASE 2 program (a checkpoint slot) takes."""
+sequence and chunk each output program (a checkpoint slot) takes."""
 import pytest
 import torch
 

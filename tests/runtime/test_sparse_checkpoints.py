@@ -1,9 +1,9 @@
 """The chunked forward's checkpoints at every CKPT_EVERY-th chunk start (launch.checkpoint_every):
-PHASE 1 stores 1/R of the states, PHASE 2 walks each checkpoint's R chunks from it, the backward
-refills the state at every chunk start first (PHASE 3, launch.chunk_states). Checked against the
+the walk stores 1/R of the states, the output kernel walks each checkpoint's R chunks from it, the backward
+refills the state at every chunk start first (the refill, launch.chunk_states). Checked against the
 float64 reference with several checkpoints per sequence, a partial last one (chunks not a
 multiple of R), packed sequences of several lengths (one empty), initial and final states, in one
-launch (PHASE 0 writes the same sparse checkpoints) and two; the checkpoint buffer's size and
+launch (the fused walk writes the same sparse checkpoints) and two; the checkpoint buffer's size and
 the refilled states against a dense forward's, bit for bit; and the policy on a GPU's shapes."""
 import pytest
 import torch
@@ -23,7 +23,7 @@ SPECS = [("simple_gla", {"K": 5, "V": 6}), ("gla", {"K": 5, "V": 6}), ("delta_ru
          ("mlstm", None)]
 
 
-# R = 3 over five chunks: spans of 3 and 2; R = 2: 2, 2 and a last span of one chunk (PHASE 3
+# R = 3 over five chunks: spans of 3 and 2; R = 2: 2, 2 and a last span of one chunk (the refill
 # stores its start and loads nothing); the one-launch walk writes the same sparse checkpoints
 CASES = [(name, sizes, 2, 3) for name, sizes in SPECS] + [(*SPECS[0], 2, 2), (*SPECS[2], 1, 3)]
 
@@ -44,9 +44,9 @@ def test_sparse_checkpoints_match_reference(name, sizes, phases, every, monkeypa
 
 @pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule", "gla"])
 def test_sparse_checkpoints_packed_sequences(name, monkeypatch):
-    """Packed lengths 40, 0, 75, 17, 1 at C = 16, R = 2: the PHASE 2 and 3 programs find their
-    sequence from a table of checkpoint slots (bos_i // 32 + i, ...); gla's PHASE 4 (its staged
-    intra-chunk matrices, tests/runtime/test_forward_stages.py) takes PHASE 2's table and writes
+    """Packed lengths 40, 0, 75, 17, 1 at C = 16, R = 2: the output and refill programs find their
+    sequence from a table of checkpoint slots (bos_i // 32 + i, ...); gla's intra kernel (its staged
+    intra-chunk matrices, tests/runtime/test_forward_stages.py) takes the output kernel's table and writes
     A by token row."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
@@ -61,7 +61,7 @@ def test_sparse_checkpoints_packed_sequences(name, monkeypatch):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["B2-T75", "packed"])
 def test_refilled_states_equal_the_dense_ones(packed, monkeypatch):
-    """PHASE 3 from checkpoints every 3 chunks gives the very states a dense PHASE 1 stores (the
+    """The refill from checkpoints every 3 chunks gives the very states a dense walk stores (the
     same fp32 walk, bit for bit), in a buffer of the dense size; the sparse buffer has
     checkpoint_slots(bound, 3 C) slots."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
@@ -89,7 +89,7 @@ def test_refilled_states_equal_the_dense_ones(packed, monkeypatch):
 
 def test_policy_on_gpu_shapes(monkeypatch):
     """Off the interpreter: CHECKPOINT_TOKENS // C chunks per checkpoint (256 tokens), halved
-    while PHASE 2 would have fewer than MIN_PROGRAMS programs; the registered op's fake
+    while the output kernel would have fewer than MIN_PROGRAMS programs; the registered op's fake
     checkpoints take the same count (torch.compile)."""
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", None)
@@ -128,7 +128,7 @@ def test_a_changed_checkpoint_count_between_forward_and_backward_is_an_error(mon
 
 
 def test_class_policies_the_rank1_checkpoint_per_chunk_and_backward_tiles(monkeypatch):
-    """The rank-1 class asks a checkpoint per 64 tokens (its PHASE 2 walking several chunks
+    """The rank-1 class asks a checkpoint per 64 tokens (its output kernel walking several chunks
     spilled on sm_90: classes/rank1.py checkpoint_tokens), so R = 1 at its C = 64 and 2 at
     C = 32; its backward takes V blocks of 16 (backward_tile), the forward 64; a per-key decay
     (KDA) and the other classes keep the launch's 256 tokens and blocks."""
