@@ -22,6 +22,9 @@ from .rank_r import RankR
 class OuterSum(RankR):
     name = "sum of outer products"
     hardness = 3.5                          # a scalar or per-key decay, M pairs: between key-diag and elementwise
+    # no correction terms amplify a rounded chunk-start state (the rank-r class's reason for
+    # fp32 checkpoints): half checkpoints as the scalar class
+    half_checkpoints = True
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections and u.input_pieces >= 2 and set(u.decay_dims) <= set(u.key_dims)

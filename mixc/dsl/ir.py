@@ -180,7 +180,7 @@ class Option:
 class Shifted:
     """prev(x) of an input x: the previous token's x, zero at each sequence's start. The checker
     lowers it to a derived input `name` (prev_x) that the runtime computes before the kernels
-    (runtime/shift.py: a shift along T within each packed sequence) and that the decode step
+    (standalone/shift.py: a shift along T within each packed sequence) and that the decode step
     carries as an entry of the state (the last token's x)."""
 
     name: str

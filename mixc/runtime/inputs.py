@@ -133,6 +133,7 @@ ROLES = {
     "g": _logdecay, "gk": _logdecay, "gv": _logdecay, "w": _logdecay,
     "beta": _unit, "dt": _positive, "A": _negative,
     ("mamba2", "dt"): _normal,          # mamba2 applies softplus(dt + dt_bias) itself
+    ("mamba3", "dt"): _normal,          # as mamba2
     ("s4d", "log_dt"): _negative,
 }
 
@@ -176,7 +177,7 @@ def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=t
 def random_state(mixer: ir.MixerIR, n, H, sizes, seed=1, dtype=torch.float64, requires_grad=False,
                  device="cpu"):
     """A random initial state {name: [n, H, *state dims]}, with prev_x [n, H, *x's dims] for each
-    prev(x) of an input (the token before the first: runtime/shift.py)."""
+    prev(x) of an input (the token before the first: standalone/shift.py)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     carried = [(s.name, mixer.input(s.source).shape) for s in mixer.shifted]

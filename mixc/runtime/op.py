@@ -44,7 +44,7 @@ from .launch import chunk_size_for
 from .op_doc import call_doc, call_signature
 from ..standalone.binding import clamp_chunk, clamp_ck
 from .signature import ArgumentError, Bound, bind, check_chunking, check_flag_argument, option_values  # noqa: F401
-from .shift import Carry, StepCarry
+from ..standalone.shift import Carry, StepCarry
 from .spec_held import HeldBySpec
 
 MODES = ("auto", "recurrent", "chunk", "conv", "torch", "reference")
@@ -80,7 +80,7 @@ class MixerOp(HeldBySpec):
             return self._call(initial_state=initial_state, output_final_state=output_final_state,
                               cu_seqlens=cu_seqlens, mode=mode, CK=CK, chunk=chunk, cp_group=cp_group, **kwargs)
         # prev(x) of inputs: the derived inputs computed here, the last tokens carried in the state
-        # (runtime/shift.py)
+        # (standalone/shift.py)
         if cp_group is not None:
             raise ArgumentError(f"cp_group: mixer '{self.name}' reads prev() of inputs, whose first token on a rank "
                                 "is the previous rank's last: not supported with context parallelism yet")
@@ -221,7 +221,7 @@ class MixerOp(HeldBySpec):
         if not self.ir.shifted:
             return self._step(state=state, mode=mode, inplace=inplace, state_indices=state_indices, **kwargs)
         # prev(x) of inputs: the state's prev_x is this token's derived input; the new state
-        # carries this token's x (runtime/shift.py)
+        # carries this token's x (standalone/shift.py)
         if not isinstance(inplace, bool):
             raise ArgumentError(f"inplace: expected True or False, got {inplace!r}")
         carry = StepCarry(self.ir, kwargs, state, inplace, state_indices)

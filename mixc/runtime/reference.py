@@ -9,7 +9,7 @@ import torch
 
 from ..dsl import ir
 from ..dsl.functions import FUNCTIONS, torch_callable
-from .shift import Carry, StepCarry
+from ..standalone.shift import Carry, StepCarry
 from .signature import Bound, bind, option_values
 
 # A value is (tensor, dims): tensor shape = lead + sizes of dims, lead = (B, H) or
@@ -120,7 +120,7 @@ def reference(mixer: ir.MixerIR, *, output_final_state: bool = False, dtype=torc
     """Run the spec as a loop over t in `dtype` (float64 by default): returns (o, state).
 
     o is [B, T, H, *output dims]; state is None or a dict {name: [B, H, *state dims]} (with
-    prev_x, x's last token, for each prev(x) of an input: runtime/shift.py)."""
+    prev_x, x's last token, for each prev(x) of an input: standalone/shift.py)."""
     if not mixer.shifted:
         return run_reference(mixer, output_final_state=output_final_state, dtype=dtype, **kwargs)
     carry = Carry(mixer, {k: v for k, v in kwargs.items() if k not in ("initial_state", "cu_seqlens")},

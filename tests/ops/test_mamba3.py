@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import mixc
 from helpers import case_id, random_args, random_state
 
+PARAMS = ("A", "D", "dt_bias")
 MODES = ("reference", "torch", "recurrent", "chunk")
 TOL = {"reference": 1e-12, "torch": 1e-12, "recurrent": 2e-5, "chunk": 2e-5}   # the kernels compute in fp32
 SIZES = {"N": 4, "P": 3}
@@ -131,7 +132,7 @@ def test_mamba3_decode_steps_equal_the_paper_loop(op, mode, inplace):
     state = {k: v.to(dtype).clone() for k, v in s0.items()}
     given = state
     for t in range(T):
-        tok = {k: (v[:, t] if k not in ("A", "D", "dt_bias") else v) for k, v in kw.items()}
+        tok = {k: (v[:, t] if k not in PARAMS else v) for k, v in kw.items()}
         o, state = op.step(**tok, state=state, mode=mode, inplace=inplace)
         close(o, want_o[:, t], TOL["recurrent"] if inplace else TOL[mode], f"{mode}: step {t}'s y")
         if inplace:
@@ -152,7 +153,7 @@ def test_mamba3_decode_into_a_cache_of_slots(op, mode):
     for k, v in s0.items():
         cache[k][idx] = v.float()
     for t in range(T):
-        tok = {k: (v[:, t] if k not in ("A", "D", "dt_bias") else v) for k, v in kw.items()}
+        tok = {k: (v[:, t] if k not in PARAMS else v) for k, v in kw.items()}
         o, _ = op.step(**tok, state=cache, mode=mode, inplace=True, state_indices=idx)
         close(o, want_o[:, t], TOL["recurrent"], f"{mode}: step {t}'s y")
     for k in want_st:
@@ -166,3 +167,36 @@ def test_mamba3_explain_shows_the_split_and_the_carry(op):
     assert "class: sum of outer products" in text and "forms: chunk, recurrent, step" in text
     assert "k_1 = prev_B, v_1 = (1 - lam_t) * delta * alpha * prev_x; k_2 = B, v_2 = lam_t * delta * x" in text
     assert "prev_B[B, T, H, N] = prev(B): B one token back" in text and "state    prev_x[B, H, P]" in text
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_mamba3_compiled_module_shifts_as_the_op(tmp_path, mode):
+    """`mixc compile mamba3 -o DIR`: the module's op computes prev(x) itself (standalone/shift.py)
+    and equals the paper loop with packed sequences; its step carries prev_B, prev_x."""
+    import importlib.util
+    from mixc.cli import main
+    assert main(["compile", "mamba3", "-o", str(tmp_path)]) == 0
+    spec = importlib.util.spec_from_file_location(f"_mamba3_{mode}", tmp_path / "mamba3.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    op = mixc.load("mamba3")
+    lengths = [7, 0, 18]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    kw, sizes = _args(op, 1, int(cu[-1]), 2, seed=11)
+    s0 = random_state(op.ir, len(lengths), 2, sizes, seed=12)
+    o, st = mod.op(**kw, initial_state=s0, cu_seqlens=cu, output_final_state=True, mode=mode)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        part = {k: (v[:, a:b] if k not in PARAMS else v) for k, v in kw.items()}
+        want_o, want_st = paper_loop(part, {k: v[i:i + 1] for k, v in s0.items()})
+        close(o[:, a:b], want_o, TOL["recurrent"], f"compiled {mode}: sequence {i}'s y")
+        for k in want_st:
+            close(st[k][i:i + 1], want_st[k], TOL["recurrent"], f"compiled {mode}: sequence {i}'s final {k}")
+    def seq(a, b):
+        return {k: (v[:, a:b] if k not in PARAMS else v) for k, v in kw.items()}
+    init = {k: v[2:3] for k, v in s0.items()}
+    _, carried = mod.op(**seq(7, 24), initial_state=init, output_final_state=True, mode=mode)
+    o1, s1 = mod.step(**{k: (v[:, 0] if k not in PARAMS else v) for k, v in seq(24, 25).items()}, state=carried)
+    want_o, want_st = paper_loop(seq(7, 25), init)
+    close(o1, want_o[:, -1], TOL["recurrent"], "compiled step's y")
+    for k in want_st:
+        close(s1[k], want_st[k], TOL["recurrent"], f"compiled step's {k}")

@@ -12,13 +12,18 @@ backend, the reference) reads an ordinary input. This module computes it before 
         prev_x = state["prev_x"] (0 where the state lacks it); new state["prev_x"] = this x
 
 The shift is torch ops (a cat and a where), so autograd carries the gradient of prev_x back to
-x (the reverse shift) and to initial_state["prev_x"]; nothing reads the offsets on the host. The
-carried entry keeps x's dtype and heads: [B or N, H_x, *x's dims]."""
+x (the reverse shift) and to initial_state["prev_x"]; nothing reads the offsets on the host.
+Torch only (this package's rule): mixc.load's op (runtime/op.py) and a compiled module
+(support.py) shift with the same code; `mixer` is a MixerIR or a compiled module's Signature
+(binding.py), each with .shifted (name, source) and .inputs. The
+carried entry has x's heads, [B or N, H_x, *x's dims], and the dtype of the states it comes
+with (float32 from the kernels and the torch backend, float64 from the reference and float64
+inputs; an in-place step's buffer keeps its own)."""
 from __future__ import annotations
 
 import torch
 
-from .signature import ArgumentError
+from .errors import ArgumentError
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -120,8 +125,9 @@ class Carry:
         if st is None:
             return None
         st = dict(st)
+        dtype = next(iter(st.values())).dtype if st else None
         for name, x in self.sources.items():
-            st[name] = last(x, self.cu, self.firsts[name])
+            st[name] = last(x, self.cu, self.firsts[name]).to(dtype)
         return st
 
 
@@ -168,6 +174,7 @@ class StepCarry:
                         buf.index_copy_(0, self.idx.to(device=buf.device, dtype=torch.long), x.to(buf.dtype))
             return self.given
         st = dict(st)
+        dtype = next(iter(st.values())).dtype if st else None
         for name, x in self.sources.items():
-            st[name] = x.clone()
+            st[name] = x.to(dtype, copy=True)
         return st
