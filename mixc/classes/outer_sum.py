@@ -84,9 +84,13 @@ class OuterSum(RankR):
         b0 = bl.exp().unsqueeze(-1) if st["decay"] != "scalar" else bl.exp()[..., None, None]
         return b0 * S + torch.einsum("bshmk,bshmv->bhkv", K * w, V)
 
-    # ---- context parallel: a diagonal decay's shard map is the product of the decays ----
+    # ---- context parallel (runtime/context_parallel.py): no projection terms, so a shard's map
+    # is its decays' product, exp(the sum of g over the shard), [n, H] or [n, H, KF] ----
     def cp_transition(self, st, pc, name, n, H):
-        return RankR.cp_transition(self, st, pc, name, n, H)
+        return pc["g"][name].sum(1).exp()
+
+    def cp_apply(self, st, phi, S):
+        return phi[:, :, None, None] * S if phi.dim() == 2 else phi.unsqueeze(-1) * S
 
 
 UNIT = OuterSum()

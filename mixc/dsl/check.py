@@ -601,10 +601,10 @@ class _ExprChecker:
         if len(n.args) != 1 or not isinstance(n.args[0], NameNode):
             raise self.err("prev() takes the name of a state or an input, e.g. prev(S) or prev(x)", n.span)
         name, at = n.args[0].name, n.args[0].span
-        if self.ctx == "option":
-            raise self.err(f"an option's default may use only numbers, dims and earlier options, not prev({name})",
-                           n.span)
         if name in self.c.inputs:
+            if self.ctx == "option":
+                raise self.err(f"an option's default may use only numbers, dims and earlier options, not "
+                               f"prev({name})", n.span)
             return self.c.shift(name, n.span)
         if name not in self.c.states:
             c = self.c
