@@ -80,10 +80,10 @@ class MixerOp(HeldBySpec):
             return self._call(initial_state=initial_state, output_final_state=output_final_state,
                               cu_seqlens=cu_seqlens, mode=mode, CK=CK, chunk=chunk, cp_group=cp_group, **kwargs)
         # prev(x) of inputs: the derived inputs computed here, the last tokens carried in the state
-        # (standalone/shift.py)
+        # (standalone/shift.py); with cp_group by cp_call, which brings the previous rank's last x
         if cp_group is not None:
-            raise ArgumentError(f"cp_group: mixer '{self.name}' reads prev() of inputs, whose first token on a rank "
-                                "is the previous rank's last: not supported with context parallelism yet")
+            return self._call(initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens, mode=mode, CK=CK, chunk=chunk, cp_group=cp_group, **kwargs)
         carry = Carry(self.ir, kwargs, initial_state, cu_seqlens)
         o, st = self._call(initial_state=carry.state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                            mode=mode, CK=CK, chunk=chunk, **carry.kwargs)
@@ -98,7 +98,7 @@ class MixerOp(HeldBySpec):
             from .context_parallel import cp_call
             return cp_call(self, cp_group, kwargs=kwargs, initial_state=initial_state,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                           call=lambda **local: self(**kwargs, mode=mode, CK=CK, chunk=chunk, **local))
+                           call=lambda **local: self._call(**kwargs, mode=mode, CK=CK, chunk=chunk, **local))
         check_chunking(mode, CK, chunk)          # as a compiled module's (standalone/binding.py)
         key = None
         if ((cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)) and type(mode) is str and type(CK) is int

@@ -19,9 +19,7 @@ def chunked_library_specs() -> list[str]:
     per-key decay, the stabilized mLSTM, the rank-r DeltaProduct)."""
     import mixc
     from mixc.dsl import library_names
-    # less the specs with prev() of inputs (mamba3), which cp_group refuses for now (below)
-    return [n for n in library_names("recurrent") if mixc.load(n).plan().layout.torch_chunked
-            and not mixc.load(n).ir.shifted]
+    return [n for n in library_names("recurrent") if mixc.load(n).plan().layout.torch_chunked]
 
 
 TORCH_CASES = [dict(name=n, mode="torch", dtype=torch.float64, T=23, sizes=SIZES) for n in chunked_library_specs()]
@@ -33,7 +31,7 @@ def spawn(world: int, cases: list, tmp_path) -> None:
 
 def test_every_chunked_library_spec_is_covered():
     assert len(TORCH_CASES) >= 18 and {"gla", "delta_rule", "rwkv7", "mamba", "hgrn", "mlstm",
-                                       "gated_delta_product"} <= {c["name"] for c in TORCH_CASES}
+                                       "gated_delta_product", "mamba3"} <= {c["name"] for c in TORCH_CASES}
 
 
 # 4 ranks behind -m slow (15 s); 3 uneven ranks run by default below
@@ -46,14 +44,14 @@ def test_context_parallel_uneven_shards_and_packed_sequences(tmp_path):
     # 3 ranks of 9, 2 and 13 tokens; sequences of 4, 12 (crossing all three ranks), 0 and 8
     cu = [0, 4, 16, 16, 24]
     cases = [dict(name=n, mode="torch", dtype=torch.float64, T=24, sizes=SIZES, cu_seqlens=cu, lengths=[9, 2, 13])
-             for n in ("gla", "gated_delta_rule", "mamba", "gated_delta_product")]
+             for n in ("gla", "gated_delta_rule", "mamba", "gated_delta_product", "mamba3")]
     spawn(3, cases, tmp_path)
 
 
 @pytest.mark.slow     # 13 s; the CP logic runs for every chunked spec through the torch backend above
 def test_context_parallel_through_the_interpreted_kernels(tmp_path):
     cases = [dict(name=n, mode=mode, dtype=torch.float32, T=20, sizes={"K": 4, "V": 4}, tol=1e-4)
-             for n, mode in (("simple_gla", "chunk"), ("delta_rule", "chunk"))]
+             for n, mode in (("simple_gla", "chunk"), ("delta_rule", "chunk"), ("mamba3", "chunk"))]
     spawn(2, cases, tmp_path)
 
 
@@ -99,14 +97,3 @@ def test_context_parallel_keeps_float64(tmp_path):
                   cu_seqlens=[0, 4, 16, 16, 24])]
     spawn(2, cases, tmp_path)
 
-
-def test_cp_group_refused_with_prev_of_inputs():
-    """prev(x) of an input at a shard's first token is the previous rank's last x: not carried
-    between ranks yet, so the op says so before any collective."""
-    import mixc
-    from mixc.runtime.inputs import random_args
-    from mixc.runtime.signature import ArgumentError
-    op = mixc.load("mamba3")
-    kw, _ = random_args(op.ir, B=1, T=4, H=1, sizes={"N": 3, "P": 2})
-    with pytest.raises(ArgumentError, match="cp_group: mixer 'mamba3' reads prev\\(\\) of inputs"):
-        op(**kw, cp_group=object())
