@@ -42,8 +42,10 @@ class OuterSum(RankR):
                 "only exponents b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
 
     def chunk_size(self, st) -> int:
-        # M key/value pairs [C, KF], [C, VF] live with the [C, C] pair weights: rank-1's 32
-        return 32
+        # M key/value pairs [C, KF], [C, VF] live with the [C, C] pair weights: mamba3 (M = 2) at
+        # N = P = 64 compiled for sm_90 spills 360 B in its backward's PHASE 2 at C = 32 (255
+        # registers), none at C = 16 (248); the rank-r class's 16
+        return 16
 
     # ---- kernel stages: rank_r.j2 with no terms (no solve) ----
     def chunk_setup(self, code, st, parts) -> list[str]:

@@ -503,3 +503,19 @@ def test_a_huge_spec_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("the file was read"))
     with pytest.raises(mixc.SpecError, match=r"too long \(209715200 bytes; the limit is 100000 characters\)"):
         read_spec(path)
+
+
+def test_prev_of_an_input_is_a_derived_input_and_round_trips():
+    """prev(x) of an input: a derived input prev_x the op computes (MixerIR.shifted), not one a
+    caller passes; the checked spec prints it as prev(x) and parses back to the same IR."""
+    from mixc.dsl.unparse import spec_text
+    m = mixc.parse(HEAD.replace("v[V]", "v[V], lam[] in (0, 1)") + "  let    a = sigmoid(sum(prev(q), K))\n"
+                   "  update S = S + a * prev(k) * prev(v) + k * v\n" + "  output o = q @ S + lam * prev(lam) * v\n",
+                   "prev.mix")
+    assert [(s.name, s.source) for s in m.shifted] == [("prev_q", "q"), ("prev_k", "k"), ("prev_v", "v"),
+                                                       ("prev_lam", "lam")]
+    assert [d.name for d in m.given_inputs] == ["q", "k", "v", "lam"]
+    assert m.input("prev_lam").range.text() == "[0, 1)"          # (0, 1) widened to take the 0 of a start
+    text = spec_text(m)
+    assert "prev_" not in text and "prev(k) * prev(v)" in text
+    assert mixc.parse(text, "again.mix") == m
