@@ -29,7 +29,7 @@ def op():
     return mixc.load("mamba3")
 
 
-def paper_loop(a: dict, s0: dict | None):
+def paper_loop(a: dict, s0: dict | None, softplus: bool = True):
     """The trapezoidal recurrence token by token in float64. a: inputs [b, t, h, *] and params
     [h]; s0: {"h": [b, h, n, p], "prev_B": [b, h, n], "prev_x": [b, h, p]} or None."""
     x, dt, Bm, Cm, lam = a["x"], a["dt"], a["B"], a["C"], a["lam"]
@@ -41,7 +41,7 @@ def paper_loop(a: dict, s0: dict | None):
     xp = s0["prev_x"] if s0 is not None else x.new_zeros(b, H, P)
     ys = []
     for t in range(T):
-        delta = F.softplus(dt[:, t] + dt_bias)                       # [b, h]
+        delta = F.softplus(dt[:, t] + dt_bias) if softplus else dt[:, t] + dt_bias     # [b, h]
         alpha = torch.exp(delta * A)
         lmb = torch.sigmoid(lam[:, t])
         beta, gamma = (1 - lmb) * delta * alpha, lmb * delta
@@ -107,6 +107,20 @@ def test_mamba3_equals_the_paper_loop(op, mode, with_state):
         close(got_st[k], want_st[k], tol, f"{mode}: final {k}")
     for k in want_g:
         close(got_g[k], want_g[k], tol * 10, f"{mode}: d{k}")
+
+
+@pytest.mark.parametrize("mode", ["reference", "torch", "chunk"])
+def test_mamba3_without_the_softplus(op, mode):
+    """dt_softplus=false: delta = dt + dt_bias as given (an activated step size)."""
+    kw, sizes = _args(op, 2, 21, 2, seed=13)
+    kw["dt"] = F.softplus(kw["dt"])
+    kw["dt_bias"] = torch.zeros_like(kw["dt_bias"])
+    s0 = random_state(op.ir, 2, 2, sizes, seed=14)
+    want_o, want_st = paper_loop(kw, s0, softplus=False)
+    o, st = op(**kw, initial_state=s0, output_final_state=True, mode=mode, dt_softplus=False, **CHUNKS.get(mode, {}))
+    close(o, want_o, TOL[mode], f"{mode}: y")
+    for k in want_st:
+        close(st[k], want_st[k], TOL[mode], f"{mode}: final {k}")
 
 
 @pytest.mark.parametrize("mode", MODES)
