@@ -13,6 +13,7 @@ from .functions import FUNCTIONS
 from .errors import SpecError, Span, did_you_mean
 from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
                      Node, NumNode, SpecTree, Statement, UnaryNode)
+from .prev_check import PrevChecks
 from .range_check import RangeChecks
 from .sequence_check import SEQUENCE_FNS, SequenceChecks
 
@@ -20,8 +21,6 @@ ELEMENTWISE_FNS = {name: f.arity for name, f in FUNCTIONS.items()}     # the reg
 REDUCE_FNS = ("sum", "norm")          # always reduce: fn(x, D, ...)
 MINMAX_FNS = ("max", "min")           # fn(a, b) elementwise, or fn(x, D, ...) a reduction
 SPECIAL_FNS = ("prev", "rename")
-# prev(x) of an input x: the derived input the kernels read and the entry the state carries
-PREV_INPUT = "prev_{}"
 BUILTIN_FNS = tuple(ELEMENTWISE_FNS) + REDUCE_FNS + MINMAX_FNS + SPECIAL_FNS + SEQUENCE_FNS
 BUILTIN_NAMES = ("head",)             # the head index, a scalar
 
@@ -123,7 +122,7 @@ class Checker:
         self.option_defaults: dict[str, float] = {}             # number options whose default is a constant
         self.seq = SequenceChecks(self)                         # conv, mix, attend (sequence_check.py)
         self.ranges = RangeChecks(self)                         # `input beta[] in (0, 2)` (range_check.py)
-        self.shifted: dict[str, tuple[ir.Shifted, ir.TensorDecl]] = {}   # prev(x) of inputs, by derived name
+        self.prev = PrevChecks(self)                            # prev(S), prev(x) of inputs (prev_check.py)
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
@@ -183,7 +182,7 @@ class Checker:
                              "imports wherever DIR is on sys.path; choose another name", mixer.span)
         for st in tree.statements:
             getattr(self, f"stmt_{st.kind}")(st)
-        self.check_shifted()
+        self.prev.check_shifted()
         self.check_kernel_arguments()
         self.seq.check_mixer_kind()
         if not self.states and not self.seq.ops:
@@ -197,43 +196,17 @@ class Checker:
         self.check_dims_bound()
         return ir.MixerIR(
             name=mixer.name, dims=tuple(self.dims.values()),
-            inputs=tuple(self.inputs.values()) + tuple(d for _, d in self.shifted.values()),
+            inputs=tuple(self.inputs.values()) + self.prev.derived_inputs(),
             params=tuple(self.params.values()), options=tuple(self.options.values()),
             lets=tuple(self.lets.values()), states=tuple(self.states.values()),
             updates=tuple(self.updates[s] for s in self.states), output=self.output,
-            source=self.source, shifted=tuple(sh for sh, _ in self.shifted.values()))
-
-    def shift(self, name: str, span: Span) -> ir.Ref:
-        """prev(x) of input x: a Ref to the derived input prev_x (ir.Shifted), declared on first use.
-        Its declared range is x's widened to take the 0 of a sequence's start."""
-        x = self.inputs[name]
-        derived = PREV_INPUT.format(name)
-        if derived not in self.shifted:
-            r = x.range
-            if r is not None and not r.contains(0.0):
-                r = ir.ValueRange(min(r.lower, 0.0), max(r.upper, 0.0), r.lower_closed or r.lower >= 0,
-                                  r.upper_closed or r.upper <= 0)
-            self.shifted[derived] = (ir.Shifted(derived, name, span), ir.TensorDecl(derived, x.shape, span, r))
-        return ir.Ref(x.shape, span, derived, "input")
-
-    def check_shifted(self) -> None:
-        """prev(x) of inputs needs a recurrence, and its derived name (prev_x: the kernels' input,
-        the state's entry) must be free."""
-        for derived, (sh, _) in self.shifted.items():
-            if not self.states:
-                raise self.error(f"prev({sh.source}) needs a state: a sequence mixer (conv, mix, attend) reads other "
-                                 f"tokens with conv(), e.g. conv(h, {sh.source}) with a two-tap filter", sh.span)
-            if derived in self.declared_at:
-                at, what = self.declared_at[derived]
-                raise self.error(f"prev({sh.source}) is carried as '{derived}' (an input of the kernels, an entry of "
-                                 f"the state), but '{derived}' is declared as {_a(what)} on line {at.line}; "
-                                 "rename that", sh.span)
+            source=self.source, shifted=self.prev.shifted_inputs())
 
     def check_kernel_arguments(self) -> None:
         """No two kernel arguments of generated code get the same name (see KERNEL_ARGUMENTS)."""
         decls = [(d.span, kind, d.name) for kind, table in (("input", self.inputs), ("param", self.params),
                                                              ("state", self.states)) for d in table.values()]
-        decls += [(d.span, "input", d.name) for _, d in self.shifted.values()]
+        decls += [(d.span, "input", d.name) for d in self.prev.derived_inputs()]
         taken = dict(FIXED_KERNEL_ARGUMENTS)
         for span, kind, name in sorted(decls, key=lambda x: (x[0].line, x[0].column)):
             for prefix, what in KERNEL_ARGUMENTS[kind]:
@@ -595,34 +568,7 @@ class _ExprChecker:
                        ("functions: " + ", ".join(sorted(known)),))
 
     def call_prev(self, n: CallNode) -> ir.Expr:
-        if len(n.args) == 1 and isinstance(n.args[0], CallNode) and n.args[0].fn == "prev":
-            raise self.err("prev(prev(...)): only the previous token is kept; prev() takes a state or an input by "
-                           "name (for a value two tokens back, declare it as an input the caller shifts)", n.span)
-        if len(n.args) != 1 or not isinstance(n.args[0], NameNode):
-            raise self.err("prev() takes the name of a state or an input, e.g. prev(S) or prev(x)", n.span)
-        name, at = n.args[0].name, n.args[0].span
-        if name in self.c.inputs:
-            if self.ctx == "option":
-                raise self.err(f"an option's default may use only numbers, dims and earlier options, not "
-                               f"prev({name})", n.span)
-            return self.c.shift(name, n.span)
-        if name not in self.c.states:
-            c = self.c
-            if name in c.params:
-                raise self.err(f"prev() of param '{name}': a param has the same value at every token (prev({name}) "
-                               f"would be {name}); prev() takes a state or an input", at)
-            if name in c.lets:
-                raise self.err(f"prev() of let '{name}': write the let's previous value with prev() of the inputs "
-                               f"it reads (prev(x) of an input is the previous token's x, 0 at a sequence's start)",
-                               at)
-            raise self.err(f"prev() takes a state or an input, but '{name}' is not one"
-                           f"{did_you_mean(name, [*c.states, *c.inputs])}", at)
-        if self.ctx not in ("update", "output"):
-            raise self.err(f"prev({name}) may only appear in an update or the output", n.span)
-        if self.ctx == "update" and name != self.state:
-            raise self.err(f"the update of {self.state} reads state '{name}'; an update may only read "
-                           "its own state", n.args[0].span)
-        return ir.Prev(self.c.states[name].shape, n.span, name)
+        return self.c.prev.call(self, n)
 
     def call_rename(self, n: CallNode) -> ir.Expr:
         if len(n.args) < 2 or not all(isinstance(a, DimMapNode) for a in n.args[1:]):

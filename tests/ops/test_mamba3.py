@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import mixc
-from helpers import case_id, random_args, random_state
+from helpers import random_args, random_state
 
 PARAMS = ("A", "D", "dt_bias")
 MODES = ("reference", "torch", "recurrent", "chunk")
