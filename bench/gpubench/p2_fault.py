@@ -54,7 +54,7 @@ def one(spec: str, variant: str, B: int, T: int, H: int, D: int) -> str:
     dev = "cuda" if cuda else "cpu"
     gen = torch.Generator(device=dev).manual_seed(0)
     kw = {d.name: torch.randn((B, T, H) + (D,) * len(d.shape), generator=gen, device=dev).to(dtype).requires_grad_()
-          for d in op.ir.inputs}
+          for d in op.ir.given_inputs}
     if "g" in kw:                                          # a log decay: negative
         kw["g"] = (-torch.rand((B, T, H), generator=gen, device=dev) * 0.1).to(dtype).requires_grad_()
     o, _ = op(**kw, mode="chunk", chunk=64)

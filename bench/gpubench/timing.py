@@ -55,7 +55,7 @@ def make_inputs(spec: str, B: int, T: int, H: int, D: int, device: str, dtype, s
     gen = torch.Generator(device=device).manual_seed(seed)
     kw = {}
     with torch.device(device):
-        for decl, lead in [(d, (B, T, H)) for d in op.ir.inputs] + [(d, (H,)) for d in op.ir.params]:
+        for decl, lead in [(d, (B, T, H)) for d in op.ir.given_inputs] + [(d, (H,)) for d in op.ir.params]:
             shape = lead + tuple(sizes[x] for x in decl.shape)
             fn = ROLES.get((spec, decl.name)) or ROLES.get(decl.name) or _normal
             kw[decl.name] = fn(shape, gen, torch.float32).to(dtype)

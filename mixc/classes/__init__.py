@@ -5,7 +5,7 @@ CLASSES is also the order in which the units are asked to claim an update: the f
 claims it is its class (a rank-r class would go before `general`)."""
 from __future__ import annotations
 
-from . import elementwise, general, key_diag, prefix_sum, rank1, rank_r, scalar, value_column, value_diag
+from . import elementwise, general, key_diag, outer_sum, prefix_sum, rank1, rank_r, scalar, value_column, value_diag
 from .base import Projection, TransitionClass, UpdateShape
 
 CLASSES: tuple[TransitionClass, ...] = (
@@ -13,6 +13,7 @@ CLASSES: tuple[TransitionClass, ...] = (
     rank_r.UNIT,            # r >= 2 projections over the key dims (DeltaProduct)
     value_column.UNIT,      # one projection whose left or decay varies per value column (Longhorn)
     general.UNIT,           # any other update with projection terms
+    outer_sum.UNIT,         # no projection, B_t a sum of >= 2 outer products (Mamba-3's trapezoid)
     prefix_sum.UNIT,
     scalar.UNIT,
     key_diag.UNIT,

@@ -43,6 +43,9 @@ class UpdateShape:
     decay_is_one: bool                     # the diagonal part is the identity
     decay_dims: tuple[str, ...]            # the dims its diagonal decay varies over
     projections: tuple[Projection, ...]
+    # the outer products key (x) value the input term is a sum of, where it is a sum of two or
+    # more (derive/plan.py _outer_terms); 0 otherwise
+    input_pieces: int = 0
 
 
 class TransitionClass:

@@ -50,6 +50,8 @@ def metadata(plan: Plan) -> dict:
         "class": plan.transition,
         "dims": list(m.dim_names),
         "inputs": {d.name: list(d.shape) for d in m.inputs},
+        # prev(x) of inputs: derived input -> the input it shifts (standalone/shift.py computes it)
+        "shifted": {s.name: s.source for s in m.shifted},
         "params": {d.name: list(d.shape) for d in m.params},
         "options": [o.name for o in m.options if o.kind == "float"],
         "states": {s.name: list(s.shape) for s in m.states},

@@ -63,6 +63,8 @@ def torch_hooks(plan: Plan) -> dict:
         if unit.term_axes:      # r terms l_i (r_i @ S) and B_t = sum_m k_m v_m^T: axis 3 (mixc/classes/rank_r.py)
             for part, pairs, i, dims in (("K", p.inputs, 0, kd), ("V", p.inputs, 1, vd),
                                          ("L", p.terms, 0, kd), ("R", p.terms, 1, kd)):
+                if not pairs:       # the outer-sum class: no projection terms (mixc/classes/outer_sum.py)
+                    continue
                 rows = ",\n".join(f"{I1}    {full(pair[i], dims)}" for pair in pairs)
                 out.append(f"{I1}_{part}[{st.name!r}] = torch.stack([\n{rows}], 3)")
         else:

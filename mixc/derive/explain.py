@@ -126,12 +126,18 @@ def _explain(plan: P.Plan) -> str:
     for kind, decls in (("input", m.inputs), ("param", m.params)):
         for d in decls:
             promised = f" in {d.range.text()}" if d.range is not None else ""
-            out.append(f"  {kind:8} {d.name}[{_lead(kind)}{''.join(', ' + x for x in d.shape)}]{promised}")
+            sh = m.shift_of(d.name) if kind == "input" else None
+            carried = (f" = prev({sh.source}): {sh.source} one token back (0 at a sequence's start), computed by the "
+                       f"op; the state carries {sh.source}'s last token as '{d.name}'") if sh is not None else ""
+            out.append(f"  {kind:8} {d.name}[{_lead(kind)}{''.join(', ' + x for x in d.shape)}]{promised}{carried}")
     for o in m.options:
         default = str(o.default).lower() if o.kind == "bool" else expr_text(o.default)
         out.append(f"  option   {o.name} = {default}")
     for st in m.states:
         out.append(f"  state    {st.name}[B, H{''.join(', ' + x for x in st.shape)}]")
+    for sh in m.shifted:
+        out.append(f"  state    {sh.name}[B, H{''.join(', ' + x for x in m.input(sh.source).shape)}]"
+                   f"  ({sh.source} at the last token: prev({sh.source}) of the next)")
     out.append(f"  output   {m.output.name}[B, T, H{''.join(', ' + x for x in m.output.expr.shape)}]")
     if plan.lets:
         out.append("")

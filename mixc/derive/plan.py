@@ -392,9 +392,13 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     if decay == 0 and not proj:
         raise SpecError(f"the update of {upd.state} multiplies the state by 0", spec.source, upd.expr.span)
 
+    const = form.const if form.const is not None else affine.num(0)
+    key, value = _key_value(const, kdims, vdims)
+    pieces = _outer_terms(const, kdims, vdims) if key is None else ()
     shape = classes.UpdateShape(
         decl.shape, kdims, vdims, decay == 1, decay_dims,
-        tuple(classes.Projection(t.scale.shape if t.scale is not None else None, t.proj.shape, t.over) for t in proj))
+        tuple(classes.Projection(t.scale.shape if t.scale is not None else None, t.proj.shape, t.over) for t in proj),
+        len(pieces) if len(pieces) >= 2 else 0)
     unit = classes.classify(shape)
     transition = unit.name
     gated = unit.keyed_left and decay != 1
@@ -402,15 +406,13 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     log_decay = log_of(decay) if decay != 0 else sp.S.NegativeInfinity
     log_partials = _partials(f"log decay of {upd.state}", log_decay, table) if decay != 0 else ()
 
-    const = form.const if form.const is not None else affine.num(0)
     input_term = conv(const)
-    key, value = _key_value(const, kdims, vdims)
     coefs = [decay] + [r.left for r in rank1] + [r.right for r in rank1]
     ti = _time_invariant(coefs, table)
     forms = ("recurrent", "step")
     parallel = classes.unit(transition).parallel_form
     terms = inputs = ()
-    if unit.term_axes:                  # the rank-r class: its r terms and B_t's m outer products
+    if unit.term_axes:                  # the rank-r and outer-sum classes: r terms, B_t's m outer products
         terms = tuple((t.scale or affine.num(1), t.proj) for t in proj)
         inputs = _outer_terms(const, kdims, vdims)
     if parallel == "chunk" and (key is not None or inputs):

@@ -13,6 +13,7 @@ from .functions import FUNCTIONS
 from .errors import SpecError, Span, did_you_mean
 from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
                      Node, NumNode, SpecTree, Statement, UnaryNode)
+from .prev_check import PrevChecks
 from .range_check import RangeChecks
 from .sequence_check import SEQUENCE_FNS, SequenceChecks
 
@@ -121,6 +122,7 @@ class Checker:
         self.option_defaults: dict[str, float] = {}             # number options whose default is a constant
         self.seq = SequenceChecks(self)                         # conv, mix, attend (sequence_check.py)
         self.ranges = RangeChecks(self)                         # `input beta[] in (0, 2)` (range_check.py)
+        self.prev = PrevChecks(self)                            # prev(S), prev(x) of inputs (prev_check.py)
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
@@ -180,6 +182,7 @@ class Checker:
                              "imports wherever DIR is on sys.path; choose another name", mixer.span)
         for st in tree.statements:
             getattr(self, f"stmt_{st.kind}")(st)
+        self.prev.check_shifted()
         self.check_kernel_arguments()
         self.seq.check_mixer_kind()
         if not self.states and not self.seq.ops:
@@ -192,16 +195,18 @@ class Checker:
             raise self.error(f"mixer '{mixer.name}' has no output; add `output o = ...`", mixer.span)
         self.check_dims_bound()
         return ir.MixerIR(
-            name=mixer.name, dims=tuple(self.dims.values()), inputs=tuple(self.inputs.values()),
+            name=mixer.name, dims=tuple(self.dims.values()),
+            inputs=tuple(self.inputs.values()) + self.prev.derived_inputs(),
             params=tuple(self.params.values()), options=tuple(self.options.values()),
             lets=tuple(self.lets.values()), states=tuple(self.states.values()),
             updates=tuple(self.updates[s] for s in self.states), output=self.output,
-            source=self.source)
+            source=self.source, shifted=self.prev.shifted_inputs())
 
     def check_kernel_arguments(self) -> None:
         """No two kernel arguments of generated code get the same name (see KERNEL_ARGUMENTS)."""
         decls = [(d.span, kind, d.name) for kind, table in (("input", self.inputs), ("param", self.params),
                                                              ("state", self.states)) for d in table.values()]
+        decls += [(d.span, "input", d.name) for d in self.prev.derived_inputs()]
         taken = dict(FIXED_KERNEL_ARGUMENTS)
         for span, kind, name in sorted(decls, key=lambda x: (x[0].line, x[0].column)):
             for prefix, what in KERNEL_ARGUMENTS[kind]:
@@ -563,18 +568,7 @@ class _ExprChecker:
                        ("functions: " + ", ".join(sorted(known)),))
 
     def call_prev(self, n: CallNode) -> ir.Expr:
-        if len(n.args) != 1 or not isinstance(n.args[0], NameNode):
-            raise self.err("prev() takes the name of a state, e.g. prev(S)", n.span)
-        name = n.args[0].name
-        if name not in self.c.states:
-            raise self.err(f"prev() takes a state, but '{name}' is not one{did_you_mean(name, self.c.states)}",
-                           n.args[0].span)
-        if self.ctx not in ("update", "output"):
-            raise self.err(f"prev({name}) may only appear in an update or the output", n.span)
-        if self.ctx == "update" and name != self.state:
-            raise self.err(f"the update of {self.state} reads state '{name}'; an update may only read "
-                           "its own state", n.args[0].span)
-        return ir.Prev(self.c.states[name].shape, n.span, name)
+        return self.c.prev.call(self, n)
 
     def call_rename(self, n: CallNode) -> ir.Expr:
         if len(n.args) < 2 or not all(isinstance(a, DimMapNode) for a in n.args[1:]):

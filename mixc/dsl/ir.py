@@ -177,6 +177,18 @@ class Option:
 
 
 @dataclass(frozen=True)
+class Shifted:
+    """prev(x) of an input x: the previous token's x, zero at each sequence's start. The checker
+    lowers it to a derived input `name` (prev_x) that the runtime computes before the kernels
+    (standalone/shift.py: a shift along T within each packed sequence) and that the decode step
+    carries as an entry of the state (the last token's x)."""
+
+    name: str
+    source: str
+    span: Span | None = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class Let:
     name: str
     expr: Expr
@@ -209,6 +221,8 @@ class MixerIR:
     updates: tuple[Update, ...]          # in the order of `states`
     output: Output
     source: Source = field(compare=False, repr=False)
+    # prev(x) of inputs: derived inputs, the last entries of `inputs` (given_inputs are the caller's)
+    shifted: tuple[Shifted, ...] = ()
 
     @property
     def dim_names(self) -> Shape:
@@ -225,6 +239,16 @@ class MixerIR:
         """The dim whose size `name` shares (itself unless declared `J = K`)."""
         d = self.dim(name)
         return self.root_dim(d.alias_of) if d.alias_of else d.name
+
+    @property
+    def given_inputs(self) -> tuple[TensorDecl, ...]:
+        """The inputs a caller passes: all but the derived prev(x) ones (Shifted)."""
+        derived = {s.name for s in self.shifted}
+        return tuple(x for x in self.inputs if x.name not in derived)
+
+    def shift_of(self, name: str) -> Shifted | None:
+        """The prev(x) that derived input `name` carries, or None for a given input."""
+        return next((s for s in self.shifted if s.name == name), None)
 
     def input(self, name: str) -> TensorDecl:
         return next(x for x in self.inputs if x.name == name)

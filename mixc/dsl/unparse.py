@@ -10,25 +10,27 @@ def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else repr(v)
 
 
-def expr_text(e: ir.Expr) -> str:
-    return _text(e)[0]
+def expr_text(e: ir.Expr, shifted: dict[str, str] | None = None) -> str:
+    """e as spec text; shifted maps a derived input (ir.Shifted: prev_x) to its input, printed as
+    prev(x) as the spec wrote it."""
+    return _text(e, shifted or {})[0]
 
 
-def _text(e: ir.Expr) -> tuple[str, int]:
+def _text(e: ir.Expr, sh: dict[str, str]) -> tuple[str, int]:
     if isinstance(e, ir.Num):
         return (_num(e.value), _PREC["atom"]) if e.value >= 0 else (_num(e.value), _PREC["neg"])
     if isinstance(e, ir.Ref):
-        return e.name, _PREC["atom"]
+        return (f"prev({sh[e.name]})" if e.kind == "input" and e.name in sh else e.name), _PREC["atom"]
     if isinstance(e, ir.Prev):
         return f"prev({e.state})", _PREC["atom"]
     if isinstance(e, ir.Neg):
-        s, p = _text(e.x)
+        s, p = _text(e.x, sh)
         return "-" + (s if p >= _PREC["neg"] else f"({s})"), _PREC["neg"]
     if isinstance(e, (ir.BinOp, ir.Contract)):
         op = "@" if isinstance(e, ir.Contract) else e.op
         prec = _PREC[op]
-        ls, lp = _text(e.left)
-        rs, rp = _text(e.right)
+        ls, lp = _text(e.left, sh)
+        rs, rp = _text(e.right, sh)
         if op == "**":      # right-associative
             left = ls if lp > prec else f"({ls})"
             right = rs if rp >= _PREC["neg"] else f"({rs})"
@@ -37,18 +39,18 @@ def _text(e: ir.Expr) -> tuple[str, int]:
             right = rs if rp > prec else f"({rs})"
         return f"{left} {op} {right}", prec
     if isinstance(e, ir.Call):
-        return f"{e.fn}({', '.join(expr_text(a) for a in e.args)})", _PREC["atom"]
+        return f"{e.fn}({', '.join(_text(a, sh)[0] for a in e.args)})", _PREC["atom"]
     if isinstance(e, ir.Reduce):
-        return f"{e.fn}({expr_text(e.x)}, {', '.join(e.over)})", _PREC["atom"]
+        return f"{e.fn}({_text(e.x, sh)[0]}, {', '.join(e.over)})", _PREC["atom"]
     if isinstance(e, ir.Rename):
         maps = ", ".join(f"{a} -> {b}" for a, b in e.mapping)
-        return f"rename({expr_text(e.x)}, {maps})", _PREC["atom"]
+        return f"rename({_text(e.x, sh)[0]}, {maps})", _PREC["atom"]
     if isinstance(e, ir.Cond):
-        return f"if {e.flag} then {expr_text(e.then)} else {expr_text(e.otherwise)}", _PREC["if"]
+        return f"if {e.flag} then {_text(e.then, sh)[0]} else {_text(e.otherwise, sh)[0]}", _PREC["if"]
     if isinstance(e, ir.SeqOp):
-        args = [expr_text(a) for a in e.args] + ([e.tap] if e.tap is not None else [])
+        args = [_text(a, sh)[0] for a in e.args] + ([e.tap] if e.tap is not None else [])
         if e.window is not None:
-            args.append(f"window={expr_text(e.window)}")
+            args.append(f"window={_text(e.window, sh)[0]}")
         if e.causal is not True:
             args.append(f"causal={str(e.causal).lower() if isinstance(e.causal, bool) else e.causal}")
         return f"{e.kind}({', '.join(args)})", _PREC["atom"]
@@ -73,17 +75,18 @@ def spec_text(m: ir.MixerIR) -> str:
     """The checked spec, one declaration per line, with inferred shapes as comments."""
     out = [f"mixer {m.name}"]
     out.append("  dims   " + ", ".join(dim_text(d) for d in m.dims))
-    for kw, decls in (("input", m.inputs), ("param", m.params)):
+    sh = {x.name: x.source for x in m.shifted}
+    for kw, decls in (("input", m.given_inputs), ("param", m.params)):
         if decls:
             out.append(f"  {kw:6} " + ", ".join(decl_text(d) for d in decls))
     for o in m.options:
         default = str(o.default).lower() if o.kind == "bool" else expr_text(o.default)
         out.append(f"  option {o.name} = {default}")
     for let in m.lets:
-        out.append(f"  let    {let.name} = {expr_text(let.expr)}    # {_shape(let.expr.shape)}")
+        out.append(f"  let    {let.name} = {expr_text(let.expr, sh)}    # {_shape(let.expr.shape)}")
     if m.states:
         out.append("  state  " + ", ".join(s.name + _shape(s.shape) for s in m.states))
     for u in m.updates:
-        out.append(f"  update {u.state} = {expr_text(u.expr)}")
-    out.append(f"  output {m.output.name} = {expr_text(m.output.expr)}    # {_shape(m.output.expr.shape)}")
+        out.append(f"  update {u.state} = {expr_text(u.expr, sh)}")
+    out.append(f"  output {m.output.name} = {expr_text(m.output.expr, sh)}    # {_shape(m.output.expr.shape)}")
     return "\n".join(out)

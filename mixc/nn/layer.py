@@ -68,8 +68,8 @@ class MixerLayer(nn.Module):
 
         # One fused input projection: the conv'ed inputs first (one conv over their channels),
         # then the rest, then the output gate.
-        self.roles = {d.name: input_role(self.spec, d.name) for d in ir.inputs}
-        shapes = {d.name: tuple(self.sizes[n] for n in d.shape) for d in ir.inputs}
+        self.roles = {d.name: input_role(self.spec, d.name) for d in ir.given_inputs}
+        shapes = {d.name: tuple(self.sizes[n] for n in d.shape) for d in ir.given_inputs}
         self.conv_size = conv_size
         conv_names = [n for n in shapes if self.roles[n].conv] if conv_size > 1 else []
         order = conv_names + [n for n in shapes if n not in conv_names]

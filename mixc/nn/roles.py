@@ -177,6 +177,9 @@ INPUT_ROLES: dict = {
     ("mamba2", "dt"): Role(),                 # the spec applies softplus(dt + dt_bias) itself
     ("mamba", "x"): Feature(), ("mamba", "B"): Feature(), ("mamba", "C"): Feature(),
     ("mamba", "dt"): Role(),                  # the spec applies softplus(dt + dt_bias) itself
+    ("mamba3", "x"): Feature(), ("mamba3", "B"): Feature(), ("mamba3", "C"): Feature(),
+    ("mamba3", "dt"): Role(),                 # the spec applies softplus(dt + dt_bias) itself
+    ("mamba3", "lam"): Role(),                # and sigmoid(lam), the trapezoid's weight
     ("hgrn2", "i"): Role(),                   # HGRN2's input (fla: i_proj, no conv)
     ("kda", "g"): MambaGate(per_key=True),    # fla's KDA gate: -exp(A_log) * softplus(x + dt_bias[K])
     ("comba", "p"): Feature(), ("comba", "g"): MambaGate(),
@@ -318,6 +321,8 @@ PARAM_ROLES: dict = {
     "D": Ones(),
     ("mamba2", "A"): NegExpParam("uniform"),
     ("mamba2", "dt_bias"): DtBias(),
+    ("mamba3", "A"): NegExpParam("uniform"),
+    ("mamba3", "dt_bias"): DtBias(),
     ("mamba", "A"): NegExpParam("s4d_real"),
     ("mamba", "dt_bias"): DtBias(),
     ("s4d", "A"): NegExpParam("s4d_real"),
@@ -344,7 +349,7 @@ def param_role(spec: str, name: str) -> ParamRole:
 # ---------------------------------------------------------------- sizes and options
 # Dims whose size is not the head dim by default: state and feature sizes of the papers.
 DIM_DEFAULTS: dict = {
-    ("mamba2", "N"): 16, ("mamba", "N"): 16, ("s4d", "N"): 16,
+    ("mamba2", "N"): 16, ("mamba3", "N"): 16, ("mamba", "N"): 16, ("s4d", "N"): 16,
     ("based", "K"): 16,                   # fla's Based: feature_dim 16
     ("performer", "M"): 32,
     ("aft_conv", "L"): 8,                 # the window of the local position bias

@@ -37,6 +37,7 @@ import torch
 from .. import classes
 from .cache import load_module
 from ..standalone.binding import _check_state
+from ..standalone.shift import _check_carried, last, shift, split_state
 from .signature import ArgumentError, Bound, bind, option_values
 
 
@@ -53,9 +54,13 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
     # (a bad one raised on its rank alone and left the others in the all-gather until the
     # group's timeout), a bare tensor for a one-state spec taken as the op takes it.
     try:
-        bound = bind(op.ir, dict(kwargs, initial_state=None, cu_seqlens=None)).expanded()   # grouped heads per head
+        # prev(x) of inputs: x stands in for prev_x while binding (the shift comes after the agreement)
+        initial_state, carried = split_state(op.ir, initial_state)
+        bound = bind(op.ir, dict(kwargs, initial_state=None, cu_seqlens=None,
+                                 **{s.name: kwargs.get(s.source) for s in op.ir.shifted})).expanded()
         fields, refused = describe(op, bound, cu_seqlens), None
         initial_state = _check_initial_state(op, bound, initial_state, cu_seqlens)
+        _check_carried_entries(op, kwargs, carried, bound, cu_seqlens)
     except ArgumentError as err:
         bound, fields, refused = None, (), str(err)
     lengths = torch.tensor([t for t, _ in agree(group, rank, world, fields, refused, bound.T if bound else 0)],
@@ -119,8 +124,11 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
             out[s.name] = torch.cat([r.to(state_dtype) for r in rows], 0)
         return out
 
+    # 0. prev(x) of inputs: every rank's last x in one all-gather, this shard's prev_x from it
+    derived, last_x, lasts = _shift_shard(op, group, rank, kwargs, carried, seq_ids, enters, local_cu, n_local)
+
     # 1. this shard from what it knows
-    o, finals = call(initial_state=local_init(None), cu_seqlens=local_cu, output_final_state=True)
+    o, finals = call(initial_state=local_init(None), cu_seqlens=local_cu, output_final_state=True, **derived)
     last = slice(n_local - 1, n_local) if seq_ids is not None else slice(None)
     Z = {s.name: finals[s.name][last] for s in op.ir.states}
     Phi = _transition(plan, bound, cuts[-2], T, x0)
@@ -141,10 +149,12 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
         phi = {n: p.reshape(Phi[n].shape) for n, p in zip(names, parts[len(names):])}
         return z, phi
 
-    # every rank's backward must run the all-gather's backward (a collective): tie it to o
-    o = _Tie.apply(o, everyone)
+    # every rank's backward must run the all-gathers' backward (collectives): tie them to o. The
+    # last x's all-reduce runs after the summaries' on every rank (Z reads prev_x)
+    tied = (everyone,) + ((lasts,) if lasts is not None else ())
+    o = _Tie.apply(o, *tied)
     if not enters:
-        return o, (finals if output_final_state else None)
+        return o, (_with_last_x(finals, last_x) if output_final_state else None)
 
     # 3. fold the ranks the entering sequence crossed, then run this shard again
     chain = [rank - 1]
@@ -154,8 +164,59 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
     for r in reversed(chain[:-1]):
         z, phi = unpack(r)
         state = {n: _apply(plan, n, phi[n], state[n]) + z[n] for n in state}
-    o2, finals = call(initial_state=local_init(state), cu_seqlens=local_cu, output_final_state=True)
-    return _Tie.apply(o2, everyone), (finals if output_final_state else None)
+    o2, finals = call(initial_state=local_init(state), cu_seqlens=local_cu, output_final_state=True, **derived)
+    return _Tie.apply(o2, *tied), (_with_last_x(finals, last_x) if output_final_state else None)
+
+
+def _check_carried_entries(op, kwargs: dict, carried: dict, bound: Bound, cu_seqlens) -> None:
+    """initial_state's prev_x entries: [B or N, H_x, *x's dims], as the op without cp_group takes them."""
+    n = bound.B if cu_seqlens is None else len(cu_seqlens) - 1
+    for s in op.ir.shifted:
+        if s.name in carried:
+            x = kwargs[s.source]
+            _check_carried("initial_state", s.name, carried[s.name], (n,) + tuple(x.shape[2:]), x,
+                           "B" if cu_seqlens is None else "N")
+
+
+def _shift_shard(op, group, rank: int, kwargs: dict, carried: dict, seq_ids, enters: bool, local_cu, n_local: int):
+    """This shard's prev_x inputs: x shifted within the local segments, a segment's first row the
+    previous rank's last x where the sequence entered from it, else initial_state's prev_x (of the
+    sequence that starts here) or 0. Returns (the derived inputs, each x's last token per local
+    segment, the all-gathered last tokens or None)."""
+    if not op.ir.shifted:
+        return {}, {}, None
+    xs = [kwargs[s.source] for s in op.ir.shifted]
+    dtype = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+    tails = [x[:, -1] for x in xs]                          # [B, H_x, ...] each (T >= 1 on every rank)
+    lasts = _AllGather.apply(torch.cat([t.reshape(-1).to(dtype) for t in tails]), group)
+    before = torch.split(lasts[rank - 1], [t.numel() for t in tails]) if rank > 0 else None
+    derived, last_x = {}, {}
+    for j, (s, x) in enumerate(zip(op.ir.shifted, xs)):
+        prev_rank = before[j].reshape(tails[j].shape).to(x.dtype) if before is not None else None
+        given = carried.get(s.name)
+        if seq_ids is None:                                 # one segment per batch row
+            first = prev_rank if rank > 0 else given
+        else:
+            rows = []
+            for i in range(n_local):
+                if i == 0 and enters:
+                    rows.append(prev_rank[0])
+                elif given is not None:
+                    rows.append(given[seq_ids[i]].to(x.dtype))
+                else:
+                    rows.append(x.new_zeros(tails[j].shape[1:]))
+            first = torch.stack(rows)
+        derived[s.name] = shift(x, local_cu, first)
+        last_x[s.name] = last(x, local_cu, first)
+    return derived, last_x, lasts
+
+
+def _with_last_x(finals: dict, last_x: dict) -> dict:
+    """The local segments' final states with each prev_x entry (x's last token), in their dtype."""
+    if not last_x:
+        return finals
+    dtype = next(iter(finals.values())).dtype
+    return {**finals, **{k: v.to(dtype) for k, v in last_x.items()}}
 
 
 DESCRIPTOR_BYTES = 4096

@@ -88,7 +88,7 @@ def step_inplace(op, *, state, state_indices, mode: str, kwargs: dict):
         return torch_step_inplace(plan, bound, buffers), state
     # functional step on the named rows, then copied into them
     rows_in = {k: (v.index_select(0, idx) if idx is not None else v) for k, v in buffers.items()}
-    o, new = op.step(**kwargs, state=rows_in, mode=mode)
+    o, new = op._step(**kwargs, state=rows_in, mode=mode)     # the derived prev(x) inputs are in kwargs already
     with torch.no_grad():
         for k, v in buffers.items():
             if idx is not None:

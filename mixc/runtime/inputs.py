@@ -184,6 +184,7 @@ ROLES = {
     "g": _logdecay, "gk": _logdecay, "gv": _logdecay, "w": _logdecay,
     "beta": _unit, "dt": _positive, "A": _negative,
     ("mamba2", "dt"): _normal,          # mamba2 applies softplus(dt + dt_bias) itself
+    ("mamba3", "dt"): _normal,          # as mamba2
     ("s4d", "log_dt"): _negative,
 }
 
@@ -212,7 +213,7 @@ def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=t
     table = dict(ROLES) | (BOUNDED_ROLES if bounded else {})
     table.update(roles or {})
     out, drawn = {}, {}
-    for decl, lead in [(d, (B, T, H)) for d in mixer.inputs] + [(d, (H,)) for d in mixer.params]:
+    for decl, lead in [(d, (B, T, H)) for d in mixer.given_inputs] + [(d, (H,)) for d in mixer.params]:
         shape = lead + tuple(T if d == "T" else sizes[d] for d in decl.shape)    # [T, ...]: per position
         fn = table.get((mixer.name, decl.name)) or table.get(decl.name) or _normal
         if decl.range is not None and not isinstance(fn, Tied) and decl.name not in (roles or {}):
@@ -226,11 +227,13 @@ def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=t
 
 def random_state(mixer: ir.MixerIR, n, H, sizes, seed=1, dtype=torch.float64, requires_grad=False,
                  device="cpu"):
-    """A random initial state {name: [n, H, *state dims]}."""
+    """A random initial state {name: [n, H, *state dims]}, with prev_x [n, H, *x's dims] for each
+    prev(x) of an input (the token before the first: standalone/shift.py)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for decl in mixer.states:
-        x = 0.5 * torch.randn((n, H) + tuple(sizes[d] for d in decl.shape), generator=gen, dtype=torch.float64)
+    carried = [(s.name, mixer.input(s.source).shape) for s in mixer.shifted]
+    for name, shape in [(d.name, d.shape) for d in mixer.states] + carried:
+        x = 0.5 * torch.randn((n, H) + tuple(sizes[d] for d in shape), generator=gen, dtype=torch.float64)
         x = x.to(device=device, dtype=dtype)
-        out[decl.name] = x.requires_grad_(True) if requires_grad else x
+        out[name] = x.requires_grad_(True) if requires_grad else x
     return out

@@ -44,6 +44,7 @@ from .launch import chunk_size_for
 from .op_doc import call_doc, call_signature
 from ..standalone.binding import clamp_chunk, clamp_ck
 from .signature import ArgumentError, Bound, bind, check_chunking, check_flag_argument, option_values  # noqa: F401
+from ..standalone.shift import Carry, StepCarry
 from .spec_held import HeldBySpec
 
 MODES = ("auto", "recurrent", "chunk", "conv", "torch", "reference")
@@ -75,6 +76,21 @@ class MixerOp(HeldBySpec):
     # ---- the op ----
     def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
                  mode: str = "auto", CK: int = 32, chunk: int | None = None, cp_group=None, **kwargs):
+        if not self.ir.shifted:
+            return self._call(initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens, mode=mode, CK=CK, chunk=chunk, cp_group=cp_group, **kwargs)
+        # prev(x) of inputs: the derived inputs computed here, the last tokens carried in the state
+        # (standalone/shift.py); with cp_group by cp_call, which brings the previous rank's last x
+        if cp_group is not None:
+            return self._call(initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens, mode=mode, CK=CK, chunk=chunk, cp_group=cp_group, **kwargs)
+        carry = Carry(self.ir, kwargs, initial_state, cu_seqlens)
+        o, st = self._call(initial_state=carry.state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           mode=mode, CK=CK, chunk=chunk, **carry.kwargs)
+        return o, carry.final(st)
+
+    def _call(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
+              mode: str = "auto", CK: int = 32, chunk: int | None = None, cp_group=None, **kwargs):
         if mode not in MODES:
             raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
         check_flag_argument("output_final_state", output_final_state)
@@ -82,7 +98,7 @@ class MixerOp(HeldBySpec):
             from .context_parallel import cp_call
             return cp_call(self, cp_group, kwargs=kwargs, initial_state=initial_state,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                           call=lambda **local: self(**kwargs, mode=mode, CK=CK, chunk=chunk, **local))
+                           call=lambda **local: self._call(**kwargs, mode=mode, CK=CK, chunk=chunk, **local))
         check_chunking(mode, CK, chunk)          # as a compiled module's (standalone/binding.py)
         key = None
         if ((cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor)) and type(mode) is str and type(CK) is int
@@ -128,7 +144,7 @@ class MixerOp(HeldBySpec):
             return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
         if mode in ("torch", "reference"):
             dtype = torch.float64 if mode == "reference" else _compute_dtype(bound)
-            o, st = _reference.reference(self.ir, **kwargs, initial_state=initial_state,
+            o, st = _reference.run_reference(self.ir, **kwargs, initial_state=initial_state,
                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                          dtype=dtype)
             if mode == "torch":
@@ -202,6 +218,17 @@ class MixerOp(HeldBySpec):
         return self._plans[key]
 
     def step(self, *, state, mode: str = "auto", inplace: bool = False, state_indices=None, **kwargs):
+        if not self.ir.shifted:
+            return self._step(state=state, mode=mode, inplace=inplace, state_indices=state_indices, **kwargs)
+        # prev(x) of inputs: the state's prev_x is this token's derived input; the new state
+        # carries this token's x (standalone/shift.py)
+        if not isinstance(inplace, bool):
+            raise ArgumentError(f"inplace: expected True or False, got {inplace!r}")
+        carry = StepCarry(self.ir, kwargs, state, inplace, state_indices)
+        o, st = self._step(state=carry.state, mode=mode, inplace=inplace, state_indices=state_indices, **carry.kwargs)
+        return o, carry.new_state(st)
+
+    def _step(self, *, state, mode: str = "auto", inplace: bool = False, state_indices=None, **kwargs):
         """One token per sequence: inputs [B, H, *dims] (a scalar per head [B, H]), params as
         usual, state the dict from output_final_state (or a previous step). Returns (o [B, H,
         *dims], new state). inplace=True updates the given state buffers instead (float32,
@@ -250,7 +277,7 @@ class MixerOp(HeldBySpec):
                 self._keep(key, recipe)
             return torch_step(plan, bound, _compute_dtype(bound))
         if mode == "reference":
-            return _reference.reference_step(self.ir, state=state, dtype=torch.float64, **kwargs)
+            return _reference.run_reference_step(self.ir, state=state, dtype=torch.float64, **kwargs)
         # the recurrent kernels on the arguments bound above (bound once, not again by __call__)
         o, st = self._kernels_recorded(key, kwargs, _as_sequence(bound), True, 32, False, one_token=True)
         return o[:, 0], st

@@ -63,7 +63,7 @@ def _call_arguments(mixer: ir.MixerIR):
 
 def call_signature(mixer: ir.MixerIR) -> inspect.Signature:
     """op(*, <inputs>, <params>, <options>, initial_state=None, output_final_state=False, ...)."""
-    params = [inspect.Parameter(d.name, KW, annotation=torch.Tensor) for d in (*mixer.inputs, *mixer.params)]
+    params = [inspect.Parameter(d.name, KW, annotation=torch.Tensor) for d in (*mixer.given_inputs, *mixer.params)]
     params += [inspect.Parameter(o.name, KW, default=option_default(o), annotation=_option_type(o))
                for o in mixer.options]
     params += [inspect.Parameter(name, KW, default=default, annotation=note)
@@ -77,7 +77,7 @@ def call_doc(mixer: ir.MixerIR) -> str:
     head = f"{mixer.name}{str(sig).split(' -> ')[0]} -> (o, state)"
     lines = [head, "", f"The op of mixer '{mixer.name}' ({mixer.source.filename}), from mixc.load."]
     lines += ["", "Inputs, one per token (a scalar per head is [B, T, H]):"]
-    lines += [f"    {d.name}: {_shape(('B', 'T', 'H'), d.shape)}" for d in mixer.inputs]
+    lines += [f"    {d.name}: {_shape(('B', 'T', 'H'), d.shape)}" for d in mixer.given_inputs]
     if mixer.params:
         lines += ["Params, one per head:"]
         lines += [f"    {d.name}: {_shape(('H',), d.shape)}" for d in mixer.params]
@@ -97,6 +97,9 @@ def call_doc(mixer: ir.MixerIR) -> str:
         states = ", ".join(f"'{s.name}': {_shape(('B', 'H'), s.shape)}" for s in mixer.states)
         lines.append(f"    state: {{{states}}} float32 (N for B with cu_seqlens), or None unless "
                      "output_final_state=True")
+        for s in mixer.shifted:
+            lines.append(f"    state['{s.name}']: {_shape(('B', 'H'), mixer.input(s.source).shape)} in {s.source}'s dtype: "
+                         f"{s.source} at the last token, prev({s.source}) of the next (0 where initial_state lacks it)")
         lines.append("op.step(..., state=state) decodes one token per sequence (inputs without T).")
     else:
         lines.append("    state: a cache of the past (runtime/sequence.py), or None unless output_final_state=True")

@@ -9,6 +9,7 @@ import torch
 
 from ..dsl import ir
 from ..dsl.functions import FUNCTIONS, torch_callable
+from ..standalone.shift import Carry, StepCarry
 from .signature import Bound, bind, option_values
 
 # A value is (tensor, dims): tensor shape = lead + sizes of dims, lead = (B, H) or
@@ -118,7 +119,19 @@ def _options(mixer: ir.MixerIR, bound: Bound) -> dict[str, float]:
 def reference(mixer: ir.MixerIR, *, output_final_state: bool = False, dtype=torch.float64, **kwargs):
     """Run the spec as a loop over t in `dtype` (float64 by default): returns (o, state).
 
-    o is [B, T, H, *output dims]; state is None or a dict {name: [B, H, *state dims]}."""
+    o is [B, T, H, *output dims]; state is None or a dict {name: [B, H, *state dims]} (with
+    prev_x, x's last token, for each prev(x) of an input: standalone/shift.py)."""
+    if not mixer.shifted:
+        return run_reference(mixer, output_final_state=output_final_state, dtype=dtype, **kwargs)
+    carry = Carry(mixer, {k: v for k, v in kwargs.items() if k not in ("initial_state", "cu_seqlens")},
+                  kwargs.get("initial_state"), kwargs.get("cu_seqlens"))
+    o, st = run_reference(mixer, output_final_state=output_final_state, dtype=dtype, **carry.kwargs,
+                          initial_state=carry.state, cu_seqlens=kwargs.get("cu_seqlens"))
+    return o, carry.final(st)
+
+
+def run_reference(mixer: ir.MixerIR, *, output_final_state: bool = False, dtype=torch.float64, **kwargs):
+    """reference() with every input given, the derived prev(x) ones included."""
     bound = bind(mixer, kwargs).expanded()         # grouped inputs repeated per head
     B, T, H = bound.B, bound.T, bound.H
     opts = _options(mixer, bound)
@@ -188,6 +201,15 @@ def _token(mixer: ir.MixerIR, bound: Bound, env: dict[str, Value], states: dict[
 
 def reference_step(mixer: ir.MixerIR, *, state, dtype=torch.float64, **kwargs):
     """One token per sequence: inputs [B, H, *dims]; returns (o [B, H, *dims], new state)."""
+    if not mixer.shifted:
+        return run_reference_step(mixer, state=state, dtype=dtype, **kwargs)
+    carry = StepCarry(mixer, kwargs, state, False, None)
+    o, st = run_reference_step(mixer, state=carry.state, dtype=dtype, **carry.kwargs)
+    return o, carry.new_state(st)
+
+
+def run_reference_step(mixer: ir.MixerIR, *, state, dtype=torch.float64, **kwargs):
+    """reference_step() with every input given, the derived prev(x) ones included."""
     bound = bind(mixer, dict(kwargs, initial_state=state), step=True).expanded(axis=1)
     if bound.initial_state is None:
         raise ValueError("state: step() needs the state (a dict keyed by state name)")

@@ -382,6 +382,11 @@ class OptionDecl(NamedTuple):
     kind: str             # "float" (a number) or "bool" (a flag)
 
 
+class Shifted(NamedTuple):
+    name: str
+    source: str
+
+
 class DimDecl(NamedTuple):
     name: str
     alias_of: str | None
@@ -405,6 +410,8 @@ class Signature:
         self.params = tuple(Decl(k, tuple(v)) for k, v in meta["params"].items())
         self.options = tuple(OptionDecl(k, v) for k, v in kinds.items())
         self.states = tuple(Decl(k, tuple(v)) for k, v in meta["states"].items())
+        # prev(x) of inputs (derived input, its source); an older module's METADATA has none
+        self.shifted = tuple(Shifted(k, v) for k, v in meta.get("shifted", {}).items())
         self._aliases = {d.name: d.alias_of for d in self.dims}
 
     @property

@@ -33,6 +33,7 @@ from .binding import (FLOAT_DTYPES, Bound, Signature, bind, check_chunking, chec
 from .errors import ArgumentError  # noqa: F401  (one class: mixc.load's op raises it too)
 from .launch_data import LaunchPlan, LaunchSettings
 from .launcher import Launcher
+from .shift import Carry, StepCarry
 from .torch_tokens import compiled_call, compiled_step
 
 MODES = ("auto", "chunk", "recurrent")
@@ -166,6 +167,16 @@ class CompiledOp:
     # ---- the op ----
     def __call__(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
                  mode: str = "auto", CK: int = 32, chunk: int | None = None, **kwargs):
+        if not self.signature.shifted:
+            return self._call(initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens, mode=mode, CK=CK, chunk=chunk, **kwargs)
+        carry = Carry(self.signature, kwargs, initial_state, cu_seqlens)      # prev(x) of inputs (shift.py)
+        o, st = self._call(initial_state=carry.state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           mode=mode, CK=CK, chunk=chunk, **carry.kwargs)
+        return o, carry.final(st)
+
+    def _call(self, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None,
+              mode: str = "auto", CK: int = 32, chunk: int | None = None, **kwargs):
         # the checks of mixc.load's op, in its order (runtime/op.py), by the same functions
         if mode not in MODES:
             raise ArgumentError(f"mode: a compiled module runs its kernels: 'auto', 'chunk' or 'recurrent', got "
@@ -188,6 +199,13 @@ class CompiledOp:
     def step(self, *, state, mode: str = "auto", **kwargs):
         """One token per sequence: inputs [B, H, *dims], state the dict from output_final_state.
         Returns (o [B, H, *dims], new state). Every mode runs the recurrent kernel (one token)."""
+        if not self.signature.shifted:
+            return self._step(state=state, mode=mode, **kwargs)
+        carry = StepCarry(self.signature, kwargs, state, False, None)           # prev(x) of inputs (shift.py)
+        o, st = self._step(state=carry.state, mode=mode, **carry.kwargs)
+        return o, carry.new_state(st)
+
+    def _step(self, *, state, mode: str = "auto", **kwargs):
         if mode not in MODES:
             raise ArgumentError(f"mode: a compiled module runs its kernels: 'auto', 'chunk' or 'recurrent', got "
                                 f"{mode!r} (mixc.load's op has the torch and reference backends)")

@@ -6,7 +6,7 @@ from mixc.cli import main
 from range_specs import HGRN1, HGRN1_UNRANGED
 
 # Mamba-3's trapezoid with the caller shifting the inputs: its input term is a sum of two outer
-# products, which the scalar class's chunked kernels do not take.
+# products, the sum-of-outer-products class's chunked form (mixc/classes/outer_sum.py).
 SHIFTED = """mixer shifted
   dims   N, P
   input  x[P], xp[P], B[N], Bp[N], C[N], dt[] in [0, inf), lam[] in [0, 1]
@@ -17,6 +17,23 @@ SHIFTED = """mixer shifted
   output y = C @ h
 """
 
+# An input term that is no sum of outer products: no chunked kernel takes it.
+NOT_OUTER = """mixer shifted
+  dims   N, P
+  input  x[P], B[N], C[N], dt[] in [0, inf)
+  param  A[] in (-inf, 0]
+  let    a = exp(dt * A)
+  state  h[N, P]
+  update h = a * h + dt * tanh(B * x)
+  output y = C @ h
+"""
+
+
+def test_a_sum_of_outer_products_lists_its_chunked_form(capsys, tmp_path):
+    out = run(capsys, tmp_path, "explain", SHIFTED)
+    assert "class: sum of outer products\nforms: chunk, recurrent, step\n" in out
+    assert "B_t = sum_m k_m v_m^T, m = 2 outer products" in out and "None" not in out
+
 
 def run(capsys, tmp_path, command, text, name="m.mix"):
     path = tmp_path / name
@@ -26,13 +43,13 @@ def run(capsys, tmp_path, command, text, name="m.mix"):
 
 
 def test_a_refused_chunked_form_is_not_listed(capsys, tmp_path):
-    out = run(capsys, tmp_path, "explain", SHIFTED)
+    out = run(capsys, tmp_path, "explain", NOT_OUTER)
     assert "forms: recurrent, step\n" in out and "chunk," not in out.split("kernels:")[0]
     assert "no chunked kernel: the input term of state h is not an outer product key (x) value" in out
     assert "parallel form: none generated (the input term of state h is not an outer product key (x) value)" in out
     assert "None" not in out
     assert "input    dt[B, T, H] in [0, inf)" in out and "param    A[H] in (-inf, 0]" in out
-    out = run(capsys, tmp_path, "check", SHIFTED)
+    out = run(capsys, tmp_path, "check", NOT_OUTER)
     assert out.startswith("ok: shifted (") and "forms: recurrent, step\n" in out
     assert "note: no chunked form: the input term of state h is not an outer product key (x) value" in out
     assert "warning" not in out        # dt >= 0 and A <= 0 declared: the log decay is <= 0
@@ -73,7 +90,7 @@ def test_a_warning_names_the_spec_s_own_values_once(capsys, tmp_path):
 def test_the_plan_dump_lists_the_forms_that_run(capsys, tmp_path):
     import json
     path = tmp_path / "m.mix"
-    path.write_text(SHIFTED)
+    path.write_text(NOT_OUTER)
     assert main(["explain", str(path), "--dump", "plan"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["forms"] == ["recurrent", "step"] and plan["states"][0]["forms"] == ["recurrent", "step"]

@@ -203,7 +203,7 @@ def test_an_old_module_without_a_torch_form_refuses_cpu_tensors_saying_why(build
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "cu_seqlens"])
-@pytest.mark.parametrize("name", ["gla", "rwkv4"])
+@pytest.mark.parametrize("name", ["gla", "rwkv4", "mamba3"])      # mamba3: prev() of inputs (shift.py)
 def test_the_torch_form_of_a_compiled_module_equals_the_reference(tmp_path, monkeypatch, name, packed):
     """In process, the interpreter off: a compiled module's op on CPU tensors (packed sequences
     too; a stabilized spec) gives the float64 reference's output, final states and gradients,

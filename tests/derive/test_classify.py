@@ -6,9 +6,10 @@ import mixc
 from mixc.derive import plan as P
 from mixc.derive.functions import log_of, logsigmoid, sigmoid
 from mixc.derive.plan import derive
-from mixc.classes import rank_r
+from mixc.classes import outer_sum, rank_r
 
 RANK_R = rank_r.UNIT.name
+OUTER_SUM = outer_sum.UNIT.name
 
 EXPECTED = {
     # spec: (class of the spec, forms, time-invariant, log decay of the first state)
@@ -20,6 +21,7 @@ EXPECTED = {
     "retention": (P.SCALAR, ("chunk", "recurrent", "step", "conv"), True, "log(1 - 1/(32*2**head))"),
     "simple_gla": (P.SCALAR, ("chunk", "recurrent", "step"), False, "g"),
     "mamba2": (P.SCALAR, ("chunk", "recurrent", "step"), False, "A*softplus(dt + dt_bias)"),
+    "mamba3": ("sum of outer products", ("chunk", "recurrent", "step"), False, "A*softplus(dt + dt_bias)"),
     "mlstm": (P.SCALAR, ("chunk", "recurrent", "step"), False, "logsigmoid(f)"),
     "gla": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "rwkv6": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "w"),
@@ -110,6 +112,12 @@ def _plan(body: str, dims="K, V", inputs="q[K], k[K], v[V]"):
     ("S - k * (k @ S) - q * (q @ S) + k * v", RANK_R),       # two projections over the key dims
     ("S - k * (k @ S) - v * sum(S, V) + k * v", P.GENERAL),  # two, one of them over the value dim
     ("S - v * sum(S, V) + k * v", P.GENERAL),                # a projection over the value dim
+    ("0.5 * S + k * v + q * h", OUTER_SUM),                 # B_t a sum of two outer products
+    ("exp(g) * S + k * v - a * q * (h + v)", OUTER_SUM),     # a per-key decay, a difference
+    ("S + k * v + q * h", OUTER_SUM),                        # no decay
+    ("S + k * v + q * h + g * v", OUTER_SUM),                # three
+    ("exp(h) * S + k * v + q * h", P.VALUE_DIAG),            # a decay over the value dim: not taken
+    ("0.5 * S + k * v + q * h + exp(k * v)", P.SCALAR),      # a summand that does not factor
 ], ids=lambda x: x if isinstance(x, str) and "*" not in x and "+" not in x else None)
 def test_class_from_algebra(update, cls):
     plan = _plan(f" state S[K, V]\n update S = {update}\n output o = q @ S",

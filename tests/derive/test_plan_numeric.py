@@ -6,6 +6,7 @@ import sympy as sp
 import torch
 
 import mixc
+from mixc.standalone.shift import Carry
 from mixc.dsl import library_names
 from mixc.runtime.reference import _align, _options
 from mixc.runtime.signature import bind
@@ -57,6 +58,7 @@ def test_plan_reproduces_reference(name, flags):
     args, sizes = random_args(op.ir, B=B, T=T, H=H, sizes={d.name: 3 + i for i, d in enumerate(op.ir.dims)
                                                                if not d.alias_of}, seed=7)
     o_ref, st_ref = op.reference(**args, **flags, output_final_state=True)
+    args = Carry(op.ir, args, None, None).kwargs         # with prev(x) of inputs: the derived prev_x
     bound = bind(op.ir, dict(args, **flags))
     opts = _options(op.ir, bound)
     order = op.ir.dim_names

@@ -31,7 +31,7 @@ def spawn(world: int, cases: list, tmp_path) -> None:
 
 def test_every_chunked_library_spec_is_covered():
     assert len(TORCH_CASES) >= 18 and {"gla", "delta_rule", "rwkv7", "mamba", "hgrn", "mlstm",
-                                       "gated_delta_product"} <= {c["name"] for c in TORCH_CASES}
+                                       "gated_delta_product", "mamba3"} <= {c["name"] for c in TORCH_CASES}
 
 
 # 4 ranks behind -m slow (15 s); 3 uneven ranks run by default below
@@ -44,14 +44,14 @@ def test_context_parallel_uneven_shards_and_packed_sequences(tmp_path):
     # 3 ranks of 9, 2 and 13 tokens; sequences of 4, 12 (crossing all three ranks), 0 and 8
     cu = [0, 4, 16, 16, 24]
     cases = [dict(name=n, mode="torch", dtype=torch.float64, T=24, sizes=SIZES, cu_seqlens=cu, lengths=[9, 2, 13])
-             for n in ("gla", "gated_delta_rule", "mamba", "gated_delta_product")]
+             for n in ("gla", "gated_delta_rule", "mamba", "gated_delta_product", "mamba3")]
     spawn(3, cases, tmp_path)
 
 
 @pytest.mark.slow     # 13 s; the CP logic runs for every chunked spec through the torch backend above
 def test_context_parallel_through_the_interpreted_kernels(tmp_path):
     cases = [dict(name=n, mode=mode, dtype=torch.float32, T=20, sizes={"K": 4, "V": 4}, tol=1e-4)
-             for n, mode in (("simple_gla", "chunk"), ("delta_rule", "chunk"))]
+             for n, mode in (("simple_gla", "chunk"), ("delta_rule", "chunk"), ("mamba3", "chunk"))]
     spawn(2, cases, tmp_path)
 
 
@@ -96,3 +96,4 @@ def test_context_parallel_keeps_float64(tmp_path):
              dict(name="gla", mode="torch", dtype=torch.float64, T=24, sizes=SIZES, tol=1e-12,
                   cu_seqlens=[0, 4, 16, 16, 24])]
     spawn(2, cases, tmp_path)
+

@@ -209,10 +209,30 @@ CASES = [
     C("norm-over-a-tensor", out("q @ S + norm(v, q)"), 6, 30, "norm() reduces over dims: expected a dim name here"),
 
     # ---- prev() ---------------------------------------------------------------------
-    C("prev-of-input", out("q @ prev(q)"), 6, 23, "prev() takes a state, but 'q' is not one"),
-    C("prev-of-unknown", out("q @ prev(SS)"), 6, 23, "prev() takes a state, but 'SS' is not one (did you mean 'S'?)"),
-    C("prev-two-args", out("q @ S + prev(S, S)"), 6, 22, "prev() takes the name of a state, e.g. prev(S)"),
-    C("prev-of-expression", out("q @ prev(S + 1)"), 6, 18, "prev() takes the name of a state, e.g. prev(S)"),
+    C("prev-of-unknown", out("q @ prev(SS)"), 6, 23,
+      "prev() takes a state or an input, but 'SS' is not one (did you mean 'S'?)"),
+    C("prev-two-args", out("q @ S + prev(S, S)"), 6, 22,
+      "prev() takes the name of a state or an input, e.g. prev(S) or prev(x)"),
+    C("prev-of-expression", out("q @ prev(S + 1)"), 6, 18,
+      "prev() takes the name of a state or an input, e.g. prev(S) or prev(x)"),
+    # prev() of an input: the previous token's value
+    C("prev-of-prev", upd("S + prev(prev(k)) * v"), 5, 18, "prev(prev(...)): only the previous token is kept"),
+    C("prev-of-param", HEAD + "  param  w[K]\n" + "  update S = S + prev(w) * v\n" + GOOD_OUTPUT, 6, 23,
+      "prev() of param 'w': a param has the same value at every token (prev(w) would be w); prev() takes a state "
+      "or an input"),
+    C("prev-of-let", HEAD + "  let    u = 2 * k\n" + "  update S = S + prev(u) * v\n" + GOOD_OUTPUT, 6, 23,
+      "prev() of let 'u': write the let's previous value with prev() of the inputs it reads"),
+    C("prev-of-input-in-option", HEAD + "  option a = sum(prev(q), K)\n", 5, 18,
+      "an option's default may use only numbers, dims and earlier options, not prev(q)"),
+    C("prev-of-input-name-taken", HEAD.replace("v[V]", "v[V], prev_k[K]") + "  update S = S + prev(k) * v\n"
+      + GOOD_OUTPUT, 5, 18, "prev(k) is carried as 'prev_k' (an input of the kernels, an entry of the state), but "
+      "'prev_k' is declared as an input on line 3; rename that"),
+    C("prev-of-input-kernel-argument", HEAD.replace("v[V]", "v[V], dprev_k[K]") + "  update S = S + prev(k) * v\n"
+      + GOOD_OUTPUT, 5, 18, "the gradient of input 'prev_k' and input 'dprev_k' would have the same name in "
+      "generated code (p_dprev_k)"),
+    C("prev-of-input-in-a-sequence-mixer", spec("mixer m", "  dims K", "  input x[K]", "  param h[T]",
+                                                "  output y = conv(h, x) + prev(x)"), 5, 27,
+      "prev(x) needs a state: a sequence mixer (conv, mix, attend) reads other tokens with conv()"),
     C("prev-in-let", HEAD + "  let a = prev(S)\n" + GOOD_UPDATE + GOOD_OUTPUT, 5, 11,
       "prev(S) may only appear in an update or the output"),
     C("prev-in-option", HEAD + "  option a = prev(S)\n", 5, 14, "prev(S) may only appear in an update or the output"),
@@ -483,3 +503,19 @@ def test_a_huge_spec_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("the file was read"))
     with pytest.raises(mixc.SpecError, match=r"too long \(209715200 bytes; the limit is 100000 characters\)"):
         read_spec(path)
+
+
+def test_prev_of_an_input_is_a_derived_input_and_round_trips():
+    """prev(x) of an input: a derived input prev_x the op computes (MixerIR.shifted), not one a
+    caller passes; the checked spec prints it as prev(x) and parses back to the same IR."""
+    from mixc.dsl.unparse import spec_text
+    m = mixc.parse(HEAD.replace("v[V]", "v[V], lam[] in (0, 1)") + "  let    a = sigmoid(sum(prev(q), K))\n"
+                   "  update S = S + a * prev(k) * prev(v) + k * v\n" + "  output o = q @ S + lam * prev(lam) * v\n",
+                   "prev.mix")
+    assert [(s.name, s.source) for s in m.shifted] == [("prev_q", "q"), ("prev_k", "k"), ("prev_v", "v"),
+                                                       ("prev_lam", "lam")]
+    assert [d.name for d in m.given_inputs] == ["q", "k", "v", "lam"]
+    assert m.input("prev_lam").range.text() == "[0, 1)"          # (0, 1) widened to take the 0 of a start
+    text = spec_text(m)
+    assert "prev_" not in text and "prev(k) * prev(v)" in text
+    assert mixc.parse(text, "again.mix") == m

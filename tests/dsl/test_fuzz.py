@@ -152,9 +152,9 @@ DIMS = ("K", "V", "J")
 # Values of each shape, by context: lets read inputs, params and options; updates and the
 # output also read lets and states (an update only its own state).
 LEAVES = {
-    frozenset(): ["g", "A", "scale", "head", "1", "0.5", "2", "1e-3", "K ** -0.5"],
-    frozenset("K"): ["q", "k", "w"],
-    frozenset("V"): ["v", "u"],
+    frozenset(): ["g", "A", "scale", "head", "1", "0.5", "2", "1e-3", "K ** -0.5", "prev(g)"],
+    frozenset("K"): ["q", "k", "w", "prev(k)", "prev(w)"],      # prev(x): the previous token's input
+    frozenset("V"): ["v", "u", "prev(v)"],
     frozenset("KV"): ["P"],
 }
 DIM_LEAVES = {"K": ["q", "k", "w"], "V": ["v", "u"], "J": ["rename(q, K -> J)", "rename(w, K -> J)"]}

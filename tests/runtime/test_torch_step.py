@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mixc
+from mixc.standalone.shift import Carry
 from mixc.runtime import torch_step as torch_step_rt
 from mixc.runtime.cache import load_module
 from mixc.runtime.signature import bind
@@ -124,8 +125,10 @@ def test_token_loop_equals_the_reference_with_gradients(name, packed):
     init = {k: v.float().requires_grad_() for k, v in random_state(op.ir, n_seq, H, sizes, seed=9).items()}
     ref_args = {k: v.detach().double().requires_grad_() for k, v in args.items()}
     ref_init = {k: v.detach().double().requires_grad_() for k, v in init.items()}
-    bound = bind(op.ir, dict(args, initial_state=init, cu_seqlens=cu)).expanded()
+    carry = Carry(op.ir, args, init, cu)     # prev(x) of inputs: the op's derived prev_x (standalone/shift.py)
+    bound = bind(op.ir, dict(carry.kwargs, initial_state=carry.state, cu_seqlens=cu)).expanded()
     o, st = torch_step_rt.torch_tokens(op.plan(), bound, output_final_state=True, dtype=torch.float32)
+    st = carry.final(st)
     ro, rst = op(**ref_args, initial_state=ref_init, output_final_state=True, cu_seqlens=cu, mode="reference")
     _close(o, ro, f"{name} output")
     for k in rst:
