@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import mixc
-from fla_refs import fla_naive
+from fla_refs import fla_naive, slot_loop
 from helpers import random_state
 
 from .test_reference_new_specs import _loss, _loss_weights, assert_close
@@ -26,24 +26,13 @@ ST_TOL = 1e-6               # the torch backend's states are float32
 
 
 def paper_loop(a, s0, scale=None):
-    """Zhang et al. 2024, eq. (GSA), per head, slots first as the paper writes them:
-    K~_t = diag(alpha_t) K~_{t-1} + s_t k_t^T   [M, K]     (s_t = 1 - alpha_t in the paper's layer)
-    V~_t = diag(alpha_t) V~_{t-1} + s_t v_t^T   [M, V]
-    o_t  = V~_t^T softmax(K~_t (scale q_t))      softmax over the M slots
-    alpha_t = exp(g_t). The states returned in the spec's layout (Kt[K, M], Vt[M, V])."""
-    q, k, v, s, g = (a[n].double() for n in ("q", "k", "v", "s", "g"))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    Kp, Vp = s0["Kt"].double().transpose(-1, -2), s0["Vt"].double()      # [B, H, M, K], [B, H, M, V]
-    out = []
-    for t in range(q.shape[1]):
-        alpha = g[:, t].exp()[..., None]                                   # [B, H, M, 1]
-        Kp = alpha * Kp + s[:, t, :, :, None] * k[:, t, :, None, :]
-        Vp = alpha * Vp + s[:, t, :, :, None] * v[:, t, :, None, :]
-        logits = torch.einsum("bhmk,bhk->bhm", Kp, scale * q[:, t])
-        p = torch.exp(logits - logits.max(-1, keepdim=True).values)
-        p = p / p.sum(-1, keepdim=True)
-        out.append(torch.einsum("bhmv,bhm->bhv", Vp, p))
-    return torch.stack(out, 1), {"Kt": Kp.transpose(-1, -2), "Vt": Vp}
+    """Zhang et al. 2024, eq. (GSA), per head, slots first as the paper writes them
+    (tests/fla_refs.py slot_loop): K~_t = diag(alpha_t) K~_{t-1} + s_t k_t^T [M, K],
+    V~_t = diag(alpha_t) V~_{t-1} + s_t v_t^T [M, V], o_t = V~_t^T softmax(K~_t (scale q_t)),
+    alpha_t = exp(g_t); the states in the spec's layout (Kt[K, M], Vt[M, V])."""
+    scale = a["q"].shape[-1] ** -0.5 if scale is None else scale
+    o, (hk, hv) = slot_loop(a["q"], a["k"], a["v"], a["s"], a["g"], scale, s0["Kt"], s0["Vt"])
+    return o, {"Kt": hk, "Vt": hv}
 
 
 def case(*, B, T, H, seed, n_states=None, requires_grad=True, dtype=torch.float64):
