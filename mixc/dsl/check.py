@@ -522,7 +522,7 @@ class _ExprChecker:
         if fn in SEQUENCE_FNS:
             return self.c.seq.call(self, n)
         if fn in DIM_FNS:
-            return self.call_dim_function(n)
+            return dim_functions.check_call(self, n)
         kw = next((a for a in n.args if isinstance(a, KwargNode)), None)
         if kw is not None and fn in BUILTIN_FNS:
             raise self.err(f"{fn}() takes no '{kw.name}=' argument; only conv, mix and attend take "
@@ -569,34 +569,6 @@ class _ExprChecker:
                 raise self.err(f"{fn}() names dim {a.name} twice", a.span)
             over.append(a.name)
         return tuple(d for d in self.order if d in over)
-
-    def call_dim_function(self, n: CallNode) -> ir.Expr:
-        """softmax(x, K), l2norm(x, K, eps=1e-6), ...: written out (dim_functions.py)."""
-        fn = n.fn
-        eps_hint = ", eps=1e-6" if dim_functions.takes_eps(fn) else ""
-        positional = [a for a in n.args if not isinstance(a, KwargNode)]
-        kwargs = [a for a in n.args if isinstance(a, KwargNode)]
-        for a in kwargs:
-            if not dim_functions.takes_eps(fn) or a.name != "eps":
-                takes = "only 'eps=' by name" if dim_functions.takes_eps(fn) else "no argument by name"
-                raise self.err(f"{fn}() takes {takes}, not '{a.name}='", a.span)
-        if len(kwargs) > 1:
-            raise self.err(f"{fn}() takes 'eps=' once", kwargs[1].span)
-        if kwargs and n.args[-1] is not kwargs[0]:
-            raise self.err(f"{fn}(): 'eps=' comes after the value and its dims, e.g. {fn}(x, K{eps_hint})",
-                           kwargs[0].span)
-        if len(positional) < 2:
-            raise self.err(f"{fn}() takes a value and the dims it works over, e.g. {fn}(x, K{eps_hint}); "
-                           f"got {len(positional)} argument{'s' if len(positional) != 1 else ''}", n.span)
-        x = self.check(positional[0])
-        over = self.dims_of(fn, x, positional[1:], "works over dims")
-        eps = None
-        if kwargs:
-            eps = self.check(kwargs[0].value)
-            if eps.shape:
-                raise self.err(f"{fn}()'s eps must be a scalar, but it has shape {_fmt(eps.shape)}",
-                               kwargs[0].value.span)
-        return dim_functions.lower(fn, x, over, eps, self.order, n.span)
 
     def call_prev(self, n: CallNode) -> ir.Expr:
         if len(n.args) != 1 or not isinstance(n.args[0], NameNode):

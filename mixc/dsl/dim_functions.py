@@ -23,6 +23,7 @@ call."""
 from __future__ import annotations
 
 from . import ir
+from .parser import KwargNode
 
 # name -> (default eps or None where the function takes none, what it reduces to)
 DIM_FNS: dict[str, float | None] = {
@@ -99,3 +100,32 @@ def lower(fn: str, x: ir.Expr, over: ir.Shape, eps: ir.Expr | None, order: tuple
     if fn == "l2norm":
         return b.bin("/", x, b.call("sqrt", b.bin("+", b.reduce("sum", b.bin("*", x, x), over), eps)))
     raise AssertionError(fn)
+
+
+def check_call(ex, n) -> ir.Expr:
+    """The checker's rules for a call fn(x, K, ..., eps=...) (ex: check.py's expression checker,
+    n its CallNode), then the call written out. Each misuse is an error at its argument."""
+    fn = n.fn
+    eps_hint = ", eps=1e-6" if takes_eps(fn) else ""
+    positional = [a for a in n.args if not isinstance(a, KwargNode)]
+    kwargs = [a for a in n.args if isinstance(a, KwargNode)]
+    for a in kwargs:
+        if not takes_eps(fn) or a.name != "eps":
+            takes = "only 'eps=' by name" if takes_eps(fn) else "no argument by name"
+            raise ex.err(f"{fn}() takes {takes}, not '{a.name}='", a.span)
+    if len(kwargs) > 1:
+        raise ex.err(f"{fn}() takes 'eps=' once", kwargs[1].span)
+    if kwargs and n.args[-1] is not kwargs[0]:
+        raise ex.err(f"{fn}(): 'eps=' comes after the value and its dims, e.g. {fn}(x, K{eps_hint})", kwargs[0].span)
+    if len(positional) < 2:
+        raise ex.err(f"{fn}() takes a value and the dims it works over, e.g. {fn}(x, K{eps_hint}); "
+                     f"got {len(positional)} argument{'s' if len(positional) != 1 else ''}", n.span)
+    x = ex.check(positional[0])
+    over = ex.dims_of(fn, x, positional[1:], "works over dims")
+    eps = None
+    if kwargs:
+        eps = ex.check(kwargs[0].value)
+        if eps.shape:
+            raise ex.err(f"{fn}()'s eps must be a scalar, but it has shape [{', '.join(eps.shape)}]",
+                         kwargs[0].value.span)
+    return lower(fn, x, over, eps, ex.order, n.span)
