@@ -53,3 +53,14 @@ def test_gsa_checks_without_a_warning():
     op = mixc.load("gsa")
     assert lint(op.plan()) == []
     assert op.plan().forms == ("chunk", "recurrent", "step")
+
+
+def test_a_readout_the_chunked_kernels_cannot_take_is_said_in_the_users_words():
+    """layer_norm(C @ S, P) reads S as C @ S (over N) and as sum(C @ S, P) (over N and P): no
+    chunked form, and check's forms and note say so, naming the state and the dims (not the
+    derivation's readout names)."""
+    plan = from_text(_spec(f"{DECAY} + B * x", "layer_norm(C @ S, P)"), "m.mix").plan()
+    assert plan.forms == ("recurrent", "step")
+    note = next(n for n in plan.notes if n.startswith("no chunked form"))
+    assert "state S contracting N in one place and N, P in all" in note
+    assert "_r" not in note and "(" not in note

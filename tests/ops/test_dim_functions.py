@@ -138,3 +138,15 @@ def test_readouts_at_N128_match_float64(name):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     o, _ = op.step(**{k: v[:, 0] for k, v in args.items()}, state=st)
     torch.testing.assert_close(o.double(), ref[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_mode_chunk_refuses_a_readout_it_cannot_take_and_says_why():
+    """layer_norm(C @ S, P) has no chunked form (tests/derive/test_dim_functions.py): mode='chunk'
+    is an ArgumentError with the reason, and mode='auto' runs the recurrent kernels."""
+    from mixc.standalone.errors import ArgumentError
+    op = from_text(readout_spec("layer_norm(C @ S, P)"), "r.mix")
+    args, _ = random_args(op.ir, B=1, T=5, H=1, sizes={"N": 4, "P": 3}, dtype=torch.float32, seed=3)
+    with pytest.raises(ArgumentError, match="no chunked kernel .the output reads state S contracting N"):
+        op(**args, mode="chunk")
+    ref, _ = op(**{k: v.double() for k, v in args.items()}, mode="reference")
+    torch.testing.assert_close(op(**args, mode="auto")[0].double(), ref, rtol=1e-5, atol=1e-5)
