@@ -150,3 +150,25 @@ def test_mode_chunk_refuses_a_readout_it_cannot_take_and_says_why():
         op(**args, mode="chunk")
     ref, _ = op(**{k: v.double() for k, v in args.items()}, mode="reference")
     torch.testing.assert_close(op(**args, mode="auto")[0].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_in_a_sequence_mixer_they_match_torch():
+    """Around sequence ops (a short convolution, a cumulative sum), where exponentials are
+    carried with a scale: softmax, l2norm and layer_norm of exp(q) * conv equal torch's, B2-T7-H2-D5-L3."""
+    spec = """
+mixer seqf
+  dims   D, L
+  input  x[D], q[D]
+  param  w[L, D]
+  output y = softmax(conv(w, x), D) + l2norm(q * conv(1, x), D) + layer_norm(exp(q) * conv(w, x), D)
+"""
+    op = from_text(spec, "s.mix")
+    g = torch.Generator().manual_seed(0)
+    x, q = (torch.randn(2, 7, 2, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    w = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    c = sum(F.pad(w[:, j] * x[:, :7 - j], (0, 0, 0, 0, j, 0)) for j in range(3))   # y_t = sum_j w_j x_{t-j}
+    cs = x.cumsum(1)
+    want = (torch.softmax(c, -1) + (q * cs) / torch.sqrt(((q * cs) ** 2).sum(-1, keepdim=True) + 1e-6)
+            + F.layer_norm(q.exp() * c, (5,), eps=1e-5))
+    for mode in ("reference", "torch"):
+        torch.testing.assert_close(op(x=x, q=q, w=w, mode=mode)[0], want, rtol=1e-12, atol=1e-12)
