@@ -9,6 +9,7 @@ import pytest
 
 import mixc
 from mixc.derive.lint import lint
+from mixc.dsl.unparse import expr_text
 from mixc.pipeline import from_text
 
 
@@ -55,12 +56,22 @@ def test_gsa_checks_without_a_warning():
     assert op.plan().forms == ("chunk", "recurrent", "step")
 
 
-def test_a_readout_the_chunked_kernels_cannot_take_is_said_in_the_users_words():
-    """layer_norm(C @ S, P) reads S as C @ S (over N) and as sum(C @ S, P) (over N and P): no
-    chunked form, and check's forms and note say so, naming the state and the dims (not the
-    derivation's readout names)."""
+def test_a_sum_over_a_readout_stays_in_the_combine():
+    """layer_norm(C @ S, P) reads S as C @ S (over N) and, in its mean, as sum(C @ S, P) (over N
+    and P): the sum stays in the combine over the one readout C @ S, so every read of S
+    contracts N alone and the chunked form exists (was: none, "readout _r0 contracts ('N',)")."""
     plan = from_text(_spec(f"{DECAY} + B * x", "layer_norm(C @ S, P)"), "m.mix").plan()
+    assert plan.forms == ("chunk", "recurrent", "step")
+    assert [(r.state, [t.over for t in r.terms_ir]) for r in plan.output.readouts] == [("S", [("N",)])]
+    assert "sum(_r0, P)" in expr_text(plan.output.combine_ir)
+
+
+def test_a_read_the_chunked_kernels_cannot_take_is_said_in_the_users_words():
+    """S read whole (inside a max) and as C @ S: no set of key dims serves both, so no chunked
+    form, and check's note says why, naming the state and the dims (not the derivation's
+    readout names)."""
+    plan = from_text(_spec(f"{DECAY} + B * x", "(C @ S) / max(max(abs(S), N), P * 1)"), "m.mix").plan()
     assert plan.forms == ("recurrent", "step")
     note = next(n for n in plan.notes if n.startswith("no chunked form"))
-    assert "state S contracting N in one place and N, P in all" in note
+    assert "reads state S whole in one place and contracting N in another" in note
     assert "_r" not in note and "(" not in note
