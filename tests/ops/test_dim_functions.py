@@ -181,3 +181,25 @@ mixer seqf
             + F.layer_norm(q.exp() * c, (5,), eps=1e-5))
     for mode in ("reference", "torch"):
         torch.testing.assert_close(op(x=x, q=q, w=w, mode=mode)[0], want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_sum_over_a_stabilized_readout_runs_chunked():
+    """mLSTM (exponential input gates: the max-stabilizer's states) with layer_norm and a mean
+    over V of its readouts, B2-T21-H2-K8-V6 in the chunked kernels against float64, every gradient."""
+    from kernel_checks import check_against_reference
+    spec = """
+mixer mlstm_norm
+  dims   K, V
+  input  q[K], k[K], v[V], i[], f[]
+  option scale = K ** -0.5
+  let    ks = k * scale
+  state  C[K, V], n[K]
+  update C = sigmoid(f) * C + exp(i) * ks * v
+  update n = sigmoid(f) * n + exp(i) * ks
+  output h = layer_norm((q @ C) / max(abs(q @ n), 1), V) + mean(q @ C, V) * v
+"""
+    op = from_text(spec, "m.mix")
+    assert op.plan().stabilizer is not None and "chunk" in op.plan().forms
+    args, sizes = random_args(op.ir, B=2, T=21, H=2, sizes=SIZES, dtype=torch.float32, seed=9, requires_grad=True)
+    st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
+    check_against_reference(op, {}, args, st, torch.float32, mode="chunk")
