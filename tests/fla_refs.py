@@ -148,3 +148,31 @@ def based_attention(q, k, v, scale, use_norm=True):
     w = (1 + x + x ** 2 / 2).tril()
     o = torch.einsum("bhts,bshv->bthv", w, v)
     return o / (w.sum(-1).transpose(1, 2)[..., None] + 1e-6) if use_norm else o
+
+
+def slot_loop(q, k, v, s, g, scale, hk0=None, hv0=None):
+    """Gated Slot Attention (Zhang et al. 2024) per head, slots first as the paper writes them:
+    K~ = diag(exp(g)) K~ + s k^T [M, K], V~ = diag(exp(g)) V~ + s v^T [M, V], o = V~^T softmax(K~ scale q)
+    over the M slots (the max subtracted). States returned in fla's layouts (hk [K, M], hv [M, V])."""
+    q, k, v, s, g, hk0, hv0 = _d(q, k, v, s, g, hk0, hv0)
+    B, T, H, K = q.shape
+    M, V = s.shape[-1], v.shape[-1]
+    Kp = torch.zeros(B, H, M, K, dtype=torch.float64) if hk0 is None else hk0.transpose(-1, -2)
+    Vp = torch.zeros(B, H, M, V, dtype=torch.float64) if hv0 is None else hv0
+    out = []
+    for t in range(T):
+        alpha = g[:, t].exp()[..., None]
+        Kp = alpha * Kp + s[:, t, :, :, None] * k[:, t, :, None, :]
+        Vp = alpha * Vp + s[:, t, :, :, None] * v[:, t, :, None, :]
+        logits = torch.einsum("bhmk,bhk->bhm", Kp, scale * q[:, t])
+        p = torch.exp(logits - logits.max(-1, keepdim=True).values)
+        out.append(torch.einsum("bhmv,bhm->bhv", Vp, p / p.sum(-1, keepdim=True)))
+    return torch.stack(out, 1), (Kp.transpose(-1, -2), Vp)
+
+
+def abc_gate(s):
+    """fla's g=None for GSA (ABC): s~ = exp(s - z), g_t = z_{t-1} - z_t (0 at t = 0), z the running
+    logsumexp of s over T (float64, one sequence per row)."""
+    s = s.double()
+    z = torch.logcumsumexp(s, 1)
+    return torch.exp(s - z), torch.cat([torch.zeros_like(z[:, :1]), z[:, :-1] - z[:, 1:]], 1)

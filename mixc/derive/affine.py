@@ -287,10 +287,16 @@ def _versions(e: ir.Expr) -> set[tuple[str, bool]]:
     return out
 
 
-def split_output(mixer: ir.MixerIR, e: ir.Expr) -> tuple[ir.Expr, tuple[Readout, ...]]:
+def split_output(mixer: ir.MixerIR, e: ir.Expr,
+                 keep: dict[str, frozenset[str]] | None = None) -> tuple[ir.Expr, tuple[Readout, ...]]:
     """Replace each maximal state-linear subexpression with a placeholder Ref (kind
-    'readout', named _r0, _r1 ...): returns (combine expression, readouts)."""
+    'readout', named _r0, _r1 ...): returns (combine expression, readouts).
+
+    keep: {state: dims} that a readout of the state may not contract: a sum or contraction over
+    them stays in the combine, over a smaller readout (layer_norm(C @ S, P)'s sum(C @ S, P) is
+    sum(_r0, P) with _r0 = C @ S, so that every read of S contracts the same key dims N)."""
     readouts: list[Readout] = []
+    keep = keep or {}
 
     def visit(node: ir.Expr) -> ir.Expr:
         vs = _versions(node)
@@ -301,6 +307,8 @@ def split_output(mixer: ir.MixerIR, e: ir.Expr) -> tuple[ir.Expr, tuple[Readout,
             try:
                 f = affine_in(mixer, node, state, "prev" if prev else "current")
             except NotAffine:
+                f = None
+            if f is not None and any(set(t.over) & keep.get(state, frozenset()) for t in f.terms):
                 f = None
             if f is not None and f.const is None:
                 for r in readouts:

@@ -110,6 +110,9 @@ class _Bounds:
         if e.is_Add:
             lo = sum(self.of(a)[0] for a in e.args)
             hi = sum(self.of(a)[1] for a in e.args)
+            shift = self.below_its_max(e)
+            if shift is not None:       # e = (x - max(x, K)) + rest, the first part <= 0
+                hi = min(hi, self.of(shift[1])[1])
             return self.corners(e, (lo, hi))
         if e.is_Mul:
             out = (1.0, 1.0)
@@ -150,6 +153,8 @@ class _Bounds:
             return self.of(nd.operands[0])
         if nd.kind == "sum":
             lo, hi = self.of(nd.operands[0])
+            if self.shifted_exp_sum(nd):
+                return max(lo, 1.0), INF
         elif nd.kind == "dot":
             lo, hi = self.product(self.of(nd.operands[0]), self.of(nd.operands[1]))
         else:
@@ -158,6 +163,29 @@ class _Bounds:
         return (0.0 if lo >= 0 else -INF), (0.0 if hi <= 0 else INF)
 
     product = staticmethod(interval_product)
+
+    def max_node(self, s) -> object | None:
+        nd = self.t.nodes.get(s) if self.t.kinds.get(s) == "node" else None
+        return nd if nd is not None and nd.kind == "max" else None
+
+    def below_its_max(self, e: sp.Expr):
+        """(the max node, rest) where e is x - max(x, K) + rest (softmax's and logsumexp's
+        shift, dsl/dim_functions.py: x - max(x, K) <= 0), else None."""
+        for s in e.free_symbols:
+            nd = self.max_node(s)
+            if nd is not None:
+                rest = e + s - nd.operands[0]     # sympy cancels the terms of x (no expand: its cost)
+                if s not in rest.free_symbols:
+                    return nd, rest
+        return None
+
+    def shifted_exp_sum(self, nd) -> bool:
+        """sum(exp(x - max(x, K)), K): one term is exp(0) = 1 and none is negative, so >= 1
+        (softmax's denominator is never 0)."""
+        x = nd.operands[0]
+        arg = x.args[0] if isinstance(x, sp.exp) else x.exp if x.is_Pow and x.base is sp.S.Exp1 else None
+        shift = self.below_its_max(arg) if arg is not None and arg.is_Add else None
+        return shift is not None and shift[1] == 0 and set(shift[0].over) == set(nd.over)
 
     def power(self, e: sp.Pow) -> tuple[float, float]:
         base, ex = e.args

@@ -85,10 +85,15 @@ def chunk_supported(plan) -> str | None:
     for r in plan.output.readouts:
         st = plan.state(r.state)
         for t in r.terms_ir:
+            # in the user's words: which dims each read of the state contracts (a sum over a
+            # readout, as layer_norm(C @ S, P) writes, contracts one more than C @ S does)
+            keys = ", ".join(st.key_dims)
             if t.proj is not None and set(t.over) != set(st.key_dims):
-                return f"readout {r.name} contracts {t.over}, not the key dims of {r.state}"
+                return (f"the output reads state {r.state} contracting {', '.join(t.over)} in one place and "
+                        f"{keys} in all; the chunked kernels contract the same key dims in every read of a state")
             if t.proj is None and st.key_dims:
-                return f"readout {r.name} reads {r.state} without contracting its key dims"
+                return (f"the output reads state {r.state} whole in one place and contracting {keys} in another; "
+                        "the chunked kernels contract the same key dims in every read of a state")
     return negative_decay(plan)        # tanh(g): no real log (decay_sign.py)
 
 

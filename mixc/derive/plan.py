@@ -266,6 +266,9 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
 
     # Output readouts first: they say which dims of each state are keys.
     combine_ir, readouts = affine.split_output(spec, spec.output.expr)
+    mixed = _mixed_key_dims(readouts)
+    if mixed:       # reads of a state that contract different dims: take the fewest in the readouts
+        combine_ir, readouts = affine.split_output(spec, spec.output.expr, mixed)
     key_dims: dict[str, set[str]] = {s.name: set() for s in spec.states}
     read: set[str] = set()
     r_plans = []
@@ -368,6 +371,23 @@ def _combine_kind(combine: sp.Expr, readout_syms, nodes=None) -> str:
     if all(sp.diff(num, r, 2) == 0 for r in syms) and den.free_symbols & syms:
         return "normalized"
     return "nonlinear"
+
+
+def _mixed_key_dims(readouts) -> dict[str, frozenset[str]]:
+    """{state: the dims some of its readouts' terms contract and others do not}: a sum over a
+    readout (mean(C @ S, P) beside C @ S) contracts one dim more than the readout itself. The
+    chunked kernels contract the same key dims in every read of a state, so these dims are
+    left to the combine (affine.split_output's keep) where the reads share the rest."""
+    overs: dict[str, list[set[str]]] = {}
+    for r in readouts:
+        overs.setdefault(r.state, []).extend(set(t.over) for t in r.terms)
+    out = {}
+    for state, sets in overs.items():
+        common = set.intersection(*sets)
+        extra = set.union(*sets) - common
+        if extra and common:
+            out[state] = frozenset(extra)
+    return out
 
 
 def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSympy,

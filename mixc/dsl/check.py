@@ -8,7 +8,8 @@ import functools
 import keyword
 import sys
 
-from . import ir, scalar
+from . import dim_functions, ir, scalar
+from .dim_functions import DIM_FNS
 from .functions import FUNCTIONS
 from .errors import SpecError, Span, did_you_mean
 from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
@@ -21,7 +22,7 @@ ELEMENTWISE_FNS = {name: f.arity for name, f in FUNCTIONS.items()}     # the reg
 REDUCE_FNS = ("sum", "norm")          # always reduce: fn(x, D, ...)
 MINMAX_FNS = ("max", "min")           # fn(a, b) elementwise, or fn(x, D, ...) a reduction
 SPECIAL_FNS = ("prev", "rename")
-BUILTIN_FNS = tuple(ELEMENTWISE_FNS) + REDUCE_FNS + MINMAX_FNS + SPECIAL_FNS + SEQUENCE_FNS
+BUILTIN_FNS = tuple(ELEMENTWISE_FNS) + REDUCE_FNS + MINMAX_FNS + tuple(DIM_FNS) + SPECIAL_FNS + SEQUENCE_FNS
 BUILTIN_NAMES = ("head",)             # the head index, a scalar
 
 # Keyword arguments of a call besides the spec's own (op(...), op.step(...) and the reference
@@ -525,6 +526,8 @@ class _ExprChecker:
         fn = n.fn
         if fn in SEQUENCE_FNS:
             return self.c.seq.call(self, n)
+        if fn in DIM_FNS:
+            return dim_functions.check_call(self, n)
         kw = next((a for a in n.args if isinstance(a, KwargNode)), None)
         if kw is not None and fn in BUILTIN_FNS:
             raise self.err(f"{fn}() takes no '{kw.name}=' argument; only conv, mix and attend take "
@@ -550,22 +553,27 @@ class _ExprChecker:
                 a, b = self.check(n.args[0]), self.check(n.args[1])
                 return ir.Call(_union([a.shape, b.shape], self.order), n.span, fn, (a, b))
             x = self.check(n.args[0])
-            over = []
-            for a in dims_args:
-                if not (isinstance(a, NameNode) and a.name in self.c.dims):
-                    name = a.name if isinstance(a, NameNode) else None
-                    hint = did_you_mean(name, self.c.dims) if name else ""
-                    raise self.err(f"{fn}() reduces over dims: expected a dim name here{hint}", a.span)
-                if a.name not in x.shape:
-                    raise self.err(f"{fn}() over {a.name}, but its argument has shape {_fmt(x.shape)}", a.span)
-                if a.name in over:
-                    raise self.err(f"{fn}() names dim {a.name} twice", a.span)
-                over.append(a.name)
-            over_t = tuple(d for d in self.order if d in over)
-            return ir.Reduce(tuple(d for d in x.shape if d not in over), n.span, fn, x, over_t)
+            over_t = self.dims_of(fn, x, dims_args, "reduces over dims")
+            return ir.Reduce(tuple(d for d in x.shape if d not in over_t), n.span, fn, x, over_t)
         known = BUILTIN_FNS
         raise self.err(f"unknown function '{fn}'{did_you_mean(fn, known)}", n.fn_span,
                        ("functions: " + ", ".join(sorted(known)),))
+
+    def dims_of(self, fn: str, x: ir.Expr, args, what: str) -> ir.Shape:
+        """The dims named by a reduction's (or a function over dims') arguments after x: each a
+        dim of x, once; in the spec's dim order."""
+        over = []
+        for a in args:
+            if not (isinstance(a, NameNode) and a.name in self.c.dims):
+                name = a.name if isinstance(a, NameNode) else None
+                hint = did_you_mean(name, self.c.dims) if name else ""
+                raise self.err(f"{fn}() {what}: expected a dim name here{hint}", a.span)
+            if a.name not in x.shape:
+                raise self.err(f"{fn}() over {a.name}, but its argument has shape {_fmt(x.shape)}", a.span)
+            if a.name in over:
+                raise self.err(f"{fn}() names dim {a.name} twice", a.span)
+            over.append(a.name)
+        return tuple(d for d in self.order if d in over)
 
     def call_prev(self, n: CallNode) -> ir.Expr:
         return self.c.prev.call(self, n)

@@ -161,6 +161,17 @@ class HgrnInput(Role):
         return F.silu(raw) * -torch.expm1(done["g"])
 
 
+class SlotWrite(Role):
+    """GSA's slot write weights, tied to its forget gate as the paper's layer ties them:
+    s = 1 - exp(g) (its own projection is not read)."""
+
+    needs = ("g",)
+    doc = "1 - exp(g) (the paper's 1 - alpha_t; the projection is not read)"
+
+    def __call__(self, raw, layer, name, done):
+        return -torch.expm1(done["g"])
+
+
 # (spec, input) first, then the input name alone; anything else is a plain projection.
 INPUT_ROLES: dict = {
     "q": Feature(), "k": Feature(), "v": Feature(), "r": Feature(),
@@ -189,6 +200,8 @@ INPUT_ROLES: dict = {
     ("gated_delta_product", "g"): MambaGate(),
     ("mlstm", "f"): ForgetBias(),
     ("hgrn", "x"): HgrnInput(),
+    ("gsa", "g"): LogSigmoid(8.0),            # GSA's gate_logit_normalizer (tau = 8)
+    ("gsa", "s"): SlotWrite(),
     ("s4d", "x"): Feature(),
     ("hyena", "x1"): Feature(), ("hyena", "x2"): Feature(),   # Hyena short-convolves every projection
 }

@@ -17,5 +17,7 @@ from .decay import *  # noqa: F401,F403
 from .decay import __all__ as _decay
 from .delta import *  # noqa: F401,F403
 from .delta import __all__ as _delta
+from .slots import *  # noqa: F401,F403
+from .slots import __all__ as _slots
 
-__all__ = sorted(_decay + _delta + _attention)
+__all__ = sorted(_decay + _delta + _attention + _slots)

@@ -35,6 +35,7 @@ EXPECTED = {
     "gated_delta_rule": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "rwkv7": (P.RANK1, ("chunk", "recurrent", "step"), False, "w"),
     "hgrn2": (P.KEY_DIAG, ("chunk", "recurrent", "step"), False, "g"),
+    "gsa": (P.VALUE_DIAG, ("chunk", "recurrent", "step"), False, "g"),
     "lightning_attn": (P.SCALAR, ("chunk", "recurrent", "step", "conv"), True,
                        "-8*head*(1 - layer_idx/num_layers)/num_heads"),
     "kda": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),

@@ -40,6 +40,7 @@ LIBRARY = {name: read_spec(name).text for name in library_names()}
 TOKENS = [
     "mixer", "dims", "input", "param", "option", "let", "state", "update", "output",
     "if", "then", "else", "true", "false", "head", "prev", "rename", "sum", "norm", "max", "min",
+    "softmax", "logsumexp", "mean", "layer_norm", "rms_norm", "l2norm", "eps", "eps=1e-3",
     "exp", "log", "sigmoid", "softplus", "sqrt", "abs", "m", "K", "V", "J", "S", "z", "q", "k",
     "v", "g", "a", "x", "B", "T", "tl", "_x", "0", "1", "2.5", "1e-6", ".5", "1e999",
     "+", "-", "*", "/", "**", "@", "->", "=", ",", "(", ")", "[", "]", "[]", "()",
@@ -159,6 +160,9 @@ LEAVES = {
 }
 DIM_LEAVES = {"K": ["q", "k", "w"], "V": ["v", "u"], "J": ["rename(q, K -> J)", "rename(w, K -> J)"]}
 FNS = list(FUNCTIONS)           # every function of the registry (mixc/dsl/functions.py)
+# functions over a dim (mixc/dsl/dim_functions.py): same shape, or the dim reduced away
+SHAPED_DIM_FNS = ["softmax", "layer_norm", "rms_norm", "l2norm"]
+REDUCING_DIM_FNS = ["logsumexp", "mean"]
 
 
 @st.composite
@@ -167,6 +171,8 @@ def expr(draw, shape: frozenset, depth: int, leaves: dict):
     options = ["leaf"] if leaves.get(shape) else []
     if depth > 0:
         options += ["binop", "fn", "neg", "pow", "reduce", "contract", "max2", "cond", "paren"]
+        if shape:
+            options.append("dimfn")
         if "J" in shape and "K" not in shape:
             options.append("rename")
     if not options:                      # no value of this shape: broadcast one of each dim
@@ -193,8 +199,13 @@ def expr(draw, shape: frozenset, depth: int, leaves: dict):
         if not free:
             return draw(expr(shape, sub, leaves))
         d = draw(st.sampled_from(free))
-        fn = draw(st.sampled_from(["sum", "norm", "max", "min"]))
+        fn = draw(st.sampled_from(["sum", "norm", "max", "min"] + REDUCING_DIM_FNS))
         return f"{fn}({draw(expr(shape | {d}, sub, leaves))}, {d})"
+    if kind == "dimfn":
+        over = [d for d in sorted(shape) if draw(st.booleans())] or [sorted(shape)[0]]
+        fn = draw(st.sampled_from(SHAPED_DIM_FNS))
+        eps = draw(st.sampled_from(["", ", eps=1e-3", ", eps=scale"])) if fn != "softmax" else ""
+        return f"{fn}({draw(expr(shape, sub, leaves))}, {', '.join(over)}{eps})"
     if kind == "contract":
         free = [d for d in DIMS if d not in shape]
         if not free:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import mixc.ops as ops
-from fla_refs import based_attention, delta_loop, fla_naive, kv_loop, l2, softmax_attention
+from fla_refs import abc_gate, based_attention, delta_loop, fla_naive, kv_loop, l2, slot_loop, softmax_attention
 
 from helpers import case_id
 
@@ -211,7 +211,28 @@ def attn_case(fn, r):
     return (q, k, v, None, None, 5), {}, (softmax_attention(q, rep(k), rep(v), SCALE, window=5), None), ref
 
 
+def gsa_case(fn, r):
+    """chunk_gsa with a forget gate g (the paper's GSA); fused_recurrent_gsa with g=None (fla's
+    ABC gate from the raw slot scores) and grouped query heads (HQ = 2 H)."""
+    M = 5
+    abc = fn.__name__ == "fused_recurrent_gsa"
+    HQ = 2 * H if abc else H
+    q, k, v, s = r.n(B, T, HQ, K), r.tok(), r.tok(V), r.n(B, T, H, M)
+    g = None if abc else F.logsigmoid(r.n(B, T, H, M)) / 8
+    if not abc:
+        s = 1 - g.exp()
+    hk0, hv0 = r.n(B, H, K, M, s=0.5), r.n(B, H, M, V, s=0.5)
+    s_w, g_w = abc_gate(s) if abc else (s, g)
+    rep = lambda x: x.repeat_interleave(HQ // H, dim=2 if x.dim() == 4 and x.shape[1] == T else 1)  # noqa: E731
+    o, (hk, hv) = slot_loop(q, rep(k), rep(v), rep(s_w), rep(g_w), SCALE, rep(hk0), rep(hv0))
+    exp = (o, (hk[:, ::HQ // H], hv[:, ::HQ // H]))
+    ref = lambda: fla_naive("gsa/naive", "naive_recurrent_gsa")(
+        q, k, v, s, g, initial_state=(hk0, hv0), output_final_state=True)
+    return (q, k, v, s, g), dict(initial_state=(hk0, hv0), output_final_state=True), exp, ref
+
+
 CASES = {
+    "chunk_gsa": gsa_case, "fused_recurrent_gsa": gsa_case,
     "chunk_gla": gla_case, "fused_recurrent_gla": gla_case,
     "chunk_simple_gla": simple_gla_case, "fused_chunk_simple_gla": simple_gla_case,
     "fused_recurrent_simple_gla": simple_gla_case, "parallel_simple_gla": simple_gla_case,
