@@ -5,7 +5,7 @@ CLASSES is also the order in which the units are asked to claim an update: the f
 claims it is its class (a rank-r class would go before `general`)."""
 from __future__ import annotations
 
-from . import elementwise, general, key_diag, prefix_sum, rank1, rank_r, scalar, value_column, value_diag
+from . import block_affine, elementwise, general, key_diag, prefix_sum, rank1, rank_r, scalar, value_column, value_diag
 from .base import Projection, TransitionClass, UpdateShape
 
 CLASSES: tuple[TransitionClass, ...] = (
@@ -18,6 +18,7 @@ CLASSES: tuple[TransitionClass, ...] = (
     key_diag.UNIT,
     value_diag.UNIT,
     elementwise.UNIT,       # any other diagonal decay
+    block_affine.UNIT,      # claims no update: the plan gives it to the states of a coupled system
 )
 
 BY_NAME: dict[str, TransitionClass] = {u.name: u for u in CLASSES}
@@ -31,6 +32,7 @@ ELEMENTWISE = elementwise.UNIT.name
 RANK1 = rank1.UNIT.name
 VALUE_COLUMN = value_column.UNIT.name
 GENERAL = general.UNIT.name
+BLOCK_AFFINE = block_affine.UNIT.name
 
 # the class a stabilized state's kernels take (codegen/chunk.py): its log decay is the stabilizer's
 STABILIZED_CLASS = scalar.UNIT.name
@@ -50,5 +52,5 @@ def classify(u: UpdateShape) -> TransitionClass:
 
 
 __all__ = ["CLASSES", "BY_NAME", "unit", "classify", "TransitionClass", "UpdateShape", "Projection",
-           "PREFIX_SUM", "SCALAR", "KEY_DIAG", "VALUE_DIAG", "ELEMENTWISE", "RANK1", "VALUE_COLUMN", "GENERAL",
+           "PREFIX_SUM", "SCALAR", "KEY_DIAG", "VALUE_DIAG", "ELEMENTWISE", "RANK1", "VALUE_COLUMN", "GENERAL", "BLOCK_AFFINE",
            "CHUNK_CLASSES", "STABILIZED_CLASS"]

@@ -4,6 +4,7 @@ Rules in the user's words; each error points at the offending text.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import keyword
 import sys
@@ -349,6 +350,19 @@ class Checker:
             raise self.error(f"update of {name} has shape {_fmt(e.shape)} but {name} is {_fmt(want)}", b.expr.span)
         self.updates[name] = ir.Update(name, e, b.name.span)
 
+    def read_in_update(self, name: str, span: Span) -> ir.Expr:
+        """State `name` read by another state's update, as a program reads it: its new value where
+        its update came before (that update's expression, written out), else its previous value.
+        In the IR an update reads only previous values (a state's own as S or prev(S), another's
+        as prev(X)): the updates of a token are then simultaneous, and every later stage (the
+        reference, the kernels, the classes) reads them in any order."""
+        shape = self.states[name].shape
+        upd = self.updates.get(name)
+        if upd is None:
+            return ir.Prev(shape, span, name)
+        # spanned where it is read: what an error quotes is the name the user wrote
+        return dataclasses.replace(_previous_values(upd.expr, name), span=span)
+
     def stmt_output(self, st: Statement) -> None:
         (b,) = st.items
         if self.output is not None:
@@ -448,8 +462,7 @@ class _ExprChecker:
                 raise self.err(f"a let cannot read state '{name}': lets are computed per token from inputs, "
                                "params and options; read states in an update or the output", n.span)
             if self.ctx == "update" and name != self.state:
-                raise self.err(f"the update of {self.state} reads state '{name}'; an update may only read "
-                               "its own state", n.span)
+                return c.read_in_update(name, n.span)
             return ir.Ref(c.states[name].shape, n.span, name, "state")
         if name in BUILTIN_FNS:
             raise self.err(f"'{name}' is a function; call it as {name}(...)", n.span)
@@ -571,9 +584,6 @@ class _ExprChecker:
                            n.args[0].span)
         if self.ctx not in ("update", "output"):
             raise self.err(f"prev({name}) may only appear in an update or the output", n.span)
-        if self.ctx == "update" and name != self.state:
-            raise self.err(f"the update of {self.state} reads state '{name}'; an update may only read "
-                           "its own state", n.args[0].span)
         return ir.Prev(self.c.states[name].shape, n.span, name)
 
     def call_rename(self, n: CallNode) -> ir.Expr:
@@ -595,6 +605,17 @@ class _ExprChecker:
             out[out.index(m.src)] = m.dst
             mapping.append((m.src, m.dst))
         return ir.Rename(_union([tuple(out)], self.order), n.span, x, tuple(mapping))
+
+
+def _previous_values(e: ir.Expr, state: str) -> ir.Expr:
+    """e, the update expression of `state`, with its reads of `state` (the previous value) written
+    as prev(state): how another update reads them."""
+    if isinstance(e, ir.Ref) and e.kind == "state":
+        return ir.Prev(e.shape, e.span, e.name) if e.name == state else e
+    kids = ir.children(e)
+    if not kids:
+        return e
+    return ir.with_children(e, [_previous_values(k, state) for k in kids])
 
 
 def check(tree: SpecTree) -> ir.MixerIR:

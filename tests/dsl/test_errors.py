@@ -216,14 +216,21 @@ CASES = [
     C("prev-in-let", HEAD + "  let a = prev(S)\n" + GOOD_UPDATE + GOOD_OUTPUT, 5, 11,
       "prev(S) may only appear in an update or the output"),
     C("prev-in-option", HEAD + "  option a = prev(S)\n", 5, 14, "prev(S) may only appear in an update or the output"),
-    C("prev-of-other-state-in-update", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + prev(S) @ v\n"
-      + GOOD_OUTPUT, 7, 23, "the update of z reads state 'S'; an update may only read its own state"),
+    # ---- coupled states: updates that read one another must be linear in all of them ----
+    C("coupled-product-of-states", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + sum(prev(S) * z, V)\n"
+      + GOOD_OUTPUT, 7, 22, "the update of z is not linear in the states S, z: found prev(S) * z"),
+    C("coupled-function-of-a-state", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + exp(S @ v)\n"
+      + GOOD_OUTPUT, 7, 18, "the update of z is not linear in the states S, z: applies exp() to the state"),
+    C("coupled-reads-new-value-nonlinearly", HEAD + "  state  z[K]\n" + "  update z = z + k\n"
+      + "  update S = S * z + k * v\n" + GOOD_OUTPUT, 7, 14,
+      "the update of S is not linear in the states S, z: found S * z"),
+    C("coupled-reads-a-state-declared-later", "mixer m\n  dims K, V\n  input q[K], k[K], v[V]\n  state S[K, V]\n"
+      "  update S = S + z * v\n  state z[K]\n  update z = z + k\n" + GOOD_OUTPUT, 5, 18,
+      "'z' is used before it is declared (on line 6)"),
 
     # ---- what each statement may read ------------------------------------------------
     C("let-reads-state", HEAD + "  let a = S\n", 5, 11,
       "a let cannot read state 'S': lets are computed per token from inputs, params and options"),
-    C("update-reads-other-state", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + sum(S, V)\n"
-      + GOOD_OUTPUT, 7, 22, "the update of z reads state 'S'; an update may only read its own state"),
     C("option-reads-input", HEAD + "  option scale = q\n", 5, 18,
       "an option's default may use only numbers, dims and earlier options, not 'q'"),
     C("option-reads-head", HEAD + "  option scale = 1 / head\n", 5, 22,
