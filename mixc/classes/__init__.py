@@ -32,10 +32,11 @@ ELEMENTWISE = elementwise.UNIT.name
 RANK1 = rank1.UNIT.name
 VALUE_COLUMN = value_column.UNIT.name
 GENERAL = general.UNIT.name
-BLOCK_AFFINE = block_affine.UNIT.name
 
 # the class a stabilized state's kernels take (codegen/chunk.py): its log decay is the stabilizer's
 STABILIZED_CLASS = scalar.UNIT.name
+# the class every state of a coupled system takes (derive/coupled.py): given by the plan, never claimed
+SYSTEM_CLASS = block_affine.UNIT.name
 
 # the classes with the chunked kernels (the recurrent and step forms exist for every class)
 CHUNK_CLASSES = tuple(u.name for u in CLASSES if u.parallel_form == "chunk")
@@ -52,5 +53,5 @@ def classify(u: UpdateShape) -> TransitionClass:
 
 
 __all__ = ["CLASSES", "BY_NAME", "unit", "classify", "TransitionClass", "UpdateShape", "Projection",
-           "PREFIX_SUM", "SCALAR", "KEY_DIAG", "VALUE_DIAG", "ELEMENTWISE", "RANK1", "VALUE_COLUMN", "GENERAL", "BLOCK_AFFINE",
-           "CHUNK_CLASSES", "STABILIZED_CLASS"]
+           "PREFIX_SUM", "SCALAR", "KEY_DIAG", "VALUE_DIAG", "ELEMENTWISE", "RANK1", "VALUE_COLUMN", "GENERAL",
+           "CHUNK_CLASSES", "STABILIZED_CLASS", "SYSTEM_CLASS"]

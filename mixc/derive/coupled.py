@@ -34,6 +34,10 @@ class Block:
     wrt: str
     diagonal: ir.Expr | None
     projections: tuple[affine.LinTerm, ...]
+    # the same as sympy expressions (the plan's symbols): the diagonal (0 where none) and each
+    # projection's (left, right, over)
+    diagonal_sym: object = 0
+    projections_sym: tuple = ()
 
     def kind(self) -> str:
         """'scalar', 'diagonal over K', 'rank-1 over K', 'scalar + rank-1 over K', ..."""
@@ -113,8 +117,9 @@ def check_linear(spec: ir.MixerIR, states: tuple[str, ...]) -> None:
                              "in all of them (one block-affine system)",)) from None
 
 
-def system(spec: ir.MixerIR, states: tuple[str, ...], same=None) -> System:
-    """The blocks of a system (after check_linear): for each update and each state it reads."""
+def system(spec: ir.MixerIR, states: tuple[str, ...], conv, same=None) -> System:
+    """The blocks of a system (after check_linear): for each update and each state it reads
+    (conv: IR -> sympy, the plan's)."""
     blocks = []
     for of in states:
         upd = spec.update(of)
@@ -128,7 +133,8 @@ def system(spec: ir.MixerIR, states: tuple[str, ...], same=None) -> System:
             for t in diag:
                 scale = affine.add(scale, t.scale or affine.num(1))
             if scale is not None or proj:
-                blocks.append(Block(of, wrt, scale, proj))
+                blocks.append(Block(of, wrt, scale, proj, conv(scale) if scale is not None else 0,
+                                    tuple((conv(t.scale or affine.num(1)), conv(t.proj), t.over) for t in proj)))
     return System(states, tuple(blocks))
 
 

@@ -282,7 +282,7 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     same = lambda a, b: sp.expand(conv(a) - conv(b)) == 0      # noqa: E731 (two projections' sympy forms)
     for g in groups:
         coupled.check_linear(spec, g)
-    systems = tuple(coupled.system(spec, g, same) for g in groups)
+    systems = tuple(coupled.system(spec, g, conv, same) for g in groups)
     # a state read by a state the output reads is read too (through the system)
     for _ in spec.states:
         read |= {n for u in spec.updates if u.state in read for n in ir.refs(u.expr, "state")}
@@ -466,5 +466,5 @@ def _system_state_plan(spec: ir.MixerIR, system: coupled.System, upd: ir.Update,
     vdims = tuple(d for d in decl.shape if d not in key_dims)
     decay_ir = diag if diag is not None else affine.num(0)
     pieces = StateIR(decay_ir, log_ir(spec, decay_ir) if diag is not None else affine.num(0), None, None)
-    return StatePlan(upd.state, decl.shape, classes.BLOCK_AFFINE, False, decay, decay_dims, log_decay, log_partials,
+    return StatePlan(upd.state, decl.shape, classes.SYSTEM_CLASS, False, decay, decay_dims, log_decay, log_partials,
                      rank1, conv(const), None, None, kdims, vdims, False, ("recurrent", "step"), pieces)

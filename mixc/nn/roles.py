@@ -187,6 +187,7 @@ INPUT_ROLES: dict = {
     ("mlstm", "f"): ForgetBias(),
     ("hgrn", "x"): HgrnInput(),
     ("s4d", "x"): Feature(),
+    ("titans", "eta"): Sigmoid(), ("titans", "theta"): Sigmoid(), ("titans", "alpha"): Sigmoid(),   # gates in (0, 1)
     ("hyena", "x1"): Feature(), ("hyena", "x2"): Feature(),   # Hyena short-convolves every projection
 }
 
