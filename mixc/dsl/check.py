@@ -353,15 +353,15 @@ class Checker:
     def read_in_update(self, name: str, span: Span) -> ir.Expr:
         """State `name` read by another state's update, as a program reads it: its new value where
         its update came before (that update's expression, written out), else its previous value.
-        In the IR an update reads only previous values (a state's own as S or prev(S), another's
-        as prev(X)): the updates of a token are then simultaneous, and every later stage (the
-        reference, the kernels, the classes) reads them in any order."""
-        shape = self.states[name].shape
+        In the IR an update reads only previous values (every state it names, as `X` or
+        prev(X), is X_{t-1}): the updates of a token are simultaneous, and every later stage (the
+        reference, the kernels, the classes) takes them in any order. The new value written out
+        keeps the earlier update's own nodes, so the kernels compute it once."""
         upd = self.updates.get(name)
         if upd is None:
-            return ir.Prev(shape, span, name)
+            return ir.Prev(self.states[name].shape, span, name)
         # spanned where it is read: what an error quotes is the name the user wrote
-        return dataclasses.replace(_previous_values(upd.expr, name), span=span)
+        return dataclasses.replace(upd.expr, span=span)
 
     def stmt_output(self, st: Statement) -> None:
         (b,) = st.items
@@ -605,17 +605,6 @@ class _ExprChecker:
             out[out.index(m.src)] = m.dst
             mapping.append((m.src, m.dst))
         return ir.Rename(_union([tuple(out)], self.order), n.span, x, tuple(mapping))
-
-
-def _previous_values(e: ir.Expr, state: str) -> ir.Expr:
-    """e, the update expression of `state`, with its reads of `state` (the previous value) written
-    as prev(state): how another update reads them."""
-    if isinstance(e, ir.Ref) and e.kind == "state":
-        return ir.Prev(e.shape, e.span, e.name) if e.name == state else e
-    kids = ir.children(e)
-    if not kids:
-        return e
-    return ir.with_children(e, [_previous_values(k, state) for k in kids])
 
 
 def check(tree: SpecTree) -> ir.MixerIR:
