@@ -99,3 +99,18 @@ def test_no_chunked_mode_for_a_system_says_why():
     with pytest.raises(Exception) as info:
         op(**args, mode="chunk")
     assert "block-affine system" in str(info.value)
+
+
+def test_inplace_step_with_a_state_without_the_tile_dim():
+    """op.step(inplace=True) on a cache: n[K] (no V) feeds S[K, V], V large enough for several
+    tile blocks; with one buffer a later block would read the n an earlier one wrote (the
+    launcher takes one tile block then: standalone/launcher.py)."""
+    op = from_text(SHAPED["one-way"], "m.mix")
+    args, sizes = random_args(op.ir, B=2, T=1, H=2, sizes={"K": 5, "V": 70}, seed=1, dtype=torch.float32)
+    s0 = random_state(op.ir, 2, 2, sizes, seed=2, dtype=torch.float32)
+    o_ref, st_ref = op(**args, initial_state=s0, output_final_state=True, mode="reference")
+    cache = {k: v.clone() for k, v in s0.items()}
+    o, _ = op.step(**{k: v[:, 0] for k, v in args.items()}, state=cache, inplace=True)
+    assert (o.double() - o_ref[:, 0]).abs().max() <= 1e-5 * max(1, o_ref.abs().max())
+    for n in cache:
+        assert (cache[n].double() - st_ref[n]).abs().max() <= 1e-5 * max(1, st_ref[n].abs().max())
