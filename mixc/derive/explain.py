@@ -70,9 +70,9 @@ def _block_text(b, S: str) -> str:
     """A block of a system applied to the previous value of S: a * S + (l) * ((r) @ S) ..."""
     parts = []
     if b.diagonal is not None:
-        parts.append(f"({expr_text(b.diagonal)}) * {S}")
-    for t in b.projections:
-        parts.append(f"({expr_text(t.scale) if t.scale is not None else '1'}) * (({expr_text(t.proj)}) @ {S})")
+        parts.append(f"({s(b.diagonal_sym)}) * {S}")
+    for left, right, _ in b.projections_sym:
+        parts.append(f"({s(left)}) * (({s(right)}) @ {S})")
     return " + ".join(parts)
 
 
@@ -246,10 +246,9 @@ def _backward_lines(plan: P.Plan) -> list[str]:
                 if b.wrt != S:
                     continue
                 if b.diagonal is not None:
-                    terms.append(f"({expr_text(b.diagonal)}) * d{b.of}_t")
-                for t in b.projections:
-                    terms.append(f"({expr_text(t.proj)}) (x) (({expr_text(t.scale) if t.scale is not None else '1'})"
-                                 f" @ d{b.of}_t)")
+                    terms.append(f"({s(b.diagonal_sym)}) * d{b.of}_t")
+                for left, right, _ in b.projections_sym:
+                    terms.append(f"({s(right)}) (x) (({s(left)}) @ d{b.of}_t)")
             lines += [f"d{S}_{{t-1}} = " + (" + ".join(terms) or "0"),
                       f"  the reverse recurrence of the system {', '.join(sy.states)}, started from the final "
                       f"states' gradients; d{S}_t also takes the gradient of the readouts of {S}_t"]
