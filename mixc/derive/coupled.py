@@ -129,9 +129,7 @@ def system(spec: ir.MixerIR, states: tuple[str, ...], conv, same=None) -> System
             form = affine.merge_projections(affine.affine_in(spec, upd.expr, wrt), same)
             diag = [t for t in form.terms if t.proj is None]
             proj = tuple(t for t in form.terms if t.proj is not None)
-            scale = None
-            for t in diag:
-                scale = affine.add(scale, t.scale or affine.num(1))
+            scale = affine.total([t.scale or affine.num(1) for t in diag])
             if scale is not None or proj:
                 blocks.append(Block(of, wrt, scale, proj, conv(scale) if scale is not None else 0,
                                     tuple((conv(t.scale or affine.num(1)), conv(t.proj), t.over) for t in proj)))

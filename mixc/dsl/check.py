@@ -65,6 +65,10 @@ MAX_DECLS = 64
 # MAX_DEPTH on its own, but code generation substitutes lets and recurses through them: a chain
 # of deep lets would exhaust Python's stack, not give an error).
 MAX_DEPTH_WITH_LETS = 128
+# Operations of an update with the new values of the states it reads written out (a later update
+# reading an earlier state's new value: read_in_update). Each reading copies the earlier update's
+# tree, so a chain of updates that each read the one before twice would double at every step.
+MAX_UPDATE_SIZE = 1024
 
 # Kernel arguments that generated code (codegen/templates/*.j2) derives from declared names,
 # by kind, as (prefix, what it holds), and the fixed ones. Two must never be the same name:
@@ -345,6 +349,7 @@ class Checker:
                              b.name.span)
         e = self.expr(b.expr, "update", state=name)
         self.check_depth_with_lets(e, b.expr.span)
+        self.check_update_size(e, name)
         want = self.states[name].shape
         if set(e.shape) != set(want):
             raise self.error(f"update of {name} has shape {_fmt(e.shape)} but {name} is {_fmt(want)}", b.expr.span)
@@ -360,8 +365,21 @@ class Checker:
         upd = self.updates.get(name)
         if upd is None:
             return ir.Prev(self.states[name].shape, span, name)
-        # spanned where it is read: what an error quotes is the name the user wrote
-        return dataclasses.replace(upd.expr, span=span)
+        return dataclasses.replace(upd.expr, span=span)     # spanned where read: errors quote the name written
+
+    def check_update_size(self, e: ir.Expr, name: str) -> None:
+        """An update with the new values it reads written out stays within MAX_UPDATE_SIZE
+        operations (counted over the shared trees without walking them again)."""
+        sizes: dict[int, int] = {}
+
+        def size(x: ir.Expr) -> int:
+            if id(x) not in sizes:
+                sizes[id(x)] = 1 + sum(size(k) for k in ir.children(x))
+            return sizes[id(x)]
+        if size(e) > MAX_UPDATE_SIZE:
+            raise self.error(f"the update of {name} is {size(e)} operations with the new values of the states it "
+                             f"reads written out (the limit is {MAX_UPDATE_SIZE}); where the previous value of a state will do, read it "
+                             "as prev(X)", e.span)
 
     def stmt_output(self, st: Statement) -> None:
         (b,) = st.items

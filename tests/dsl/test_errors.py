@@ -424,6 +424,25 @@ def test_limits_are_the_documented_ones():
     assert (dsl_parser.MAX_DEPTH, dsl_parser.MAX_NAME, dsl_parser.MAX_SPEC_CHARS) == (64, 64, 100_000)
 
 
+def test_coupled_update_size_limit_is_exact():
+    """Each update reads the one before twice: the written-out updates double in size; the
+    first past 1,024 operations is refused at its place (and the one before derives)."""
+    import importlib
+    assert importlib.import_module("mixc.dsl.check").MAX_UPDATE_SIZE == 1024
+
+    def chain(n):
+        lines = ["mixer m", "  dims K, V", "  input q[K], k[K], v[V]",
+                 "  state " + ", ".join(f"s{i}[K, V]" for i in range(n)), "  update s0 = s0 + k * v"]
+        lines += [f"  update s{i} = s{i} + s{i - 1} + s{i - 1}" for i in range(1, n)]
+        return "\n".join(lines + [f"  output o = q @ s{n - 1}"]) + "\n"
+    derive(mixc.parse(chain(8)))                        # s7: 1,021 operations
+    with pytest.raises(mixc.SpecError) as info:
+        mixc.parse(chain(9), "bad.mix")
+    assert (info.value.line, info.value.column) == (13, 15)
+    assert "the update of s8 is 2045 operations with the new values of the states it reads written out" \
+        in info.value.message
+
+
 def test_depth_limit_is_exact():
     ok = out("q @ S + " + "tanh(" * 63 + "1" + ")" * 63)    # 64 levels with the outer + (63 exps overflow)
     derive(mixc.parse(ok))
