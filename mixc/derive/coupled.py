@@ -110,7 +110,8 @@ def check_linear(spec: ir.MixerIR, states: tuple[str, ...]) -> None:
             affine._Affine(spec, is_state, spec.state(name).shape).form(upd.expr)
         except affine.NotAffine as err:
             read = sorted(_reads(upd))
-            raise SpecError(f"the update of {name} is not linear in the states {', '.join(states)}: {err.message}",
+            why = err.message.replace("the state", "a state of the system")      # which one: the quoted text says
+            raise SpecError(f"the update of {name} is not linear in the states {', '.join(states)}: {why}",
                             spec.source, err.node.span or upd.expr.span,
                             (f"the update of {name} reads {', '.join(read) if read else 'no other state'}; "
                              "mixc compiles states that read one another when the token's transition is linear "

@@ -109,7 +109,7 @@ def test_independent_states_are_no_system():
 
 @pytest.mark.parametrize("update_z,words", [
     ("z + sum(prev(S) * z, V)", "found prev(S) * z"),
-    ("z + exp(S @ v)", "applies exp() to the state"),
+    ("z + exp(S @ v)", "applies exp() to a state of the system"),
     ("z * (1 + 0 * sum(S, V))", "found z * (1 + 0 * sum(S, V))"),
 ])
 def test_a_system_not_linear_in_all_its_states_is_refused_at_its_place(update_z, words):

@@ -220,7 +220,7 @@ CASES = [
     C("coupled-product-of-states", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + sum(prev(S) * z, V)\n"
       + GOOD_OUTPUT, 7, 22, "the update of z is not linear in the states S, z: found prev(S) * z"),
     C("coupled-function-of-a-state", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + exp(S @ v)\n"
-      + GOOD_OUTPUT, 7, 18, "the update of z is not linear in the states S, z: applies exp() to the state"),
+      + GOOD_OUTPUT, 7, 18, "the update of z is not linear in the states S, z: applies exp() to a state of the system"),
     C("coupled-reads-new-value-nonlinearly", HEAD + "  state  z[K]\n" + "  update z = z + k\n"
       + "  update S = S * z + k * v\n" + GOOD_OUTPUT, 7, 14,
       "the update of S is not linear in the states S, z: found S * z"),
