@@ -16,7 +16,7 @@ from mixc import classes
 ROOT = Path(mixc.__file__).resolve().parent
 CLASS_DIR = ROOT / "classes"
 # mixc.classes' constants that name one class (CHUNK_CLASSES, a capability list, is not one)
-NAME_CONSTANTS = {n for n in classes.__all__ if isinstance(getattr(classes, n), str)} - {"STABILIZED_CLASS"}
+NAME_CONSTANTS = {n for n in classes.__all__ if isinstance(getattr(classes, n), str)} - {"STABILIZED_CLASS", "SYSTEM_CLASS"}
 UNIT_NAMES = {u.name for u in classes.CLASSES}
 
 

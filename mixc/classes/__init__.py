@@ -5,7 +5,7 @@ CLASSES is also the order in which the units are asked to claim an update: the f
 claims it is its class (a rank-r class would go before `general`)."""
 from __future__ import annotations
 
-from . import elementwise, general, key_diag, outer_sum, prefix_sum, rank1, rank_r, scalar, value_column, value_diag
+from . import block_affine, elementwise, general, key_diag, outer_sum, prefix_sum, rank1, rank_r, scalar, value_column, value_diag
 from .base import Projection, TransitionClass, UpdateShape
 
 CLASSES: tuple[TransitionClass, ...] = (
@@ -19,6 +19,7 @@ CLASSES: tuple[TransitionClass, ...] = (
     key_diag.UNIT,
     value_diag.UNIT,
     elementwise.UNIT,       # any other diagonal decay
+    block_affine.UNIT,      # claims no update: the plan gives it to the states of a coupled system
 )
 
 BY_NAME: dict[str, TransitionClass] = {u.name: u for u in CLASSES}
@@ -35,6 +36,8 @@ GENERAL = general.UNIT.name
 
 # the class a stabilized state's kernels take (codegen/chunk.py): its log decay is the stabilizer's
 STABILIZED_CLASS = scalar.UNIT.name
+# the class every state of a coupled system takes (derive/coupled.py): given by the plan, never claimed
+SYSTEM_CLASS = block_affine.UNIT.name
 
 # the classes with the chunked kernels (the recurrent and step forms exist for every class)
 CHUNK_CLASSES = tuple(u.name for u in CLASSES if u.parallel_form == "chunk")
@@ -52,4 +55,4 @@ def classify(u: UpdateShape) -> TransitionClass:
 
 __all__ = ["CLASSES", "BY_NAME", "unit", "classify", "TransitionClass", "UpdateShape", "Projection",
            "PREFIX_SUM", "SCALAR", "KEY_DIAG", "VALUE_DIAG", "ELEMENTWISE", "RANK1", "VALUE_COLUMN", "GENERAL",
-           "CHUNK_CLASSES", "STABILIZED_CLASS"]
+           "CHUNK_CLASSES", "STABILIZED_CLASS", "SYSTEM_CLASS"]

@@ -75,6 +75,16 @@ def add(a: ir.Expr | None, b: ir.Expr | None, op: str = "+") -> ir.Expr | None:
     return ir.BinOp(union(a.shape, b.shape), None, op, a, b)
 
 
+def total(xs: list[ir.Expr]) -> ir.Expr | None:
+    """The sum of xs as a balanced tree (a left-deep chain of hundreds of terms, as a written-out
+    system can have, would exhaust Python's stack in every recursive walk); up to three terms
+    it is the left-deep ((a + b) + c)."""
+    if len(xs) <= 1:
+        return xs[0] if xs else None
+    half = len(xs) - len(xs) // 2
+    return add(total(xs[:half]), total(xs[half:]))
+
+
 def recip(a: ir.Expr) -> ir.Expr:
     return ir.BinOp(a.shape, None, "/", num(1), a)
 
@@ -122,7 +132,9 @@ class _Affine:
         """An operand's text, in parentheses where it is a sum or a contraction (whose own span
         leaves out the parentheses the spec wrote): found S * (k @ S)."""
         t = self.text(e)
-        return f"({t})" if isinstance(e, ir.Contract) or (isinstance(e, ir.BinOp) and e.op in "+-") else t
+        # (a name standing for a sum: another state's new value, written out by the checker)
+        sum_ = isinstance(e, ir.Contract) or (isinstance(e, ir.BinOp) and e.op in "+-")
+        return f"({t})" if sum_ and not t.isidentifier() else t
 
     def form(self, e: ir.Expr) -> AffineForm:
         if self.is_state(e):
@@ -225,6 +237,7 @@ def merge_projections(f: AffineForm, same=None) -> AffineForm:
     that `same(w1, w2)` says are equal (plan.py compares their sympy forms). The first term's
     place is kept, so an update with one term per projection is unchanged."""
     out: list[LinTerm] = []
+    scales: list[list[ir.Expr]] = []        # the scales merged into each term (summed at the end)
     for t in f.terms:
         j = next((i for i, u in enumerate(out) if t.proj is not None and u.proj is not None
                   and set(u.over) == set(t.over)
@@ -232,10 +245,11 @@ def merge_projections(f: AffineForm, same=None) -> AffineForm:
                                             and same(u.proj, t.proj)))), None)
         if j is None:
             out.append(t)
+            scales.append([t.scale])
         else:
-            u = out[j]
-            out[j] = LinTerm(add(u.scale or num(1), t.scale or num(1)), u.proj, u.over)
-    return AffineForm(tuple(out), f.const)
+            scales[j].append(t.scale)
+    return AffineForm(tuple(t if len(s) == 1 else LinTerm(total([x or num(1) for x in s]), t.proj, t.over)
+                            for t, s in zip(out, scales)), f.const)
 
 
 def affine_in(mixer: ir.MixerIR, e: ir.Expr, state: str, version: str = "any") -> AffineForm:
@@ -327,18 +341,8 @@ def split_output(mixer: ir.MixerIR, e: ir.Expr,
     return visit(e), tuple(readouts)
 
 
-def _with_children(node: ir.Expr, kids: list[ir.Expr]) -> ir.Expr:
-    if isinstance(node, ir.Neg):
-        return replace(node, x=kids[0])
-    if isinstance(node, (ir.BinOp, ir.Contract)):
-        return replace(node, left=kids[0], right=kids[1])
-    if isinstance(node, ir.Call):
-        return replace(node, args=tuple(kids))
-    if isinstance(node, (ir.Reduce, ir.Rename)):
-        return replace(node, x=kids[0])
-    if isinstance(node, ir.Cond):
-        return replace(node, then=kids[0], otherwise=kids[1])
-    raise AssertionError(type(node))
+# the node with new children (an IR helper; the name kept for its users here and in stabilize.py)
+_with_children = ir.with_children
 
 
 def specialize(mixer: ir.MixerIR, flags: dict[str, bool]) -> ir.MixerIR:

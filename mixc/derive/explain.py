@@ -66,6 +66,42 @@ def _update_text(st: P.StatePlan) -> str:
     return f"{S}_t = " + " + ".join(terms)
 
 
+def _block_text(b, S: str) -> str:
+    """A block of a system applied to the previous value of S: a * S + (l) * ((r) @ S) ..."""
+    parts = []
+    if b.diagonal is not None:
+        parts.append(f"({s(b.diagonal_sym)}) * {S}")
+    for left, right, _ in b.projections_sym:
+        parts.append(f"({s(left)}) * (({s(right)}) @ {S})")
+    return " + ".join(parts)
+
+
+def _system_update_text(plan: P.Plan, st: P.StatePlan) -> str:
+    sy = _system(plan, st.name)
+    terms = [_block_text(b, f"{b.wrt}_{{t-1}}") for b in sy.blocks if b.of == st.name]
+    if st.input_term != 0:
+        terms.append(f"({s(st.input_term)})")
+    return f"{st.name}_t = " + " + ".join(terms)
+
+
+def _system(plan: P.Plan, name: str):
+    return next((sy for sy in plan.systems if name in sy.states), None)
+
+
+def _system_lines(plan: P.Plan, sy) -> list[str]:
+    out = [f"system {sy.describe()}",
+           "  the stacked state X_t = A_t X_{t-1} + B_t, A_t in blocks (the update of the row's state reads "
+           "the column's previous value):"]
+    for b in sy.blocks:
+        out.append(f"  {b.of} <- {b.wrt}: {b.kind()}: {_block_text(b, b.wrt + '_{t-1}')}")
+    for name in sy.states:
+        st = plan.state(name)
+        out.append(f"  input of {name}: B_t = {s(st.input_term)}")
+    out.append("  parallel form: none generated (no chunked form for a block-affine system yet); the recurrent "
+               "and step forms run it")
+    return out
+
+
 def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:
     """The chunked equations of one state, C tokens per chunk, S0 its state at the chunk start."""
     S = st.name
@@ -115,7 +151,7 @@ def _explain(plan: P.Plan) -> str:
     kernels = "recurrent forward + backward, step" + (", chunked forward + backward" if why is None
                                                      else f" (no chunked kernel: {why})")
     out = [f"mixer {m.name}    ({m.source.filename}, spec hash {m.spec_hash})",
-           f"class: {plan.transition}",
+           f"class: {plan.transition}" + "".join(f" ({sy.describe()})" for sy in plan.systems),
            f"forms: {', '.join(plan.forms)}",
            f"kernels: {kernels}"]
     if plan.flags:
@@ -147,11 +183,16 @@ def _explain(plan: P.Plan) -> str:
     out.append("")
     out.append("recurrent form (per token t, per head)")
     for st in plan.states:
-        out.append(f"  {_update_text(st)}")
+        out.append(f"  {_system_update_text(plan, st) if _system(plan, st.name) else _update_text(st)}")
     for r in plan.output.readouts:
         out.append(f"  {r.name} = {_readout_text(r)}")
     out.append(f"  {plan.output.name}_t = {s(plan.output.combine)}    ({plan.output.kind} in the readouts)")
+    for sy in plan.systems:
+        out.append("")
+        out += _system_lines(plan, sy)
     for st in plan.states:
+        if _system(plan, st.name):
+            continue
         out.append("")
         dims = f" over {', '.join(st.decay_dims)}" if st.decay_dims else ""
         gated = " (gated)" if st.gated else ""
@@ -203,6 +244,21 @@ def _backward_lines(plan: P.Plan) -> list[str]:
     lines = []
     for st in plan.states:
         S = st.name
+        sy = _system(plan, S)
+        if sy is not None:
+            # the transposed blocks: the previous value of S reaches every state whose update reads it
+            terms = []
+            for b in sy.blocks:
+                if b.wrt != S:
+                    continue
+                if b.diagonal is not None:
+                    terms.append(f"({s(b.diagonal_sym)}) * d{b.of}_t")
+                for left, right, _ in b.projections_sym:
+                    terms.append(f"({s(right)}) (x) (({s(left)}) @ d{b.of}_t)")
+            lines += [f"d{S}_{{t-1}} = " + (" + ".join(terms) or "0"),
+                      f"  the reverse recurrence of the system {', '.join(sy.states)}, started from the final "
+                      f"states' gradients; d{S}_t also takes the gradient of the readouts of {S}_t"]
+            continue
         rows = [f"d{S}_{{t-1}} = " + (f"({s(st.decay)}) * d{S}_t" if st.decay != 1 else f"d{S}_t")]
         for r in st.rank1:
             rows[0] += f" + ({s(r.right)}) (x) (({s(r.left)}) @ d{S}_t)"

@@ -9,7 +9,7 @@ import sympy as sp
 
 from ..dsl import ir
 from ..dsl.errors import SpecError
-from . import affine, stabilize
+from . import affine, coupled, stabilize
 from .stabilize import Stabilizer
 from .budget import Budget
 # the transition classes (one unit each: mixc/classes/), named here too for the users of
@@ -134,6 +134,7 @@ class Plan:
     stabilizer: "Stabilizer | None" = None   # exponential input gates (derive/stabilize.py)
     sequence: "SequencePlan | None" = None   # a sequence mixer (conv, mix, attend): derive/sequence.py
     layout: KernelLayout | None = None      # which kernels exist, tile/split dims, chunk size (derive/layout.py)
+    systems: tuple[coupled.System, ...] = ()  # states that read one another (derive/coupled.py)
 
     @property
     def name(self) -> str:
@@ -280,6 +281,14 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
             terms.append((conv(t.scale) if t.scale is not None else sp.S.One,
                           conv(t.proj) if t.proj is not None else None, t.over))
         r_plans.append(ReadoutPlan(r.name, r.state, r.prev, tuple(terms), r.shape, r.terms))
+    groups = coupled.systems(spec)
+    same = lambda a, b: sp.expand(conv(a) - conv(b)) == 0      # noqa: E731 (two projections' sympy forms)
+    for g in groups:
+        coupled.check_linear(spec, g)
+    systems = tuple(coupled.system(spec, g, conv, same) for g in groups)
+    # a state read by a state the output reads is read too (through the system)
+    for _ in spec.states:
+        read |= {n for u in spec.updates if u.state in read for n in ir.refs(u.expr, "state")}
     for s in spec.states:
         if s.name not in read:
             notes.append(f"state {s.name} is never read by the output")
@@ -287,8 +296,12 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     budget.check(spec.output.span, "the output's readouts", *(x for r in r_plans for t in r.terms for x in t[:2]))
 
     states = []
+    system_of = {name: sy for sy in systems for name in sy.states}
     for u in spec.updates:
-        states.append(_state_plan(spec, u, key_dims[u.state], conv, table))
+        if u.state in system_of:
+            states.append(_system_state_plan(spec, system_of[u.state], u, key_dims[u.state], conv, table))
+        else:
+            states.append(_state_plan(spec, u, key_dims[u.state], conv, table))
         st = states[-1]
         budget.check(u.span, f"the update of {u.state}", st.decay, st.log_decay, st.input_term,
                      *(p.expr for p in st.log_decay_partials))
@@ -312,9 +325,11 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     parallel = {classes.unit(s.transition).parallel_form for s in states}
     if not parallel <= {"chunk", "scan"}:       # the classes without a parallel form say why (their note)
         notes += [n for s in states if (n := classes.unit(s.transition).no_parallel_note(s)) is not None]
+    notes += [f"states {sy.describe()}: no parallel form is generated for it; the recurrent and step forms "
+              "run it" for sy in systems]
     stab = stabilize.find(spec, states, combine_ir, r_plans, notes)
     plan = Plan(spec, tuple(sorted(values.items())), tuple(lets), tuple(nodes), tuple(states), out,
-                ("recurrent", "step"), tuple(notes), table.freeze(), stab)
+                ("recurrent", "step"), tuple(notes), table.freeze(), stab, systems=systems)
     layout = kernel_layout(plan)
     forms = runnable_forms(plan, layout)
     if parallel <= {"chunk", "scan"} and not ({"chunk", "scan"} & set(forms)) and negative_decay(plan) is None:
@@ -452,3 +467,26 @@ def _state_plan(spec: ir.MixerIR, upd: ir.Update, key_dims: set[str], conv: ToSy
     return StatePlan(upd.state, decl.shape, transition, gated, decay, decay_dims, log_decay, log_partials,
                      rank1, input_term, conv(key) if key is not None else None,
                      conv(value) if value is not None else None, kdims, vdims, ti, forms, pieces)
+
+
+def _system_state_plan(spec: ir.MixerIR, system: coupled.System, upd: ir.Update, key_dims: set[str],
+                       conv: ToSympy, table: SymbolTable) -> StatePlan:
+    """A state of a block-affine system: its own block as its decay and projection terms, its
+    input term free of every state of the system, the class block-affine (no parallel form,
+    no convolution form: the blocks that read the other states are not in these pieces)."""
+    decl = spec.state(upd.state)
+    own = system.block(upd.state, upd.state)
+    diag = own.diagonal if own is not None else None
+    decay = bounded_simplify(conv(diag)) if diag is not None else sp.S.Zero
+    decay_dims = tuple(d for d in decl.shape if diag is not None and d in diag.shape)
+    proj = own.projections if own is not None else ()
+    rank1 = tuple(Rank1(conv(t.scale) if t.scale is not None else sp.S.One, conv(t.proj), t.over) for t in proj)
+    log_decay = log_of(decay) if decay != 0 else sp.S.NegativeInfinity
+    log_partials = _partials(f"log decay of {upd.state}", log_decay, table) if decay != 0 else ()
+    const = coupled.input_term(spec, upd.state, system.states)
+    kdims = tuple(d for d in decl.shape if d in key_dims)
+    vdims = tuple(d for d in decl.shape if d not in key_dims)
+    decay_ir = diag if diag is not None else affine.num(0)
+    pieces = StateIR(decay_ir, log_ir(spec, decay_ir) if diag is not None else affine.num(0), None, None)
+    return StatePlan(upd.state, decl.shape, classes.SYSTEM_CLASS, False, decay, decay_dims, log_decay, log_partials,
+                     rank1, conv(const), None, None, kdims, vdims, False, ("recurrent", "step"), pieces)

@@ -4,6 +4,7 @@ Rules in the user's words; each error points at the offending text.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import keyword
 import sys
@@ -66,6 +67,10 @@ MAX_DECLS = 64
 # MAX_DEPTH on its own, but code generation substitutes lets and recurses through them: a chain
 # of deep lets would exhaust Python's stack, not give an error).
 MAX_DEPTH_WITH_LETS = 128
+# Operations of an update with the new values of the states it reads written out (a later update
+# reading an earlier state's new value: read_in_update). Each reading copies the earlier update's
+# tree, so a chain of updates that each read the one before twice would double at every step.
+MAX_UPDATE_SIZE = 1024
 
 # Kernel arguments that generated code (codegen/templates/*.j2) derives from declared names,
 # by kind, as (prefix, what it holds), and the fixed ones. Two must never be the same name:
@@ -350,10 +355,37 @@ class Checker:
                              b.name.span)
         e = self.expr(b.expr, "update", state=name)
         self.check_depth_with_lets(e, b.expr.span)
+        self.check_update_size(e, name)
         want = self.states[name].shape
         if set(e.shape) != set(want):
             raise self.error(f"update of {name} has shape {_fmt(e.shape)} but {name} is {_fmt(want)}", b.expr.span)
         self.updates[name] = ir.Update(name, e, b.name.span)
+
+    def read_in_update(self, name: str, span: Span) -> ir.Expr:
+        """State `name` read by another state's update, as a program reads it: its new value where
+        its update came before (that update's expression, written out), else its previous value.
+        In the IR an update reads only previous values (every state it names, as `X` or
+        prev(X), is X_{t-1}): the updates of a token are simultaneous, and every later stage (the
+        reference, the kernels, the classes) takes them in any order. The new value written out
+        keeps the earlier update's own nodes, so the kernels compute it once."""
+        upd = self.updates.get(name)
+        if upd is None:
+            return ir.Prev(self.states[name].shape, span, name)
+        return dataclasses.replace(upd.expr, span=span)     # spanned where read: errors quote the name written
+
+    def check_update_size(self, e: ir.Expr, name: str) -> None:
+        """An update with the new values it reads written out stays within MAX_UPDATE_SIZE
+        operations (counted over the shared trees without walking them again)."""
+        sizes: dict[int, int] = {}
+
+        def size(x: ir.Expr) -> int:
+            if id(x) not in sizes:
+                sizes[id(x)] = 1 + sum(size(k) for k in ir.children(x))
+            return sizes[id(x)]
+        if size(e) > MAX_UPDATE_SIZE:
+            raise self.error(f"the update of {name} is {size(e)} operations with the new values of the states it "
+                             f"reads written out (the limit is {MAX_UPDATE_SIZE}); where the previous value of a state will do, read it "
+                             "as prev(X)", e.span)
 
     def stmt_output(self, st: Statement) -> None:
         (b,) = st.items
@@ -454,8 +486,7 @@ class _ExprChecker:
                 raise self.err(f"a let cannot read state '{name}': lets are computed per token from inputs, "
                                "params and options; read states in an update or the output", n.span)
             if self.ctx == "update" and name != self.state:
-                raise self.err(f"the update of {self.state} reads state '{name}'; an update may only read "
-                               "its own state", n.span)
+                return c.read_in_update(name, n.span)
             return ir.Ref(c.states[name].shape, n.span, name, "state")
         if name in BUILTIN_FNS:
             raise self.err(f"'{name}' is a function; call it as {name}(...)", n.span)

@@ -7,7 +7,7 @@ reports but do not take part in equality.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import Source, Span
 
@@ -310,6 +310,21 @@ def children(e: Expr) -> tuple[Expr, ...]:
     if isinstance(e, SeqOp):
         return e.args + ((e.window,) if e.window is not None else ())
     return ()
+
+
+def with_children(node: Expr, kids: list[Expr]) -> Expr:
+    """node with its children (in the order of children()) replaced."""
+    if isinstance(node, Neg):
+        return replace(node, x=kids[0])
+    if isinstance(node, (BinOp, Contract)):
+        return replace(node, left=kids[0], right=kids[1])
+    if isinstance(node, Call):
+        return replace(node, args=tuple(kids))
+    if isinstance(node, (Reduce, Rename)):
+        return replace(node, x=kids[0])
+    if isinstance(node, Cond):
+        return replace(node, then=kids[0], otherwise=kids[1])
+    raise AssertionError(type(node))
 
 
 def walk(e: Expr):

@@ -54,9 +54,6 @@ class PrevChecks:
                           f"{did_you_mean(name, [*c.states, *c.inputs])}", at)
         if ex.ctx not in ("update", "output"):
             raise c.error(f"prev({name}) may only appear in an update or the output", n.span)
-        if ex.ctx == "update" and name != ex.state:
-            raise c.error(f"the update of {ex.state} reads state '{name}'; an update may only read "
-                          "its own state", at)
         return ir.Prev(c.states[name].shape, n.span, name)
 
     def shift(self, name: str, span: Span) -> ir.Ref:

@@ -57,6 +57,17 @@ def _text(e: ir.Expr, sh: dict[str, str]) -> tuple[str, int]:
     raise AssertionError(type(e))
 
 
+def update_text(u: ir.Update, shifted: dict[str, str] | None = None) -> str:
+    """An update as spec text: another state it reads is its previous value in the IR, written
+    prev(X) (read again, a bare X would be X's new value where X's update comes first)."""
+    def prev_others(e: ir.Expr) -> ir.Expr:
+        if isinstance(e, ir.Ref) and e.kind == "state" and e.name != u.state:
+            return ir.Prev(e.shape, e.span, e.name)
+        kids = ir.children(e)
+        return ir.with_children(e, [prev_others(k) for k in kids]) if kids else e
+    return expr_text(prev_others(u.expr), shifted)
+
+
 def _shape(s) -> str:
     return "[" + ", ".join(s) + "]"
 
@@ -87,6 +98,6 @@ def spec_text(m: ir.MixerIR) -> str:
     if m.states:
         out.append("  state  " + ", ".join(s.name + _shape(s.shape) for s in m.states))
     for u in m.updates:
-        out.append(f"  update {u.state} = {expr_text(u.expr, sh)}")
+        out.append(f"  update {u.state} = {update_text(u, sh)}")
     out.append(f"  output {m.output.name} = {expr_text(m.output.expr, sh)}    # {_shape(m.output.expr.shape)}")
     return "\n".join(out)

@@ -203,6 +203,7 @@ INPUT_ROLES: dict = {
     ("gsa", "g"): LogSigmoid(8.0),            # GSA's gate_logit_normalizer (tau = 8)
     ("gsa", "s"): SlotWrite(),
     ("s4d", "x"): Feature(),
+    ("titans", "eta"): Sigmoid(), ("titans", "theta"): Sigmoid(), ("titans", "alpha"): Sigmoid(),   # gates in (0, 1)
     ("hyena", "x1"): Feature(), ("hyena", "x2"): Feature(),   # Hyena short-convolves every projection
 }
 

@@ -6,10 +6,12 @@ import mixc
 from mixc.derive import plan as P
 from mixc.derive.functions import log_of, logsigmoid, sigmoid
 from mixc.derive.plan import derive
+from mixc import classes
 from mixc.classes import outer_sum, rank_r
 
 RANK_R = rank_r.UNIT.name
 OUTER_SUM = outer_sum.UNIT.name
+SYSTEM = classes.SYSTEM_CLASS
 
 EXPECTED = {
     # spec: (class of the spec, forms, time-invariant, log decay of the first state)
@@ -41,6 +43,7 @@ EXPECTED = {
     "kda": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "comba": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "gated_delta_product": (RANK_R, ("chunk", "recurrent", "step"), False, "g"),   # rank 2: rank_r.j2
+    "titans": (SYSTEM, ("recurrent", "step"), False, "log(eta)"),     # mom, mem: derive/coupled.py
 }
 
 

@@ -85,6 +85,19 @@ def test_plan_reproduces_reference(name, flags):
             for r in st.rank1:
                 term = _apply_terms(ev, [(r.left, r.right, r.over)], S)
                 acc = acc + _align(term, dims, 2)
+            # a state of a coupled system also reads the others' previous values (its blocks
+            # beside its own: derive/coupled.py)
+            sy = next((sy for sy in plan.systems if st.name in sy.states), None)
+            for blk in (sy.blocks if sy is not None else ()):
+                if blk.of != st.name or blk.wrt == st.name:
+                    continue
+                X = states[blk.wrt]
+                if blk.diagonal_sym != 0:
+                    d = ev(blk.diagonal_sym)
+                    xd = tuple(x for x in order if x in X[1] or x in d[1])
+                    acc = acc + _align((_align(d, xd, 2) * _align(X, xd, 2), xd), dims, 2)
+                if blk.projections_sym:
+                    acc = acc + _align(_apply_terms(ev, list(blk.projections_sym), X), dims, 2)
             b = ev(st.input_term)
             acc = acc + _align(b, dims, 2)
             if st.key is not None:           # B_t = key (x) value

@@ -236,14 +236,21 @@ CASES = [
     C("prev-in-let", HEAD + "  let a = prev(S)\n" + GOOD_UPDATE + GOOD_OUTPUT, 5, 11,
       "prev(S) may only appear in an update or the output"),
     C("prev-in-option", HEAD + "  option a = prev(S)\n", 5, 14, "prev(S) may only appear in an update or the output"),
-    C("prev-of-other-state-in-update", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + prev(S) @ v\n"
-      + GOOD_OUTPUT, 7, 23, "the update of z reads state 'S'; an update may only read its own state"),
+    # ---- coupled states: updates that read one another must be linear in all of them ----
+    C("coupled-product-of-states", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + sum(prev(S) * z, V)\n"
+      + GOOD_OUTPUT, 7, 22, "the update of z is not linear in the states S, z: found prev(S) * z"),
+    C("coupled-function-of-a-state", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + exp(S @ v)\n"
+      + GOOD_OUTPUT, 7, 18, "the update of z is not linear in the states S, z: applies exp() to a state of the system"),
+    C("coupled-reads-new-value-nonlinearly", HEAD + "  state  z[K]\n" + "  update z = z + k\n"
+      + "  update S = S * z + k * v\n" + GOOD_OUTPUT, 7, 14,
+      "the update of S is not linear in the states S, z: found S * z"),
+    C("coupled-reads-a-state-declared-later", "mixer m\n  dims K, V\n  input q[K], k[K], v[V]\n  state S[K, V]\n"
+      "  update S = S + z * v\n  state z[K]\n  update z = z + k\n" + GOOD_OUTPUT, 5, 18,
+      "'z' is used before it is declared (on line 6)"),
 
     # ---- what each statement may read ------------------------------------------------
     C("let-reads-state", HEAD + "  let a = S\n", 5, 11,
       "a let cannot read state 'S': lets are computed per token from inputs, params and options"),
-    C("update-reads-other-state", HEAD + "  state  z[K]\n" + GOOD_UPDATE + "  update z = z + sum(S, V)\n"
-      + GOOD_OUTPUT, 7, 22, "the update of z reads state 'S'; an update may only read its own state"),
     C("option-reads-input", HEAD + "  option scale = q\n", 5, 18,
       "an option's default may use only numbers, dims and earlier options, not 'q'"),
     C("option-reads-head", HEAD + "  option scale = 1 / head\n", 5, 22,
@@ -435,6 +442,25 @@ def test_library_spec_names_in_errors():
 
 def test_limits_are_the_documented_ones():
     assert (dsl_parser.MAX_DEPTH, dsl_parser.MAX_NAME, dsl_parser.MAX_SPEC_CHARS) == (64, 64, 100_000)
+
+
+def test_coupled_update_size_limit_is_exact():
+    """Each update reads the one before twice: the written-out updates double in size; the
+    first past 1,024 operations is refused at its place (and the one before derives)."""
+    import importlib
+    assert importlib.import_module("mixc.dsl.check").MAX_UPDATE_SIZE == 1024
+
+    def chain(n):
+        lines = ["mixer m", "  dims K, V", "  input q[K], k[K], v[V]",
+                 "  state " + ", ".join(f"s{i}[K, V]" for i in range(n)), "  update s0 = s0 + k * v"]
+        lines += [f"  update s{i} = s{i} + s{i - 1} + s{i - 1}" for i in range(1, n)]
+        return "\n".join(lines + [f"  output o = q @ s{n - 1}"]) + "\n"
+    derive(mixc.parse(chain(8)))                        # s7: 1,021 operations
+    with pytest.raises(mixc.SpecError) as info:
+        mixc.parse(chain(9), "bad.mix")
+    assert (info.value.line, info.value.column) == (13, 15)
+    assert "the update of s8 is 2045 operations with the new values of the states it reads written out" \
+        in info.value.message
 
 
 def test_depth_limit_is_exact():

@@ -151,7 +151,8 @@ HEADER = """mixer fuzz
 RANGES = ["", "", " in (-inf, 0]", " in [0, 1]", " in (0, 2)", " in [-1, 1]", " in [0.5, inf)"]
 DIMS = ("K", "V", "J")
 # Values of each shape, by context: lets read inputs, params and options; updates and the
-# output also read lets and states (an update only its own state).
+# output also read lets and states (an update its own state, and with `coupled` the other one:
+# S, updated first, reads z's previous value; z reads S's new value, as a program would).
 LEAVES = {
     frozenset(): ["g", "A", "scale", "head", "1", "0.5", "2", "1e-3", "K ** -0.5", "prev(g)"],
     frozenset("K"): ["q", "k", "w", "prev(k)", "prev(w)"],      # prev(x): the previous token's input
@@ -242,11 +243,14 @@ def typed_spec(draw):
         shape = draw(st.sampled_from([frozenset(), frozenset("K"), frozenset("V"), frozenset("KV")]))
         lets.append((f"a{i}", draw(expr(shape, depth, let_leaves))))
         let_leaves = _with(let_leaves, **{"".join(sorted(shape)) or "scalar": [f"a{i}"]})
-    s_leaves = _with(let_leaves, KV=["S", "prev(S)"])
-    z_leaves = _with(let_leaves, K=["z", "prev(z)"])
+    coupled = draw(st.booleans())
+    s_leaves = _with(let_leaves, KV=["S", "prev(S)"], **({"K": ["z", "prev(z)"]} if coupled else {}))
+    z_leaves = _with(let_leaves, K=["z", "prev(z)"] + (["(S @ u)", "(prev(S) @ v)"] if coupled else []))
     form = draw(st.sampled_from(["affine", "plus", "any"]))
     if form == "affine":                  # the shape every mixer has: A * S + B
         upd_s = f"{draw(expr(frozenset('K'), depth, let_leaves))} * S + {draw(expr(frozenset('KV'), depth, let_leaves))}"
+        if coupled:                       # a block-affine system: S reads z
+            upd_s += f" + {draw(expr(frozenset('V'), depth, let_leaves))} * z"
     elif form == "plus":                  # S plus anything of S: often linear, sometimes not
         upd_s = f"S + {draw(expr(frozenset('KV'), depth, s_leaves))}"
     else:

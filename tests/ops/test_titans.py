@@ -1,0 +1,186 @@
+"""The library spec titans (Behrouz et al. 2024, "Titans: Learning to Memorize at Test Time"):
+a linear memory with momentum, two coupled states, against a float64 loop written here from the
+paper (not from mixc's reference):
+
+  S_t = eta_t S_{t-1} - theta_t grad l(M_{t-1}; x_t),   l(M; x) = ||k_t @ M - v_t||^2 / 2
+  M_t = (1 - alpha_t) M_{t-1} + S_t,                     y_t = q_t @ M_t
+
+(the spec's mom is S, mem is M; grad l = k (k @ M - v)^T). Every mode titans has (reference,
+torch, the recurrent kernels under Triton's interpreter, the decode step): output, final states
+and every gradient, the initial states' too; packed sequences (cu_seqlens) against separate
+loops per sequence.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixc
+from helpers import case_id, random_args, random_state
+from kernel_checks import check_against_reference
+
+TOL = 1e-10
+
+
+def assert_close(got, want, what, tol=TOL):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    scale = max(1.0, want.detach().abs().max().item())
+    err = (got.detach().double() - want.detach().double()).abs().max().item()
+    assert err <= tol * scale, f"{what}: max abs error {err:.3e} > {tol:.0e} * {scale:.3g}"
+
+
+def titans_loop(a, s0):
+    """The paper's recurrence, token by token, per (batch, head); returns (y, {mom, mem})."""
+    q, k, v = a["q"].double(), a["k"].double(), a["v"].double()
+    eta, theta, alpha = (a[n].double() for n in ("eta", "theta", "alpha"))
+    S, M = s0["mom"].double(), s0["mem"].double()        # [B, H, K, V]
+    ys = []
+    for t in range(q.shape[1]):
+        kt, vt = k[:, t], v[:, t]                         # [B, H, K], [B, H, V]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, M)       # the memory's recall of k_t
+        grad = kt[..., :, None] * (pred - vt)[..., None, :]   # d/dM of ||k M - v||^2 / 2
+        S = eta[:, t, :, None, None] * S - theta[:, t, :, None, None] * grad
+        M = (1 - alpha[:, t, :, None, None]) * M + S
+        ys.append(torch.einsum("bhk,bhkv->bhv", q[:, t], M))
+    y = torch.stack(ys, 1) if ys else q.new_zeros(q.shape[:3] + v.shape[-1:])   # an empty sequence
+    return y, {"mom": S, "mem": M}
+
+
+def packed_loop(a, s0, cu):
+    """The loop over each sequence of a packed batch (B = 1) apart, outputs concatenated."""
+    ys, finals = [], {"mom": [], "mem": []}
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        part = {n: x[:, lo:hi] for n, x in a.items()}
+        y, fin = titans_loop(part, {n: x[i:i + 1] for n, x in s0.items()})
+        ys.append(y)
+        for n in finals:
+            finals[n].append(fin[n])
+    return torch.cat(ys, 1), {n: torch.cat(x, 0) for n, x in finals.items()}
+
+
+_OP = []
+
+
+def _op():
+    if not _OP:
+        _OP.append(mixc.load("titans"))
+    return _OP[0]
+
+
+def make_case(*, B, T, H, K, V, seed, dtype=torch.float64, requires_grad=False, states=None):
+    """Fresh inputs as the paper has them: unit keys (it normalizes q and k), gates in (0, 1);
+    random initial states (`states` sequences of them, default B)."""
+    op = _op()
+    args, sizes = random_args(op.ir, B=B, T=T, H=H, sizes={"K": K, "V": V}, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    args["k"] = F.normalize(args["k"], dim=-1)
+    args["q"] = F.normalize(args["q"], dim=-1)
+    for n in ("eta", "theta", "alpha"):
+        args[n] = 0.05 + 0.9 * torch.rand(args[n].shape, generator=gen, dtype=torch.float64)
+    args = {n: x.to(dtype).detach().requires_grad_(requires_grad) for n, x in args.items()}
+    s0 = random_state(op.ir, states or B, H, sizes, seed=seed + 3, dtype=dtype, requires_grad=requires_grad)
+    return op, args, s0
+
+
+def _weights(o, fin, seed=99):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(o.shape, generator=gen, dtype=torch.float64),
+            {n: torch.randn(x.shape, generator=gen, dtype=torch.float64) for n, x in fin.items()})
+
+
+def _loss(o, fin, w):
+    return (w[0] * o.double()).sum() + sum((w[1][n] * fin[n].double()).sum() for n in w[1])
+
+
+def assert_gradients_match(what, o, fin, o_l, fin_l, args, s0, tol):
+    """Every gradient (inputs', initial states') of one weighted loss of output and final states."""
+    w = _weights(o_l, fin_l)
+    leaves = list(args.values()) + list(s0.values())
+    names = list(args) + [f"initial_state[{n}]" for n in s0]
+    got = torch.autograd.grad(_loss(o, fin, w), leaves, allow_unused=True)
+    want = torch.autograd.grad(_loss(o_l, fin_l, w), leaves)
+    for name, a, b in zip(names, got, want):
+        assert a is not None, f"{what}: no gradient for {name}"
+        assert_close(a, b, f"{what}: d/d {name}", tol=tol)
+
+
+def test_titans_is_one_block_affine_system():
+    plan = _op().plan()
+    assert plan.transition == "block-affine system"
+    assert plan.forms == ("recurrent", "step")
+    (sy,) = plan.systems
+    assert sy.describe() == "mom, mem: a 2x2 block-affine system, scalar per head, with rank-1 projections over K"
+    assert {(b.of, b.wrt): b.kind() for b in sy.blocks} == {
+        ("mom", "mom"): "scalar", ("mom", "mem"): "rank-1 over K",
+        ("mem", "mom"): "scalar", ("mem", "mem"): "scalar + rank-1 over K"}
+
+
+@pytest.mark.parametrize("mode", ["reference", "torch"])
+def test_forward_and_gradients_match_loop(mode):
+    op, args, s0 = make_case(B=2, T=9, H=2, K=3, V=4, seed=11, requires_grad=True)
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode=mode)
+    o_l, fin_l = titans_loop(args, s0)
+    assert o.dtype == torch.float64 and set(fin) == {"mom", "mem"}
+    assert_close(o, o_l, f"titans {mode}: output")
+    st_tol = TOL if mode == "reference" else 1e-6        # the op's states are float32 (CONVENTIONS)
+    for n in fin:
+        assert_close(fin[n], fin_l[n], f"titans {mode}: final {n}", tol=st_tol)
+    assert_gradients_match(f"titans {mode}", o, fin, o_l, fin_l, args, s0, tol=1e-9 if mode == "reference" else 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["reference", "torch", "recurrent"])
+def test_packed_sequences_match_separate_loops(mode):
+    """cu_seqlens with an empty sequence: outputs, final states and every gradient against
+    the loop run on each sequence apart (the kernels in float32 within 4x the torch backend's
+    error, as every kernel test)."""
+    lens = [4, 0, 7, 2]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    dtype = torch.float32 if mode == "recurrent" else torch.float64
+    op, args, s0 = make_case(B=1, T=sum(lens), H=2, K=4, V=3, seed=29, dtype=dtype, requires_grad=True,
+                             states=len(lens))
+    if mode == "recurrent":
+        check_against_reference(op, {}, args, s0, dtype, CK=4, cu_seqlens=cu, mode="recurrent",
+                                formula=lambda a, s: packed_loop(a, s, cu))
+        return
+    o, fin = op(**args, initial_state=s0, output_final_state=True, cu_seqlens=cu, mode=mode)
+    o_l, fin_l = packed_loop(args, s0, cu)
+    assert_close(o, o_l, f"titans {mode}: packed output")
+    for n in fin:
+        assert_close(fin[n], fin_l[n], f"titans {mode}: packed final {n}", tol=1e-6)
+    assert_close(fin["mem"][1], s0["mem"][1], f"titans {mode}: the empty sequence keeps its state", tol=1e-6)
+    assert_gradients_match(f"titans {mode} packed", o, fin, o_l, fin_l, args, s0, tol=1e-9 if mode == "reference" else 1e-6)
+
+
+def test_step_matches_loop():
+    """Decoding token by token from a random state equals the loop over the sequence."""
+    T = 5
+    op, args, s0 = make_case(B=2, T=T, H=2, K=3, V=4, seed=17)
+    o_l, fin_l = titans_loop(args, s0)
+    st = s0
+    for t in range(T):
+        o, st = op.step(**{n: x[:, t] for n, x in args.items()}, state=st)
+        assert_close(o, o_l[:, t], f"titans: step {t}", tol=1e-5)
+    for n in st:
+        assert_close(st[n], fin_l[n], f"titans: {n} after the steps", tol=1e-5)
+
+
+@pytest.mark.parametrize("CK", [4, 20], ids=lambda c: f"CK{c}")
+def test_recurrent_kernels_match_loop(CK):
+    """The recurrent kernels (float32, Triton's interpreter): output, final states and every
+    gradient against the float64 loop, within 4x the float32 torch backend's error; the
+    backward's checkpoints every CK tokens (4: several chunks; 20: one)."""
+    op, args, s0 = make_case(B=1, T=20, H=2, K=8, V=8, seed=31, dtype=torch.float32, requires_grad=True)
+    check_against_reference(op, {}, args, s0, torch.float32, CK=CK, mode="recurrent", formula=titans_loop)
+
+
+@pytest.mark.parametrize("shape", [dict(B=2, T=1, H=3, K=5, V=6)], ids=lambda d: case_id(**d))
+def test_step_kernel_in_place_matches_loop(shape):
+    """op.step on float32 states in place (the decode cache's path) equals one loop step."""
+    op, args, s0 = make_case(seed=5, dtype=torch.float32, **shape)
+    o_l, fin_l = titans_loop(args, s0)
+    cache = {n: x.clone() for n, x in s0.items()}
+    o, st = op.step(**{n: x[:, 0] for n, x in args.items()}, state=cache, inplace=True)
+    assert_close(o, o_l[:, 0], "titans: in-place step", tol=1e-5)
+    for n in cache:
+        assert_close(cache[n], fin_l[n], f"titans: {n} updated in place", tol=1e-5)
