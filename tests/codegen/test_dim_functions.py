@@ -22,7 +22,7 @@ def _kernel(src: str, name: str) -> str:
 def test_softmax_reduces_over_valid_slots_only():
     plan = pipeline.compile("gsa")
     src = generate(plan)
-    for kernel in ("gsa_recurrent_fwd", "gsa_chunk_fwd"):
+    for kernel in ("gsa_recurrent_fwd", "gsa_chunk_fwd_fused", "gsa_chunk_fwd_output"):
         body = _kernel(src, kernel)
         assert MAX_M.search(body), f"{kernel}: no masked max over M"
         assert SUM_M.search(body), f"{kernel}: no masked sum over M"
@@ -32,4 +32,4 @@ def test_no_pass_splits_the_softmax_dim():
     plan = pipeline.compile("gsa")
     assert plan.layout.tile == "V" and plan.layout.split is None
     src = generate(plan)
-    assert "# the tile loop split (codegen/tile_split.py)" in _kernel(src, "gsa_chunk_bwd")
+    assert "# the tile loop split (codegen/tile_split.py)" in _kernel(src, "gsa_chunk_bwd_tiles")
