@@ -1,14 +1,16 @@
 """The chunked kernels' scaffolding as kernel IR (codegen/kir): each stage's kernel (module.py:
 one per stage, `<spec>_chunk_fwd_<stage>`, `<spec>_chunk_bwd_<stage>`) is a kir Kernel whose
 program ids, sequence bounds, lanes and masks, params and grouped heads, chunk loop, checkpoint
-walk and constexpr switches are IR statements; what the hooks still render as text (the states'
-and gradients' loads and stores, the inputs, the chunk body with the class macros: chunk.py,
-chunk_bwd.py, mixc/classes/*.j2) enters as Text statements, printed where the templates put it.
+walk and constexpr switches are IR statements, and in the forward the states' loads and stores
+(initial, checkpoints, dense, final) and the inputs' loads too; what the hooks still render as
+text (the forward's chunk body with the class macros: chunk.py, mixc/classes/*.j2; the
+backward's gradients and chunk: chunk_bwd.py) enters as Text statements where the templates
+put it.
 
 The kernels are verified as built and printed by the one printer; the ast passes (key_split.py,
-tile_split.py) then read the printed text as they read the rendered templates (the statements
-are the templates', tests/codegen/test_chunk_ir.py compares them). The next step builds the
-Texts as IR: then the passes become rewrites of these kernels (docs/design-notes.md)."""
+tile_split.py) then read the printed text as they read the rendered templates it replaces (the
+same Python statements, checked when the templates went: docs/design-notes.md). The next step
+builds the Texts as IR: then the passes become rewrites of these kernels."""
 from __future__ import annotations
 
 from ..derive import plan as P
