@@ -18,7 +18,7 @@ ahead-of-time compiler (mixc/tools/aot.py) go through these functions.
         |                                                              --dump derive (plan)
         |  kir      codegen.module.recurrent_ir   the recurrent kernels as kernel IR, after
         |                                    each pass, verified       --dump kir
-        |  render   codegen.module.generate  kir's printer + Jinja templates + printed expressions
+        |  render   codegen.module.generate  kir printer, Jinja (torch forms, op), chunked ast passes
         v
     source          one Python module: Triton kernels, torch backend, METADATA, op()
         |                                                              --dump render (source)

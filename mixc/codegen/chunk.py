@@ -29,7 +29,7 @@ from ..derive import plan as P
 from ..derive.plan import Plan
 from ..derive.stabilize import M_EMPTY
 from ..dsl import ir
-from .recurrent import I1, I2, common_hooks, input_row, numel
+from .recurrent import I2, input_row, numel
 from .recurrent_ir import base_env
 from .templating import macros
 from .triton_expr import Emitter, canon, expand
@@ -55,7 +55,8 @@ def _block(dims) -> str:
 
 
 class ChunkCode:
-    """Builds the hook texts of templates/chunk_fwd.py.j2 for one plan: the generic parts here,
+    """Builds the hook texts of the chunked forward's kernels (chunk_ir.forward_kernel places
+    them in its IR) for one plan: the generic parts here,
     each state's class stages from its unit (mixc/classes: its chunk_* hooks and macros)."""
 
     indent = I2                 # the chunk loop's body
@@ -291,15 +292,15 @@ class ChunkCode:
                 "oem": oem, "o": o_val, "env": env}
 
     def hooks(self) -> dict:
+        """The chunk's body as text (inputs' lets, the class stages, the output's store): the
+        one hook chunk_ir.forward_kernel places in its chunk loop."""
         m, order = self.m, self.order
-        I3 = I2 + "    "
-        I4 = I3 + "    "
         self.staged = self.plan.layout.intra_matrices > 0
         fb = self.forward_body(advance_first=True)
         if self.n_intra != self.plan.layout.intra_matrices:
             raise AssertionError(f"staged {self.n_intra} intra-chunk matrices, the layout counts "
                                  f"{self.plan.layout.intra_matrices}")
-        loads, body, per_state = fb["loads"], fb["body"], fb["per_state"]
+        body, per_state = fb["body"], fb["per_state"]
         o_var, o_dims = fb["o"]
         o_shape = canon(order, m.output.expr.shape)
         want = ("_T",) + o_shape
@@ -321,42 +322,9 @@ class ChunkCode:
         if self.stab is not None:
             body.append(f"{I2}s__m = _mnew")
 
-        init, ckpt, load_ckpt, dense, final = [], [], [], [], []
-        walks = self.kernel_stage in ("fused", "walk")
-        for st in self.states:
-            kd, vd = _axes(st, order)
-            init += self.state_io(st, I1)
-            init.append(f"{I1}s_{st.name} = tl.zeros([{_block(kd)}, {_block(vd)}], dtype=tl.float32)")
-            if walks:       # the slot kernels start from a checkpoint (or have no state: intra)
-                init.append(f"{I1}if USE_INITIAL_STATE:")
-                ptr, msk = self.state_ptr(st, f"p_init_{st.name}", "(i_n * H + i_h)")
-                init.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0)")
-            # _ck_slot: the checkpoint's slot (templates/chunk_fwd.py.j2); checkpoints in the
-            # inputs' dtype where that is bf16/fp16 (launch.checkpoint_dtype)
-            ptr, msk = self.state_ptr(st, f"p_ckpt_{st.name}", "(_ck_slot * H + i_h)")
-            ckpt.append(f"{I4}tl.store({ptr}, s_{st.name}.to(p_ckpt_{st.name}.dtype.element_ty), mask={msk})")
-            load_ckpt.append(f"{I2}s_{st.name} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)")
-            ptr, msk = self.state_ptr(st, f"p_dense_{st.name}", "((bos // _BLOCK__T + i_n + _chunk) * H + i_h)")
-            dense.append(f"{I2}tl.store({ptr}, s_{st.name}.to(p_dense_{st.name}.dtype.element_ty), mask={msk})")
-            ptr, msk = self.state_ptr(st, f"p_final_{st.name}", "(i_n * H + i_h)")
-            final.append(f"{I2}tl.store({ptr}, s_{st.name}, mask={msk})")
-        if self.stab is not None:       # the stabilizer m: a scalar per (sequence, head)
-            init.append(f"{I1}s__m = _fhead * 0.0 + {M_EMPTY}    # an empty state's m (derive/stabilize.py)")
-            if walks:
-                init += [f"{I1}if USE_INITIAL_STATE:", f"{I2}s__m = tl.load(p_init__m + i_n * H + i_h)"]
-            ckpt.append(f"{I4}tl.store(p_ckpt__m + _ck_slot * H + i_h, s__m)")
-            load_ckpt.append(f"{I2}s__m = tl.load(p_ckpt__m + _ck_slot * H + i_h)")
-            dense.append(f"{I2}tl.store(p_dense__m + (bos // _BLOCK__T + i_n + _chunk) * H + i_h, s__m)")
-            final.append(f"{I2}tl.store(p_final__m + i_n * H + i_h, s__m)")
-        return common_hooks(self.plan) | {
-            "init_states": "\n".join(init),
-            "load_inputs": "\n".join(loads),
-            "chunk_body": "\n".join(body),
-            "checkpoint": "\n".join(ckpt),
-            "load_checkpoint": "\n".join(load_ckpt),
-            "store_dense": "\n".join(dense),
-            "store_states": "\n".join(final),
-        }
+        # the kernel's scaffolding (programs, lanes, params, the states' loads and stores, the
+        # checkpoints, the inputs' loads, the chunk loop) is kernel IR: chunk_ir.forward_kernel
+        return {"chunk_body": "\n".join(body)}
 
     def sanitize(self, st: P.StatePlan, per_state: dict) -> list[str]:
         """_bad_<S> [C]: nonzero at the tokens whose key-side values (key, value, the rank-1
@@ -624,5 +592,5 @@ def g_is_vector(st: P.StatePlan) -> bool:
 
 
 def chunk_fwd_hooks(plan: Plan, kernel_stage: str) -> dict:
-    """The hooks of templates/chunk_fwd.py.j2 for one stage's kernel."""
-    return ChunkCode(plan, kernel_stage).hooks() | {"stage": kernel_stage}
+    """The texts of one stage's forward kernel that chunk_ir.forward_kernel places."""
+    return ChunkCode(plan, kernel_stage).hooks()

@@ -18,7 +18,7 @@ from ..derive import plan as P
 from ..derive.plan import Plan
 from .adjoint import Adjoint, combine
 from .chunk import ChunkCode, g_is_vector
-from .recurrent import I1, I2, I3, common_hooks, numel, zeros
+from .recurrent import I1, I2, I3, numel, zeros
 from .key_split import key_dim
 from .tile_split import split_tiles
 from .triton_expr import Emitter, canon, expand
@@ -223,7 +223,7 @@ class ChunkBackward(ChunkCode):
         loop = "\n".join
         if self.tile is not None:
             loop = lambda lines: textwrap.indent("\n".join(lines), "    ")     # noqa: E731 (inside the tile loop)
-        return common_hooks(self.plan) | {
+        return {
             "init_grads": "\n".join(init),
             "tile_loop": "\n".join(tile_loop),
             "load_checkpoint": loop(load_ckpt),
@@ -287,8 +287,8 @@ class ChunkBackward(ChunkCode):
 
 
 def chunk_bwd_hooks(plan: Plan, kernel_stage: str) -> dict:
-    """The hooks of templates/chunk_bwd.py.j2 for one stage's kernel."""
-    return ChunkBackward(plan, kernel_stage).hooks() | {"stage": kernel_stage}
+    """The texts of one stage's backward kernel that chunk_ir.backward_kernel places."""
+    return ChunkBackward(plan, kernel_stage).hooks()
 
 
 def split_backward(plan: Plan, source: str, kernel: str) -> str:

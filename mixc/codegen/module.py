@@ -20,6 +20,8 @@ from .key_split import key_dim, split_keys
 from .launch_plan import chunk_stages, kernel_name, launch_plan, stage_kernel_name
 from .chunk_bwd import chunk_bwd_hooks, split_backward
 from .header import docstring_safe
+from . import chunk_ir
+from .kir import nodes as kir_nodes
 from .kir import passes, printer
 from .recurrent_bwd_ir import backward_kernel
 from .recurrent_ir import RECURRENT_PASSES, forward_kernel
@@ -179,12 +181,10 @@ def kernel_header(plan: Plan, form: str, stage: str | None = None) -> tuple[str,
     return tuple(lines)
 
 
-def _kernel_comment(plan: Plan, form: str, stage: str | None = None) -> str:
-    if stage is None:
-        return "".join(f"# {line}\n" for line in kernel_header(plan, form))
-    # a chunked kernel's header, wrapped (what it does, reads and writes, fla's counterpart)
-    return "".join(f"# {part}\n" for line in kernel_header(plan, form, stage)
-                   for part in textwrap.wrap(line, 98, subsequent_indent="  ", break_on_hyphens=False))
+def _chunk_header(plan: Plan, form: str, stage: str) -> tuple[str, ...]:
+    """A chunked kernel's header, wrapped (what it does, reads and writes, fla's counterpart)."""
+    return tuple(part for line in kernel_header(plan, form, stage)
+                 for part in textwrap.wrap(line, 98, subsequent_indent="  ", break_on_hyphens=False))
 
 
 RECURRENT = ("recurrent_fwd", "recurrent_bwd")
@@ -207,7 +207,9 @@ def recurrent_ir(plan: Plan, record: dict | None = None) -> dict:
 
 def kir_text(plan: Plan) -> str:
     """--dump kir: each recurrent kernel as built and after each pass (each verified), printed
-    with its shape comments; what each pass dropped or changed, in one line above it."""
+    with its shape comments; what each pass dropped or changed, in one line above it. Then each
+    chunked kernel as built (verified; its hooks' texts still Text, codegen/chunk_ir.py), before
+    the ast passes (key_split.py, tile_split.py) that still rewrite its printed text."""
     record: dict = {}
     recurrent_ir(plan, record)
     out = []
@@ -218,15 +220,33 @@ def kir_text(plan: Plan) -> str:
             out.append(f"#### {k.name} after {name} (verified): {note}")
             out.append(printer.kernel(k))
             before = k
+    if plan.layout.chunked:
+        for form in ("chunk_fwd", "chunk_bwd"):
+            for stage in chunk_stages(plan, form):
+                k = chunk_kernel(plan, form, stage)
+                texts = [s.what for s in kir_nodes.walk_stmts(k.body) if isinstance(s, kir_nodes.Text)]
+                out.append(f"#### {k.name} as built (verified): {passes.count(k)} statements, "
+                           f"{len(texts)} of them text ({', '.join(texts)})")
+                out.append(printer.kernel(k))
     return "\n".join(out)
 
 
-def _render_kernel(plan: Plan, form: str, stage: str, hooks: dict) -> str:
-    """One stage's kernel of a chunked form from its template: its name, its arguments (the
-    one definition, plan.layout.kernel_args: standalone/kernel_args.py) and the hooks of its
-    body (rendered for that stage), under a comment that says which kernel and class it is."""
-    return _kernel_comment(plan, form, stage) + _env().get_template(f"{form}.py.j2").render(
-        kernel=stage_kernel_name(plan, form, stage), arguments=plan.layout.kernel_args[form], **hooks)
+CHUNK_BUILDERS = {"chunk_fwd": chunk_ir.forward_kernel, "chunk_bwd": chunk_ir.backward_kernel}
+
+
+def chunk_kernel(plan: Plan, form: str, stage: str) -> kir_nodes.Kernel:
+    """One stage's kernel of a chunked form as kernel IR (codegen/chunk_ir.py: its scaffolding
+    as statements, the hooks rendered for that stage as Text), verified: its name, its
+    arguments (the one definition, plan.layout.kernel_args: standalone/kernel_args.py), under
+    a header that says which kernel and class it is."""
+    hooks = (chunk_fwd_hooks if form == "chunk_fwd" else chunk_bwd_hooks)(plan, stage)
+    return passes.run(CHUNK_BUILDERS[form](plan, stage_kernel_name(plan, form, stage),
+                                           _chunk_header(plan, form, stage), stage, hooks), ())
+
+
+def _render_kernel(plan: Plan, form: str, stage: str) -> str:
+    """One stage's kernel of a chunked form, printed (the ast passes read this text)."""
+    return printer.kernel(chunk_kernel(plan, form, stage))
 
 
 def forward_kernels(plan: Plan) -> list[str]:
@@ -240,7 +260,7 @@ def forward_kernels(plan: Plan) -> list[str]:
     staged = bool(plan.layout.intra_matrices)
     out = []
     for stage in chunk_stages(plan, "chunk_fwd"):
-        source = _render_kernel(plan, "chunk_fwd", stage, chunk_fwd_hooks(plan, stage))
+        source = _render_kernel(plan, "chunk_fwd", stage)
         if stage in ("output", "intra"):
             source = split_keys(source, stage_kernel_name(plan, "chunk_fwd", stage), key, flags, staged,
                                 stage, walk and stage == "output")
@@ -253,7 +273,7 @@ def backward_kernels(plan: Plan) -> list[str]:
     (codegen/tile_split.py)."""
     out = []
     for stage in chunk_stages(plan, "chunk_bwd"):
-        source = _render_kernel(plan, "chunk_bwd", stage, chunk_bwd_hooks(plan, stage))
+        source = _render_kernel(plan, "chunk_bwd", stage)
         if stage == "tiles":
             source = split_backward(plan, source, stage_kernel_name(plan, "chunk_bwd", stage))
         out.append(source)

@@ -172,7 +172,7 @@ def prologue(plan: Plan, split_comment: str, rows_comment: str) -> tuple[list[K.
         *([let("_not_first", K.Cast(op(">", pid(2), num(0)), F32), comment=split_comment)] if split else []),
         let("_nseq", op("//", nprog(0), arg("H")), "i32", rows_comment),
         K.If(arg("varlen"), (let("_ntok", arg("T"), "i32"),), (let("_ntok", mul(name("_nseq"), arg("T")), "i32"),)),
-        *[s for d in order for s in _lanes(d, 1 if d == tile else 2 if d == split else None)],
+        *[s for d in order for s in lanes(d, 1 if d == tile else 2 if d == split else None)],
         K.Comment(""),
         K.Comment("params"),
         *params_and_heads(plan),
@@ -181,7 +181,7 @@ def prologue(plan: Plan, split_comment: str, rows_comment: str) -> tuple[list[K.
 
 def params_and_heads(plan: Plan) -> list[K.Stmt]:
     """The params of this head, and each input's heads and the one this head reads (every
-    kernel's, the chunked ones' too: recurrent.common_hooks prints them)."""
+    kernel's, the chunked ones' too: chunk_ir.params)."""
     m, order = plan.kernel_ir, plan.kernel_ir.dim_names
     # grouped heads: input x has H / _group_x heads and head i_h reads its head i_h // _group_x
     # (no copy per head; _group_x = 1, Triton's specialization, folds this away)
@@ -193,7 +193,7 @@ def params_and_heads(plan: Plan) -> list[K.Stmt]:
     ]
 
 
-def _lanes(d: str, axis: int | None) -> list[K.Let]:
+def lanes(d: str, axis: int | None) -> list[K.Let]:
     """A dim's lanes: the whole dim's block, or (axis) this program's block of the tile or split dim."""
     lanes = K.Arange(d) if axis is None else add(mul(pid(axis), arg("block", d)), K.Arange(d))
     return [let(f"_offs_{d}", lanes, "i32", None if axis is None else f"this program's block of {d}"),

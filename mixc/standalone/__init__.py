@@ -5,7 +5,7 @@ rules, not a copy of them).
 - errors.py: ArgumentError, the one error of a bad argument;
 - binding.py: the binder (a call's arguments checked against the spec's signature: shapes,
   dtypes, devices, states, cu_seqlens, options; the chunk and CK checks and clamps);
-- kernel_args.py: each kernel form's argument list (the templates print the signatures from
+- kernel_args.py: each kernel form's argument list (the kernel IR prints the signatures from
   it, the launches pass values by it);
 - launch_data.py and launcher.py: the one launcher (every rule that turns a plan and bound
   arguments into kernel launches: grids, blocks, constexprs, buffers, checkpoint dtypes), driven

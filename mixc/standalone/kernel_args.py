@@ -6,8 +6,9 @@ state's checkpoints, the output's gradient ..., a runtime scalar, a constexpr si
 switch) and what it is for (the input, param, option, state or dim). ROLES gives each role its
 parameter name, its kind and its dtype rule. From this one list:
 
-- the template signature: templates/kernel_args.j2 prints `arguments.lines` (the lines and
-  comments of the `def kernel(...)` block), so the kernel text is rendered from it;
+- the kernels' signatures: codegen/recurrent_ir.arguments makes the kernel IR's argument
+  lines of `arguments.lines` (the lines and comments of the `def kernel(...)` block), which
+  the kir printer prints;
 - the launch call: the launcher (launcher.py, for mixc.load's op and a compiled module alike)
   fills a value per Arg.key and calls KernelArgs.launch: the arguments before the first
   constexpr positionally, the rest by name; runtime/fastpath.py replays the recorded order;

@@ -296,7 +296,7 @@ def test_dump_kir_prints_each_kernel_after_each_pass(capsys):
     from mixc import cli
     assert cli.main(["compile", "gla", "--dump", "kir"]) == 0
     out = capsys.readouterr().out
-    heads = [line for line in out.splitlines() if line.startswith("#### ")]
+    heads = [line for line in out.splitlines() if line.startswith("#### gla_recurrent")]
     assert heads == [
         "#### gla_recurrent_fwd after build (verified): 57 statements",
         "#### gla_recurrent_fwd after dead_lets (verified): 57 -> 56 statements; dropped _fhead",
@@ -305,6 +305,14 @@ def test_dump_kir_prints_each_kernel_after_each_pass(capsys):
         "#### gla_recurrent_bwd after dead_lets (verified): 102 -> 90 statements; dropped _ao5, _ao6, _az4, "
         "_az6, _az7, _fhead, _o2, _o3, _oj, _z1, _z2, _z3",
         "#### gla_recurrent_bwd after hoist_invariants (verified): 90 -> 90 statements; moved out of loops _zs_S"]
+    # then each chunked kernel as built (codegen/chunk_ir.py), its hooks' text named
+    chunked = [line for line in out.splitlines() if line.startswith("#### gla_chunk")]
+    assert [line.split()[1] for line in chunked] == [
+        f"gla_chunk_{stage}" for stage in ("fwd_fused", "fwd_walk", "fwd_output", "fwd_refill", "fwd_intra",
+                                           "bwd_fused", "bwd_walk", "bwd_tiles")]
+    assert all(" as built (verified): " in line for line in chunked)
+    assert chunked[0].endswith("54 statements, 1 of them text (chunk_body)")
+    assert chunked[-1].endswith("3 of them text (init_grads, chunk_backward, store_grads)")
     retention = pipeline.dump("kir", "retention")
     assert ("#### retention_recurrent_fwd after hoist_invariants (verified): 57 -> 57 statements; "
             "moved out of loops _l1, _l2, _l3, _l4, _zs_S") in retention

@@ -32,7 +32,7 @@ def test_chunk_slot_table_names_every_chunk_once(lens, C):
     got = {}
     for slot, i in enumerate(table):
         bos, eos = cu[i].item(), cu[i + 1].item()
-        c = slot - bos // C - i                      # what the kernel computes (chunk_programs.j2)
+        c = slot - bos // C - i                      # what the kernel computes (codegen/chunk_ir.programs)
         assert c >= 0, (slot, i)
         if c < -(-(eos - bos) // C):
             got[slot] = (i, c)

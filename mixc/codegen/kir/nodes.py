@@ -85,9 +85,27 @@ class Raw(Expr):
         return self.dims_
 
 
+def flat(*dims: str) -> str:
+    """The name of a flat axis over several dims' blocks, outermost first (a chunked kernel's
+    state matrix flattens its key dims into one axis, based's [K*J, V]): "K*J"."""
+    return "*".join(dims)
+
+
+def second(dim: str) -> str:
+    """A second axis over the same dims as `dim` (a scalar state's matrix is [_1, _1']: two
+    unit axes, told apart by name): "_1'"."""
+    return dim + "'"
+
+
+def blocks(dim: str) -> tuple[str, ...]:
+    """The block constants whose product is a dim's (a flat axis's, a second axis's) block."""
+    return tuple(f"_BLOCK_{d}" for d in dim.rstrip("'").split("*"))
+
+
 @dataclass(frozen=True)
 class Arange(Expr):
-    """tl.arange(0, _BLOCK_<dim>): the lanes of one dim's block."""
+    """tl.arange(0, _BLOCK_<dim>): the lanes of one dim's block (of a flat axis: the product
+    of its dims' blocks)."""
     dim: str
 
     @property
@@ -95,7 +113,7 @@ class Arange(Expr):
         return (self.dim,)
 
     def uses(self):
-        return (f"_BLOCK_{self.dim}",)
+        return blocks(self.dim)
 
 
 @dataclass(frozen=True)
@@ -108,7 +126,7 @@ class Zeros(Expr):
         return self.dims_
 
     def uses(self):
-        return tuple(f"_BLOCK_{d}" for d in self.dims_)
+        return tuple(b for d in self.dims_ for b in blocks(d))
 
 
 # ---- operators ----
@@ -336,6 +354,17 @@ class If(Stmt):
 
 
 @dataclass(frozen=True)
+class Text(Stmt):
+    """Lines of Triton made outside the IR, indented relative to where the Text stands: what
+    the chunked kernels' hooks and class macros still render as text (codegen/chunk_ir.py)
+    until they are builders of IR. `what` names them (errors, --dump kir). The verifier does
+    not look into them and what they define is not visible to the IR after them, so a kernel
+    holding Text takes no passes (passes.run refuses it)."""
+    lines: tuple[str, ...]
+    what: str = "text"
+
+
+@dataclass(frozen=True)
 class Comment(Stmt):
     """A comment line ('' a blank line)."""
     text: str
@@ -421,6 +450,11 @@ def _promote(*dts: str | None) -> str | None:
     if any(d is None for d in dts):
         return None
     return max(dts, key=_ORDER.index)
+
+
+def promote(a: str, b: str) -> str:
+    """The wider of two known dtypes (Triton's promotion)."""
+    return _promote(a, b)
 
 
 def dtype_of(e: Expr, names) -> str | None:

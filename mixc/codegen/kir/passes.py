@@ -105,6 +105,9 @@ def run(kernel: n.Kernel, passes: tuple[Pass, ...], record: list | None = None) 
     verify(kernel)
     if record is not None:
         record.append(("build", kernel))
+    if passes and any(isinstance(s, n.Text) for s in n.walk_stmts(kernel.body)):
+        # what Text reads and defines is unknown here: a pass could drop or move what it needs
+        raise ValueError(f"{kernel.name} holds text made outside the IR: it takes no passes")
     for p in passes:
         kernel = verify(p.run(kernel))
         if record is not None:

@@ -52,10 +52,10 @@ def expr(e: n.Expr) -> str:
     if isinstance(e, (n.Const, n.Raw)):
         return e.text
     if isinstance(e, n.Arange):
-        return f"tl.arange(0, _BLOCK_{e.dim})"
+        return f"tl.arange(0, {' * '.join(n.blocks(e.dim))})"
     if isinstance(e, n.Zeros):
         assert e.dims_, "a scalar zero is a number, not tl.zeros"
-        return f"tl.zeros([{', '.join(f'_BLOCK_{d}' for d in e.dims_)}], dtype=tl.float32)"
+        return f"tl.zeros([{', '.join(' * '.join(n.blocks(d)) for d in e.dims_)}], dtype=tl.float32)"
     if isinstance(e, n.BinOp):
         p = n.BINARY[e.op]
         # left-associative: the right operand needs parentheses at equal binding too (and a
@@ -121,6 +121,8 @@ def stmt(s: n.Stmt, indent: str = "", comments: bool = True) -> list[str]:
         return [f"{indent}{expr(s.value)}"]
     if isinstance(s, n.Comment):
         return [f"{indent}# {s.text}" if s.text else ""]
+    if isinstance(s, n.Text):
+        return [f"{indent}{line}" if line.strip() else "" for line in s.lines]
     if isinstance(s, n.For):
         head = f"{indent}for {s.var} in range({expr(s.start)}, {expr(s.stop)}):"
         return [head] + block(s.body, indent + INDENT, comments)

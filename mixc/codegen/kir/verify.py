@@ -13,7 +13,11 @@
             i1, `/` and the float functions f32, a cast its target) where that is known;
   control   loop bounds and If conditions are scalars.
 
-Raw text (the adapter's, never in a kernel built as IR) is not looked into.
+Raw text (the adapter's, never in a kernel built as IR) and Text statements (the chunked
+kernels' hooks, codegen/chunk_ir.py) are not looked into. An If on a constexpr argument
+(IS_VARLEN) is folded when Triton compiles the kernel, so its branches may give a name
+different dtypes (the slot's index within its sequence: int64 from a packed sequence's bos,
+int32 else); it lives on with the wider one.
 """
 from __future__ import annotations
 
@@ -31,9 +35,11 @@ def _is_subsequence(have: n.Dims, want: n.Dims) -> bool:
 
 
 class _Scope:
-    def __init__(self, visible: dict[str, tuple[n.Dims, str]], closed: dict[str, str]):
+    def __init__(self, visible: dict[str, tuple[n.Dims, str]], closed: dict[str, str],
+                 constexprs: frozenset[str] = frozenset()):
         self.visible = visible          # name -> (dims, dtype)
         self.closed = closed            # name -> the block that defined it, now ended
+        self.constexprs = constexprs    # the kernel's constexpr arguments
 
 
 def _check_expr(e: n.Expr, scope: _Scope, where: str) -> None:
@@ -111,7 +117,7 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
         elif isinstance(s, n.For):
             if s.start.dims or s.stop.dims:
                 raise KirError(f"{where}: a loop's bounds must be scalars")
-            inner = _Scope(dict(scope.visible), scope.closed)
+            inner = _Scope(dict(scope.visible), scope.closed, scope.constexprs)
             look = lambda x: scope.visible[x][1] if x in scope.visible else None     # noqa: E731
             var_dtype = n.dtype_of(n.BinOp("+", s.start, s.stop), look) or "i64"
             if s.var not in inner.visible:
@@ -124,22 +130,28 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
         elif isinstance(s, n.If):
             if s.cond.dims:
                 raise KirError(f"{where}: an If's condition must be a scalar")
-            then = _block(s.body, _Scope(dict(scope.visible), scope.closed), "an If")
-            other = _block(s.orelse, _Scope(dict(scope.visible), scope.closed), "an else")
+            then = _block(s.body, _Scope(dict(scope.visible), scope.closed, scope.constexprs), "an If")
+            other = _block(s.orelse, _Scope(dict(scope.visible), scope.closed, scope.constexprs), "an else")
             for name in then.keys() | other.keys():
                 if name in then and name in other:
+                    both = then[name]
                     if then[name] != other[name]:
-                        raise KirError(f"{where}: the branches define {name} with different dims or dtypes")
-                    new[name] = then[name]
-                    scope.visible[name] = then[name]
+                        folded = isinstance(s.cond, n.Name) and s.cond.id in scope.constexprs
+                        if not folded or then[name][0] != other[name][0]:
+                            raise KirError(f"{where}: the branches define {name} with different dims or dtypes")
+                        both = (then[name][0], n.promote(then[name][1], other[name][1]))
+                    new[name] = both
+                    scope.visible[name] = both
                 else:
                     scope.closed[name] = f"one branch of `if {printer.expr(s.cond)}`"
     return new
 
 
-def verify_block(stmts, defined: dict[str, tuple[n.Dims, str]] | None = None) -> None:
-    """Check statements given the names defined before them (name -> (dims, dtype))."""
-    _block(tuple(stmts), _Scope(dict(defined or {}), {}), "the kernel")
+def verify_block(stmts, defined: dict[str, tuple[n.Dims, str]] | None = None,
+                 constexprs: frozenset[str] = frozenset()) -> None:
+    """Check statements given the names defined before them (name -> (dims, dtype)) and the
+    constexpr arguments among them."""
+    _block(tuple(stmts), _Scope(dict(defined or {}), {}, constexprs), "the kernel")
 
 
 def verify(kernel: n.Kernel) -> n.Kernel:
@@ -148,5 +160,6 @@ def verify(kernel: n.Kernel) -> n.Kernel:
     names = kernel.arg_names
     if len(set(names)) != len(names):
         raise KirError(f"{kernel.name}: an argument appears twice")
-    verify_block(kernel.body, {a.name: ((), a.dtype) for line in kernel.args for a in line.args})
+    verify_block(kernel.body, {a.name: ((), a.dtype) for line in kernel.args for a in line.args},
+                 frozenset(a.name for line in kernel.args for a in line.args if a.constexpr))
     return kernel
