@@ -8,6 +8,7 @@ import pprint
 
 from .. import classes
 from ..derive import affine
+from ..derive.logspace import log_ir
 from ..derive.plan import Plan, _key_value
 from .chunk import ChunkCode
 from .torch_expr import TorchEmitter, input_loads
@@ -54,9 +55,27 @@ def torch_hooks(plan: Plan) -> dict:
         var, have = em(expr)
         return f"_full({em.expand(var, have, dims)}, _B, _T, _H, {_sizes(dims)}).to(_x0.dtype)"
 
-    out = [f"{I1}_K, _V, _g, _Q, _L, _R, _Lc = {{}}, {{}}, {{}}, {{}}, {{}}, {{}}, {{}}"]
-    states = {}
+    out = [f"{I1}_K, _V, _g, _Q, _L, _R, _Lc, _Sys = {{}}, {{}}, {{}}, {{}}, {{}}, {{}}, {{}}, {{}}"]
+    states, systems = {}, {}
+    for sy in plan.systems:     # a block-affine system's pieces (derive/system_chunk.py, classes/block_affine.py)
+        form = sy.chunk
+        kd, vd = canon(order, form.key_dims), canon(order, form.value_dims)
+        a, d = (f"_t({em(log_ir(m, e))[0]}).to(_x0.dtype).expand(_B, _T, _H)" for e in (form.a, form.d))
+        c = f"_t({em(form.c)[0]}).to(_x0.dtype).expand(_B, _T, _H)" if form.c is not None else "None"
+        lefts = ", ".join(full(u, kd) if u is not None else "None" for u in form.lefts) + ","
+        # the input terms as (state index, kin, vin), one per outer product
+        kin = ", ".join(f"({i}, {full(k, kd)}, {full(v, vd)})" for i, pairs in enumerate(form.inputs)
+                        for k, v in pairs)
+        out.append(f"{I1}_Sys[{'+'.join(sy.states)!r}] = {{'log_a': {a}, 'c': {c}, 'log_d': {d}, "
+                   f"'w': {full(form.right, kd) if form.right is not None else None}, 'u': ({lefts}), "
+                   f"'inputs': [{kin}]}}")
+        systems['+'.join(sy.states)] = {"states": list(form.states), "read": form.read, "kd": list(kd), "vd": list(vd)}
+        for name in sy.states:
+            states[name] = {"class": classes.SYSTEM_CLASS, "decay": None, "kd": list(kd), "vd": list(vd),
+                            "decl": list(m.state(name).shape)}
     for st in chunk.states:
+        if st.name in states:   # a state of a system: above
+            continue
         kd, vd = canon(order, st.key_dims), canon(order, st.value_dims)
         p = st.ir_pieces
         unit = classes.unit(st.transition)
@@ -94,8 +113,7 @@ def torch_hooks(plan: Plan) -> dict:
                            "decl": list(m.state(st.name).shape)}
     readouts = {}
     for r in plan.output.readouts:
-        st = chunk.state(r.state)
-        kd, vd = canon(order, st.key_dims), canon(order, st.value_dims)
+        kd, vd = (states[r.state][x] for x in ("kd", "vd"))
         terms = [f"({full(t.proj, kd)}, {full(t.scale, vd) if t.scale is not None else 'None'})"
                  for t in r.terms_ir]
         out.append(f"{I1}_Q[{r.name!r}] = [{', '.join(terms)}]")
@@ -104,13 +122,13 @@ def torch_hooks(plan: Plan) -> dict:
     if plan.stabilizer is not None:
         var, _ = em(plan.stabilizer.log_gate)
         gate = f"_t({var}).to(_x0.dtype).expand(_B, _T, _H)"
-    out.append(f'{I1}return {{"K": _K, "V": _V, "g": _g, "Q": _Q, "L": _L, "R": _R, "Lc": _Lc, "gate": {gate}}}')
+    out.append(f'{I1}return {{"K": _K, "V": _V, "g": _g, "Q": _Q, "L": _L, "R": _R, "Lc": _Lc, "Sys": _Sys, "gate": {gate}}}')
     pieces = lines + em.lines + out
 
     # the combine, over the readouts (and m)
     lines, env, scalars = _env_lines(plan)
     for r in plan.output.readouts:
-        vd = canon(order, chunk.state(r.state).value_dims)
+        vd = tuple(states[r.state]["vd"])
         env[r.name] = (f"_r[{r.name!r}]", vd)
     combine_ir = plan.output.combine_ir
     if plan.stabilizer is not None:     # _mstab: (m_t, m_{t-1}) per token, the scales of S~_t, S~_{t-1}
@@ -128,6 +146,7 @@ def torch_hooks(plan: Plan) -> dict:
     return {
         "states": pprint.pformat(states, width=100, sort_dicts=False),
         "readouts": pprint.pformat(readouts, width=100, sort_dicts=False),
+        "systems": pprint.pformat(systems, width=100, sort_dicts=False),
         "stabilized": repr(tuple(plan.stabilizer.states) if plan.stabilizer is not None else ()),
         "pieces": "\n".join(pieces),
         "combine": "\n".join(combine),

@@ -14,8 +14,10 @@ memory with momentum is a 2x2 system, its diagonal parts scalar per head, with a
 projection over K in the blocks that read the memory.
 
 The recurrent and step forms run any such system (they evaluate the updates as written, one
-token at a time, and their backward is the adjoint of the same code); no chunked form is
-generated for one yet (its class, classes/block_affine.py, has no parallel form)."""
+token at a time, and their backward is the adjoint of the same code). A 2x2 system with
+triangular scalar gates and one rank-1 read (Titans') also has the torch backend's chunked
+form: system_chunk.py says which, classes/block_affine.py runs it; no chunked Triton kernels
+are generated for a system."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,6 +58,9 @@ class System:
 
     states: tuple[str, ...]
     blocks: tuple[Block, ...]
+    # the chunked form's pieces (derive/system_chunk.py SystemChunk), or why it has none
+    chunk: object = None
+    chunk_unsupported: str | None = None
 
     def block(self, of: str, wrt: str) -> Block | None:
         return next((b for b in self.blocks if b.of == of and b.wrt == wrt), None)

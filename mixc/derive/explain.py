@@ -97,9 +97,50 @@ def _system_lines(plan: P.Plan, sy) -> list[str]:
     for name in sy.states:
         st = plan.state(name)
         out.append(f"  input of {name}: B_t = {s(st.input_term)}")
-    out.append("  parallel form: none generated (no chunked form for a block-affine system yet); the recurrent "
-               "and step forms run it")
-    return out
+    if sy.chunk is None or not plan.layout.torch_chunked:
+        why = plan.layout.torch_chunk_unsupported
+        out.append(f"  parallel form: none ({why}); the recurrent and step forms run it")
+        return out
+    return out + _system_chunk_lines(plan, sy)
+
+
+def _system_chunk_lines(plan: P.Plan, sy) -> list[str]:
+    """The chunked form of a 2x2 system (derive/system_chunk.py; design-notes has the derivation)."""
+    f = sy.chunk
+    X1, X2 = f.states
+
+    def diag(of, wrt):
+        b = sy.block(of, wrt)
+        return s(b.diagonal_sym) if b is not None and b.diagonal is not None else "0"
+
+    def left(of):
+        b = sy.block(of, f.read)
+        return s(b.projections_sym[0][0]) if b is not None and b.projections else "0"
+    B = f"B = ({s(plan.state(X1).input_term)}; {s(plan.state(X2).input_term)})"
+    out = [f"  chunked form (mode='torch' only: no chunked kernels are generated for a system), C tokens a chunk, "
+           f"X = ({X1}, {X2}), X_0 the states at the chunk's start:"]
+    if f.read is None:
+        out.append(f"    X_t = (D_t (x) I) X_{{t-1}} + B_t,  D_t = [[a, 0], [c, d]] with a = {diag(X1, X1)}, "
+                   f"c = {diag(X2, X1)}, d = {diag(X2, X2)};  {B}")
+    else:
+        i = f.states.index(f.read)
+        right = s(next(b for b in sy.blocks if b.projections).projections_sym[0][1])      # one w for every block
+        out.append(f"    X_t = (D_t (x) I) X_{{t-1}} + u_t r_t^T + B_t,  D_t = [[a, 0], [c, d]] with a = {diag(X1, X1)}, "
+                   f"c = {diag(X2, X1)}, d = {diag(X2, X2)};  r_t = {f.read}_{{t-1}}^T w_t, w = {right}, "
+                   f"u = ({left(X1)}; {left(X2)}), {B}")
+    out.append("    P[m, n] = D_m ... D_{n+1} (2x2, lower triangular, boundaries m, n = 0..C): P00 = exp(per-pair sum of "
+               "log a), P11 = exp(per-pair sum of log d), P10[m, n] = sum_{n<r<=m} P11[m, r] c_r P00[r-1, n] "
+               "(no exp(-b) is formed)")
+    if f.read is not None:
+        out.append(f"    (I - M) R = sum_j P[t-1, 0][{i}, j] (w_t . X_j,0) + sum_l N_l Vin_l   the [C, C] unit "
+                   f"lower-triangular solve, M[t, s] = sum_l P[t-1, s][{i}, l] (w_t . u_l,s), N_l[t, s] = "
+                   f"P[t-1, s][{i}, l] (w_t . kin_l,s), s < t")
+    ru = "(q_t . u_l,s) r_s + " if f.read is not None else ""
+    uR = " (U_l * P[C, s][i, l])^T R +" if f.read is not None else ""
+    return out + [
+        f"    q_t . X_i,t = sum_j P[t, 0][i, j] (q_t . X_j,0) + sum_{{s<=t}} sum_l P[t, s][i, l] ({ru}"
+        "(q_t . kin_l,s) vin_l,s)    (prev(X_i): t-1, s < t)",
+        f"    X_i,C = sum_j P[C, 0][i, j] X_j,0 + sum_l{uR} (Kin_l * P[C, s][i, l])^T Vin_l"]
 
 
 def _chunk_lines(st: P.StatePlan, queries: list[str]) -> list[str]:

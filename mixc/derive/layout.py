@@ -101,6 +101,8 @@ def torch_chunk_supported(plan) -> str | None:
     """Why the torch backend has no chunked form for this plan, or None: the kernels' classes,
     the elementwise one (Mamba: exp(b_i - b_j) per element of the state) and the rank-r one
     (DeltaProduct: its B_t a sum of outer products)."""
+    if plan.systems:            # a block-affine system: its own chunked form (derive/system_chunk.py)
+        return system_chunk_supported(plan)
     if all(classes.unit(st.transition).parallel_form == "chunk" for st in plan.states):
         return chunk_supported(plan)
     for st in plan.states:      # the elementwise and rank-r classes (no kernels: torch only)
@@ -117,6 +119,25 @@ def torch_chunk_supported(plan) -> str | None:
             if t.proj is None or set(t.over) != set(plan.state(r.state).key_dims):
                 return f"readout {r.name} does not contract the key dims of {r.state}"
     return negative_decay(plan)
+
+
+def system_chunk_supported(plan) -> str | None:
+    """Why the torch backend has no chunked form for a plan with a block-affine system, or None:
+    one system holding every state, of the shape derive/system_chunk.py takes, no stabilizer."""
+    in_system = {n for sy in plan.systems for n in sy.states}
+    for sy in plan.systems:
+        if sy.chunk is None:
+            return f"the block-affine system {', '.join(sy.states)} has no chunked form: {sy.chunk_unsupported}"
+    if len(plan.systems) > 1 or any(st.name not in in_system for st in plan.states):
+        return "the spec has states beside its block-affine system (the chunked form runs one system alone)"
+    if plan.stabilizer is not None:
+        return "the block-affine system has an exponential-gate stabilizer"
+    keys = set(plan.systems[0].chunk.key_dims)
+    for r in plan.output.readouts:
+        for t in r.terms_ir:
+            if t.proj is None or set(t.over) != keys:
+                return f"readout {r.name} of {r.state} does not contract the key dims {', '.join(sorted(keys))}"
+    return None
 
 
 def intra_matrices(plan) -> int:

@@ -9,7 +9,7 @@ import sympy as sp
 
 from ..dsl import ir
 from ..dsl.errors import SpecError
-from . import affine, coupled, stabilize
+from . import affine, coupled, stabilize, system_chunk
 from .stabilize import Stabilizer
 from .budget import Budget
 # the transition classes (one unit each: mixc/classes/), named here too for the users of
@@ -286,6 +286,8 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     for g in groups:
         coupled.check_linear(spec, g)
     systems = tuple(coupled.system(spec, g, conv, same) for g in groups)
+    systems = tuple(replace(sy, chunk=form, chunk_unsupported=why) for sy in systems
+                    for form, why in [system_chunk.chunk_form(spec, sy, conv, table, _outer_terms, key_dims)])
     # a state read by a state the output reads is read too (through the system)
     for _ in spec.states:
         read |= {n for u in spec.updates if u.state in read for n in ir.refs(u.expr, "state")}
@@ -325,13 +327,16 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     parallel = {classes.unit(s.transition).parallel_form for s in states}
     if not parallel <= {"chunk", "scan"}:       # the classes without a parallel form say why (their note)
         notes += [n for s in states if (n := classes.unit(s.transition).no_parallel_note(s)) is not None]
-    notes += [f"states {sy.describe()}: no parallel form is generated for it; the recurrent and step forms "
-              "run it" for sy in systems]
     stab = stabilize.find(spec, states, combine_ir, r_plans, notes)
     plan = Plan(spec, tuple(sorted(values.items())), tuple(lets), tuple(nodes), tuple(states), out,
                 ("recurrent", "step"), tuple(notes), table.freeze(), stab, systems=systems)
     layout = kernel_layout(plan)
     forms = runnable_forms(plan, layout)
+    for sy in systems:
+        notes.append(f"states {sy.describe()}: no chunked kernels are generated for it; the recurrent and step "
+                     "kernels run it, and mode='torch' runs its chunked form" if layout.torch_chunked else
+                     f"states {sy.describe()}: no parallel form: {layout.torch_chunk_unsupported}; the recurrent "
+                     "and step forms run it")
     if parallel <= {"chunk", "scan"} and not ({"chunk", "scan"} & set(forms)) and negative_decay(plan) is None:
         # the classes have a parallel form that this spec's pieces do not fit (the lint speaks
         # for a decay that can be negative)

@@ -75,6 +75,10 @@ def cp_call(op, group, *, kwargs: dict, initial_state, output_final_state: bool,
         raise ArgumentError(f"cp_group: mixer '{op.name}' has no chunked form (its transition is "
                             f"{plan.transition}: {plan.layout.torch_chunk_unsupported}): context parallelism "
                             "needs the shard's transition")
+    if plan.systems:                      # Phi would map the stacked states together: not done
+        raise ArgumentError(f"cp_group: mixer '{op.name}' has a block-affine system of coupled states "
+                            f"({plan.systems[0].describe()}): its shard's transition maps the states together, "
+                            "which context parallelism does not do yet; call it without cp_group")
     x0 = next(iter(bound.inputs.values()))
     T = bound.T
 

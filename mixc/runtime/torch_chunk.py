@@ -36,6 +36,7 @@ from ..derive.plan import Plan
 from ..derive.stabilize import M_EMPTY
 from .cache import load_module
 from .signature import Bound, option_values
+from .torch_system import torch_system_forward
 
 
 # the torch backend's default chunk: 64 for every class (the kernels' C, 16 for a per-key decay,
@@ -61,7 +62,11 @@ def torch_forward(mod, x, p, opt, sizes, B, T, H, initial_state=None, cu_seqlens
     """(o [B, T, H, *out dims], final states {name: [N, H, *dims]} or None) of the generated
     module `mod`: inputs x [B, T, H, *dims] and params p [H, *dims] in the compute dtype,
     options opt (numbers). All chunks at once (torch_forward_batched) where the spec allows,
-    else the loop over chunks (the stabilized and elementwise classes)."""
+    else the loop over chunks (the stabilized and elementwise classes); a block-affine
+    system's own chunks (runtime/torch_system.py)."""
+    if getattr(mod, "TORCH_SYSTEMS", None):
+        return torch_system_forward(mod, x, p, opt, sizes, B, T, H, initial_state=initial_state,
+                                    cu_seqlens=cu_seqlens, output_final_state=output_final_state, C=C)
     if batched_supported(mod):
         return torch_forward_batched(mod, x, p, opt, sizes, B, T, H, initial_state=initial_state,
                                      cu_seqlens=cu_seqlens, output_final_state=output_final_state, C=C)

@@ -121,3 +121,46 @@ def test_a_system_not_linear_in_all_its_states_is_refused_at_its_place(update_z,
     assert "the update of z is not linear in the states S, z" in err.message and words in err.message
     assert err.line == 6
     assert "block-affine system" in str(err)
+
+
+RANGED = TITANS.replace("eta[], theta[], alpha[]", "eta[] in (0, 1), theta[] in (0, 1), alpha[] in (0, 1)")
+
+
+def test_titans_with_ranged_gates_has_the_torch_chunked_form():
+    """Gates in (0, 1): the 2x2 system's chunked form (derive/system_chunk.py) with its pieces;
+    the Triton chunked kernels stay refused, and explain prints the form as mode 'torch' only."""
+    plan = _plan(RANGED.format(mom="mom"))
+    (sy,) = plan.systems
+    f = sy.chunk
+    assert sy.chunk_unsupported is None and plan.layout.torch_chunk_unsupported is None
+    assert plan.layout.chunk_unsupported is not None and plan.forms == ("recurrent", "step")
+    assert f.states == ("mom", "mem") and f.read == "mem" and f.key_dims == ("K",) and f.value_dims == ("V",)
+    assert all(len(pairs) == 1 for pairs in f.inputs) and all(u is not None for u in f.lefts)
+    text = explain(plan)
+    assert "chunked form (mode='torch' only" in text
+    assert "D_t = [[a, 0], [c, d]] with a = eta, c = eta, d = 1 - alpha;  r_t = mem_{t-1}^T w_t, w = k" in text
+    assert "mode='torch' runs its chunked form" in text          # the note
+
+
+@pytest.mark.parametrize("text,why", [
+    (TITANS.format(mom="mom"), "the scale of mom in its own update is not provably >= 0"),
+    (RANGED.format(mom="mom").replace("output o = q @ mem", "output o = q @ mem + sum(mom @ v, K)"),
+     "the output reads mom contracting other dims than its projection (K)"),
+    (RANGED.format(mom="mom").replace("- theta * k * (k @ mem - v)", "- theta * k * (k @ mem - v) + k * (k @ mom)"),
+     "its projections read both states"),
+    (RANGED.format(mom="mom").replace("(1 - alpha) * mem", "(1 - alpha) * mem + eta * (q @ mem) * q"),
+     "more than one projection term"),
+    (RANGED.format(mom="mom").replace("eta * mom", "eta * mom + 0.5 * mem"),
+     "each state's update scales the other state"),
+    (RANGED.format(mom="mom").replace("input  q[K]", "input  g[K], q[K]").replace("eta * mom", "eta * g * mom"),
+     "a block's diagonal part varies over a dim"),
+], ids=["unranged", "value-read", "both-read", "rank2", "full-gates", "key-gate"])
+def test_systems_outside_the_chunked_form_say_why(text, why):
+    """Systems the chunked form does not take keep the token loop; the layout's reason (and the
+    note and explain) names what differs, in the spec's names."""
+    plan = _plan(text)
+    reason = plan.layout.torch_chunk_unsupported
+    assert reason is not None and why in reason, reason
+    assert plan.systems[0].chunk is None
+    assert any(why in n for n in plan.notes)
+    assert why in explain(plan)

@@ -327,6 +327,58 @@ def test_typed_random_specs_derive(text):
     _typed(text)
 
 
+# ---- 2x2 block-affine systems of the chunked form's shape (derive/system_chunk.py) ----------
+
+SYSTEM_HEADER = """mixer coupled_pair
+  dims   K, V
+  input  q[K], k[K], u[K], v[V], ga[] in (0, 1), gd[] in (0, 1), gc[], beta[] in (0, 1)
+  state  {states}
+"""
+
+
+@st.composite
+def system_spec(draw):
+    """Two states X, Y [K, V] with scalar gates >= 0 on their own value, Y reading X (its new
+    or previous value, with a scalar factor), an optional rank-1 projection k @ (one state) in
+    either update, input terms key (x) value, in either order of declaration and outputs
+    reading either state (prev() too): the shapes the torch chunked form takes."""
+    gate = st.sampled_from(["ga", "gd", "ga * gd", "1 - ga", "sigmoid(gc)", "0.5 * ga + 0.25"])
+    read = draw(st.sampled_from(["X", "Y", None]))
+    def update(own, extra):
+        text = f"({draw(gate)}) * {own}"
+        if read is not None and draw(st.booleans()):
+            text += f" - {draw(st.sampled_from(['beta * k', 'beta * u', 'u']))} * (k @ {read})"
+        if draw(st.booleans()):
+            text += f" + {draw(st.sampled_from(['beta * k * v', 'u * v', 'k * (beta * v)']))}"
+        return text + extra
+    link = draw(st.sampled_from(["X", "prev(X)", "gc * X", "ga * prev(X)"]))
+    upd_x = update("X", "")
+    upd_y = update("Y", f" + {link}")
+    states = draw(st.sampled_from(["X[K, V], Y[K, V]", "Y[K, V], X[K, V]"]))
+    output = draw(st.sampled_from(["q @ Y", "q @ X + q @ Y", "q @ prev(Y) + sum(X, K)", "(q @ X) * beta"]))
+    return (SYSTEM_HEADER.format(states=states) + f"  update X = {upd_x}\n  update Y = {upd_y}\n"
+            f"  output o = {output}\n")
+
+
+@settings(FAST, max_examples=30)
+@given(system_spec(), st.integers(0, 2**16))
+def test_random_systems_chunked_in_torch_mode(text, seed):
+    """Every such system has mode "torch"'s chunked form and equals the float64 reference
+    (chunks of 4 over T = 9: output and both final states)."""
+    op = from_text(text, "sys.mix")
+    assert op.plan().layout.torch_chunk_unsupported is None, (text, op.plan().layout.torch_chunk_unsupported)
+    args, _ = random_args(op.ir, B=2, T=9, H=2, sizes={"K": 3, "V": 2}, dtype=torch.float64, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    for n in ("ga", "gd", "beta"):
+        args[n] = 0.05 + 0.9 * torch.rand(args[n].shape, generator=gen, dtype=torch.float64)
+    ref, ref_state = op(**args, mode="reference", output_final_state=True)
+    got, got_state = op(**args, mode="torch", output_final_state=True, chunk=4)
+    scale = ref.abs().max().item() + 1.0
+    assert (got - ref).abs().max().item() <= 1e-9 * scale, text
+    for n in ref_state:
+        assert (got_state[n].double() - ref_state[n]).abs().max().item() <= 1e-6 * (ref_state[n].abs().max().item() + 1), text
+
+
 # ---- crashes found by fuzzing -------------------------------------------------------------
 
 @pytest.mark.parametrize("const", ["softplus(0)", "relu(1)", "sqrt(2)", "elu(2)", "silu(0.5)"])

@@ -8,7 +8,10 @@ paper (not from mixc's reference):
 (the spec's mom is S, mem is M; grad l = k (k @ M - v)^T). Every mode titans has (reference,
 torch, the recurrent kernels under Triton's interpreter, the decode step): output, final states
 and every gradient, the initial states' too; packed sequences (cu_seqlens) against separate
-loops per sequence.
+loops per sequence. Mode "torch" runs the system's chunked form (classes/block_affine.py,
+runtime/torch_system.py): checked here at chunk sizes that do not divide T, in float64 and
+float32, and at strong decay (gates near 0 and 1) where a cumulative product's inverse would
+overflow.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import mixc
+import mixc.runtime.torch_chunk as torch_chunk
 from helpers import case_id, random_args, random_state
 from kernel_checks import check_against_reference
 
@@ -68,16 +72,16 @@ def _op():
     return _OP[0]
 
 
-def make_case(*, B, T, H, K, V, seed, dtype=torch.float64, requires_grad=False, states=None):
-    """Fresh inputs as the paper has them: unit keys (it normalizes q and k), gates in (0, 1);
-    random initial states (`states` sequences of them, default B)."""
+def make_case(*, B, T, H, K, V, seed, dtype=torch.float64, requires_grad=False, states=None, gates=(0.05, 0.95)):
+    """Fresh inputs as the paper has them: unit keys (it normalizes q and k), gates in (0, 1)
+    (uniform in `gates`); random initial states (`states` sequences of them, default B)."""
     op = _op()
     args, sizes = random_args(op.ir, B=B, T=T, H=H, sizes={"K": K, "V": V}, seed=seed)
     gen = torch.Generator().manual_seed(seed + 7)
     args["k"] = F.normalize(args["k"], dim=-1)
     args["q"] = F.normalize(args["q"], dim=-1)
     for n in ("eta", "theta", "alpha"):
-        args[n] = 0.05 + 0.9 * torch.rand(args[n].shape, generator=gen, dtype=torch.float64)
+        args[n] = gates[0] + (gates[1] - gates[0]) * torch.rand(args[n].shape, generator=gen, dtype=torch.float64)
     args = {n: x.to(dtype).detach().requires_grad_(requires_grad) for n, x in args.items()}
     s0 = random_state(op.ir, states or B, H, sizes, seed=seed + 3, dtype=dtype, requires_grad=requires_grad)
     return op, args, s0
@@ -184,3 +188,123 @@ def test_step_kernel_in_place_matches_loop(shape):
     assert_close(o, o_l[:, 0], "titans: in-place step", tol=1e-5)
     for n in cache:
         assert_close(cache[n], fin_l[n], f"titans: {n} updated in place", tol=1e-5)
+
+
+@pytest.fixture
+def chunked_calls(monkeypatch):
+    """The chunk sizes of mode "torch"'s calls of the system's chunked form (so that a test of
+    mode "torch" fails if it ran the token loop instead)."""
+    calls, run = [], torch_chunk.torch_system_forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["C"])
+        return run(*args, **kwargs)
+    monkeypatch.setattr(torch_chunk, "torch_system_forward", spy)
+    return calls
+
+
+def test_torch_mode_runs_the_chunked_form():
+    plan = _op().plan()
+    assert plan.layout.torch_chunk_unsupported is None and plan.layout.chunk_unsupported is not None
+    assert any("mode='torch' runs its chunked form" in n for n in plan.notes)
+    (sy,) = plan.systems
+    assert sy.chunk.states == ("mom", "mem") and sy.chunk.read == "mem"
+
+
+CHUNK_CASES = [dict(B=2, T=100, H=3, K=16, V=8, C=16), dict(B=1, T=37, H=2, K=5, V=4, C=8),
+               dict(B=2, T=9, H=2, K=3, V=4, C=64), dict(B=1, T=1, H=1, K=4, V=2, C=4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda d: case_id(**d))
+def test_chunked_torch_form_matches_loop(case, dtype, chunked_calls):
+    """Mode "torch" (the system's chunked form, C tokens a chunk, C not dividing T): output,
+    both final states and every gradient (inputs', initial states') against the float64 loop;
+    float64 to 1e-9, float32 to 1e-4 (relative to the largest value)."""
+    case = dict(case)
+    C = case.pop("C")
+    op, args, s0 = make_case(seed=41, dtype=dtype, requires_grad=True, **case)
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="torch", chunk=C)
+    assert chunked_calls == [min(C, case["T"])]
+    o_l, fin_l = titans_loop(args, s0)
+    tol = 1e-9 if dtype == torch.float64 else 1e-4
+    assert o.dtype == dtype
+    assert_close(o, o_l, "titans chunked: output", tol=tol)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunked: final {n}", tol=max(tol, 1e-6))
+    assert_gradients_match("titans chunked", o, fin, o_l, fin_l, args, s0, tol=max(tol, 1e-6) * 10)
+
+
+def test_chunked_torch_form_without_initial_state(chunked_calls):
+    op, args, s0 = make_case(B=2, T=23, H=2, K=6, V=5, seed=43, requires_grad=True)
+    o, fin = op(**args, output_final_state=True, mode="torch", chunk=8)
+    assert chunked_calls == [8]
+    zeros = {n: torch.zeros_like(x) for n, x in s0.items()}
+    o_l, fin_l = titans_loop(args, zeros)
+    assert_close(o, o_l, "titans chunked from zeros: output", tol=1e-9)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunked from zeros: final {n}", tol=1e-6)
+    assert_gradients_match("titans chunked from zeros", o, fin, o_l, fin_l, args, {}, tol=1e-6)
+
+
+@pytest.mark.parametrize("C", [4, 5], ids=lambda c: f"C{c}")
+def test_chunked_torch_form_packed(C, chunked_calls):
+    """cu_seqlens with an empty sequence and lengths that C does not divide: each sequence from
+    its own initial state, against the loop on each sequence apart."""
+    lens = [6, 0, 11, 3]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    op, args, s0 = make_case(B=1, T=sum(lens), H=2, K=4, V=3, seed=47, requires_grad=True, states=len(lens))
+    o, fin = op(**args, initial_state=s0, output_final_state=True, cu_seqlens=cu, mode="torch", chunk=C)
+    assert chunked_calls == [C]
+    o_l, fin_l = packed_loop(args, s0, cu)
+    assert_close(o, o_l, "titans chunked packed: output", tol=1e-9)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunked packed: final {n}", tol=1e-6)
+    assert_gradients_match("titans chunked packed", o, fin, o_l, fin_l, args, s0, tol=1e-6)
+
+
+@pytest.mark.parametrize("gates", [(1e-4, 0.02), (0.98, 1 - 1e-4)], ids=["near0", "near1"])
+def test_chunked_torch_form_at_strong_decay(gates, chunked_calls):
+    """Gates near 0 (a chunk of 64 decays by ~1e-150: exp(-A) of a cumulative sum would
+    overflow float32) and near 1, in float32: finite and within 1e-4 of the float64 loop."""
+    op, args, s0 = make_case(B=1, T=130, H=2, K=8, V=4, seed=53, dtype=torch.float32, requires_grad=True,
+                             gates=gates)
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="torch", chunk=64)
+    assert chunked_calls == [64]
+    o_l, fin_l = titans_loop(args, s0)
+    assert torch.isfinite(o).all()
+    assert_close(o, o_l, f"titans chunked {gates}: output", tol=1e-4)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunked {gates}: final {n}", tol=1e-4)
+    assert_gradients_match(f"titans chunked {gates}", o, fin, o_l, fin_l, args, s0, tol=1e-4)
+
+
+def test_context_parallel_refuses_the_system(tmp_path):
+    """cp_group: a shard's transition of a system maps mom and mem together, which context
+    parallelism does not do: refused with the reason (one gloo process)."""
+    import torch.distributed as dist
+    from mixc.runtime.signature import ArgumentError
+    op, args, _ = make_case(B=1, T=6, H=2, K=3, V=4, seed=59)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ArgumentError, match=r"cp_group: mixer 'titans' has a block-affine system of coupled "
+                           r"states \(mom, mem: .*\): its shard's transition maps the states together"):
+            op(**args, cp_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_chunked_torch_form_is_causal_under_nan(name, chunked_calls):
+    """A NaN in token 5's key or value (chunks of 8; a NaN gate is refused by its declared
+    range): the outputs before it equal the loop's, those from it on are NaN, as the loop's,
+    and so are the final states."""
+    op, args, s0 = make_case(B=1, T=11, H=2, K=3, V=2, seed=61)
+    args[name] = args[name].clone()
+    args[name][0, 5] = float("nan")
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="torch", chunk=8)
+    assert chunked_calls == [8]
+    o_l, _ = titans_loop(args, s0)
+    assert_close(o[:, :5], o_l[:, :5], f"titans chunked, NaN in {name}: the outputs before it", tol=1e-9)
+    assert torch.isnan(o[:, 5:]).all() and torch.isnan(o_l[:, 5:]).all()
+    assert all(torch.isnan(x).all() for x in fin.values())

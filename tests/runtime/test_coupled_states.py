@@ -114,3 +114,72 @@ def test_inplace_step_with_a_state_without_the_tile_dim():
     assert (o.double() - o_ref[:, 0]).abs().max() <= 1e-5 * max(1, o_ref.abs().max())
     for n in cache:
         assert (cache[n].double() - st_ref[n]).abs().max() <= 1e-5 * max(1, st_ref[n].abs().max())
+
+
+@pytest.mark.parametrize("declared", ["x, y", "y, x"])
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_torch_chunked_form_of_a_system_without_projections(order, declared, monkeypatch):
+    """Gates in (0, 1) and reads q @ x + q @ y: the 2x2 system with triangular scalar gates has
+    mode "torch"'s chunked form (classes/block_affine.py) in every order of its updates and of
+    its declared states; chunks of 4 over T = 11, output, final states and every gradient
+    against the loop."""
+    import mixc.runtime.torch_chunk as torch_chunk
+    calls, run = [], torch_chunk.torch_system_forward
+    monkeypatch.setattr(torch_chunk, "torch_system_forward", lambda *a, **k: calls.append(k["C"]) or run(*a, **k))
+    head = HEAD.replace("a[], b[]", "a[] in (0, 1), b[] in (0, 1)").replace(
+        "state  x[K, V], y[K, V]", f"state  {declared.replace('x', 'x[K, V]').replace('y', 'y[K, V]')}")
+    op = from_text(head + ORDERS[order] + "  output o = q @ x + q @ y\n", "m.mix")
+    (sy,) = op.plan().systems
+    assert op.plan().layout.torch_chunk_unsupported is None
+    # the chunked form takes the states in the order that makes the gates lower triangular: y reads x
+    assert sy.states == tuple(declared.split(", ")) and sy.chunk.states == ("x", "y")
+    args, sizes = random_args(op.ir, B=2, T=11, H=2, sizes={"K": 3, "V": 4}, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    for n in ("a", "b"):
+        args[n] = 0.05 + 0.9 * torch.rand(args[n].shape, generator=gen, dtype=torch.float64)
+    args = {n: x.requires_grad_() for n, x in args.items()}
+    s0 = {n: x.requires_grad_() for n, x in random_state(op.ir, 2, 2, sizes, seed=7).items()}
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="torch", chunk=4)
+    assert calls == [4]
+    o_l, fin_l = _loop(args, s0, new=(order == "new"))
+    w = torch.randn(o_l.shape, generator=gen, dtype=torch.float64)
+    leaves = list(args.values()) + list(s0.values())
+    got = torch.autograd.grad((w * o).sum() + fin["x"].sum() + 2 * fin["y"].sum(), leaves, allow_unused=True)
+    want = torch.autograd.grad((w * o_l).sum() + fin_l["x"].sum() + 2 * fin_l["y"].sum(), leaves, allow_unused=True)
+    assert (o - o_l).abs().max() <= 1e-9 * max(1, o_l.abs().max())
+    for n in ("x", "y"):
+        assert (fin[n] - fin_l[n]).abs().max() <= 1e-6 * max(1, fin_l[n].abs().max())
+    for name, g, g_l in zip(list(args) + ["x0", "y0"], got, want):
+        if g_l is None:
+            assert g is None or g.abs().max() == 0, name
+            continue
+        assert (g - g_l).abs().max() <= 1e-6 * max(1, g_l.abs().max()), name
+
+
+TITANS_RANGED = """mixer titans
+  dims   K, V
+  input  q[K], k[K], v[V], eta[] in (0, 1), theta[] in (0, 1), alpha[] in (0, 1)
+  state  mom[K, V], mem[K, V]
+  update mom = eta * mom - theta * k * (k @ mem - v)
+  update mem = (1 - alpha) * mem + mom
+"""
+
+
+@pytest.mark.parametrize("output", ["sum(mom, K) + q @ mem", "q @ prev(mem) + 2 * (q @ prev(mom))"],
+                         ids=["both-states", "prev-reads"])
+def test_torch_chunked_form_reads_either_state(output):
+    """The system's chunked form reads the state its projection does not read (mom), a sum over
+    the key dims, and the previous states (prev(): the 2x2 products up to t - 1): output and
+    final states against the float64 reference, chunks of 4 over T = 11."""
+    op = from_text(TITANS_RANGED + f"  output o = {output}\n", "m.mix")
+    assert op.plan().layout.torch_chunk_unsupported is None
+    args, sizes = random_args(op.ir, B=2, T=11, H=2, sizes={"K": 3, "V": 4}, seed=5)
+    gen = torch.Generator().manual_seed(8)
+    for n in ("eta", "theta", "alpha"):
+        args[n] = 0.05 + 0.9 * torch.rand(args[n].shape, generator=gen, dtype=torch.float64)
+    s0 = random_state(op.ir, 2, 2, sizes, seed=7)
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="torch", chunk=4)
+    o_r, fin_r = op(**args, initial_state=s0, output_final_state=True, mode="reference")
+    assert (o - o_r).abs().max() <= 1e-9 * max(1, o_r.abs().max())
+    for n in fin_r:
+        assert (fin[n].double() - fin_r[n]).abs().max() <= 1e-6 * max(1, fin_r[n].abs().max())
