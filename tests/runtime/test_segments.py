@@ -124,3 +124,23 @@ def test_segments_env_refuses_a_bad_count(monkeypatch):
         env_segments()
     monkeypatch.setenv("MIXC_SEGMENTS", "3")
     assert env_segments() == 3
+
+
+def test_segmented_calls_are_not_replayed(monkeypatch):
+    """The replay fast path repeats a no-grad call's launches; the segmented walk corrects the
+    checkpoints between its launches (not a launch), so such a call is never replayed: the
+    second and third calls equal the unsegmented output too."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    op = mixc.load("simple_gla")
+    op._fast.clear()
+    args, _ = random_args(op.ir, B=1, T=70, H=2, sizes={"K": 4, "V": 5}, dtype=torch.float32, seed=9)
+    monkeypatch.setattr(launch, "SEGMENTS", 1)
+    with torch.no_grad():
+        want = op(**args, mode="chunk", chunk=16)
+    assert op._fast                 # the unsegmented call is replayable (its key holds SEGMENTS)
+    op._fast.clear()
+    monkeypatch.setattr(launch, "SEGMENTS", 3)
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(op(**args, mode="chunk", chunk=16), want, rtol=1e-5, atol=1e-5)
+    assert not op._fast, "a segmented call left a replay recipe"
