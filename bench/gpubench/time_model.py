@@ -119,10 +119,13 @@ def chain_of(spec: str, impl: str, launch: dict, B: int, T: int, H: int, C: int 
         return Chain(1)
     direction, stage = ds
     solve = C - 1 if spec in SOLVE_IN_WALK else 0
+    # a segmented walk (standalone/segments.py, its launch's "segments": bench/segments_model) runs
+    # S segments per sequence on S times the programs, each T / (S C) chunk-steps long
+    segments = launch.get("segments", 1) if stage == "walk" else 1
     if stage == "walk" and solve and staged_solve and direction == "fwd":
-        return Chain(T / C, 4)            # the staged inverse as one more matmul instead of the rows
+        return Chain(T / C / segments, 4)  # the staged inverse as one more matmul instead of the rows
     if stage == "walk":                     # the walk, forward or reverse
-        return Chain(T / C, 3 if solve else 1, solve)
+        return Chain(T / C / segments, 3 if solve else 1, solve)
     if stage in ("output", "refill") and direction == "fwd":
         return Chain(max(1.0, B * H * (T / C) / grid[0]))
     return Chain(1)

@@ -5,6 +5,7 @@ torch_expr.py; the chunk loop is the template's, the same for every spec."""
 from __future__ import annotations
 
 import pprint
+import re
 
 from .. import classes
 from ..derive import affine
@@ -143,7 +144,10 @@ def torch_hooks(plan: Plan) -> dict:
     combine = lines + cem.lines + [
         f"{I1}return _t({value}).to(_x0.dtype).expand(_B, _T, _H, {', '.join(f'_sizes[{d!r}]' for d in want)})"
         if want else f"{I1}return _t({value}).to(_x0.dtype).expand(_B, _T, _H)"]
+    decays, decay_inputs = _log_decay_lines(plan, chunk, order)
     return {
+        "log_decays": "\n".join(decays),
+        "log_decay_inputs": repr(decay_inputs),
         "states": pprint.pformat(states, width=100, sort_dicts=False),
         "readouts": pprint.pformat(readouts, width=100, sort_dicts=False),
         "systems": pprint.pformat(systems, width=100, sort_dicts=False),
@@ -151,3 +155,42 @@ def torch_hooks(plan: Plan) -> dict:
         "pieces": "\n".join(pieces),
         "combine": "\n".join(combine),
     }
+
+
+def _log_decay_lines(plan: Plan, chunk: ChunkCode, order) -> tuple[list[str], tuple[str, ...]]:
+    """The body of torch_log_decays: per state its log decay g alone (what a segmented walk's
+    summaries read, mixc/standalone/segments.py), in the dtype it is computed in (no cast to the
+    inputs' dtype: mamba2's softplus(dt + dt_bias) * A stays float32 as the kernels compute it),
+    and the inputs it reads. Only the loads g uses are printed, so a caller passes those inputs
+    alone (no copy of q, k or v is made)."""
+    lines, env, scalars = _env_lines(plan)
+    em = TorchEmitter(plan.ir, env, scalars, indent=I1, prefix="_p")
+    out = [f"{I1}_g = {{}}"]
+    for st in chunk.states:
+        kd, vd = canon(order, st.key_dims), canon(order, st.value_dims)
+        axis, expr = classes.unit(st.transition).decay_axis(st), st.ir_pieces.log_decay
+        if axis is None or expr is None:
+            g = "None"
+        elif axis == "scalar":
+            g = f"_t({em(expr)[0]}).expand(_B, _T, _H)"
+        elif axis in ("key", "value"):
+            dims = kd if axis == "key" else vd
+            var, have = em(expr)
+            g = f"_full({em.expand(var, have, dims)}, _B, _T, _H, {_sizes(dims)})"
+        else:                                     # per element: not summarized (segments.py refuses it)
+            g = "None"
+        out.append(f"{I1}_g[{st.name!r}] = {g}")
+    out.append(f"{I1}return _g")
+    body = em.lines + out
+    used = "\n".join(body)
+    kept, inputs = [], []
+    names = {d.name for d in plan.ir.inputs}
+    for line in lines:
+        m = re.match(r"\s*v_(\w+) = ", line)
+        if m is None or re.search(rf"\bv_{m.group(1)}\b", used):
+            kept.append(line)
+            if m is not None and m.group(1) in names:
+                inputs.append(m.group(1))
+    if "_head" not in used:
+        kept = [ln for ln in kept if not ln.lstrip().startswith(f"{I1.strip()}_head") and "_head =" not in ln]
+    return kept + body, tuple(inputs)

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..derive.plan import Plan
-from .launch import checkpoint_dtype, checkpoint_every, checkpoint_slots, launcher, with_options
+from .launch import checkpoint_dtype, checkpoint_slots, launcher, rules, with_options
 from ..standalone.errors import ArgumentError
 from ..standalone.binding import cu_seqlens_values
 from .signature import Bound, head_groups
@@ -109,7 +109,7 @@ def kernel_ops(plan: Plan) -> KernelOps:
         finals = [x.new_empty(((n, bound.H) + state_shape(bound, s)) if output_final_state else (0,),
                               dtype=torch.float32) for s in m.states]
         # the chunked forward keeps every checkpoint_every-th chunk start (launch.chunk_forward)
-        slots = checkpoint_slots(bound, CK * checkpoint_every(plan, bound, CK) if chunked else CK)
+        slots = rules(plan).checkpoint_count(bound, CK) if chunked else checkpoint_slots(bound, CK)
         ckpts = [x.new_empty(((slots, bound.H) + state_shape(bound, s)) if save_for_backward else (0,),
                              dtype=checkpoint_dtype(chunked, x.dtype, s.name, plan.layout.half_states)
                              if save_for_backward else torch.float32)

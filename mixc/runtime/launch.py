@@ -37,6 +37,9 @@ CHECKPOINT_TOKENS, MIN_PROGRAMS = _DEFAULT.checkpoint_tokens, _DEFAULT.min_progr
 STAGE_INTRA, STAGE_SOLVE = _DEFAULT.stage_intra, _DEFAULT.stage_solve
 KEY_BLOCK: int | None = _DEFAULT.key_block
 KEY_BLOCK_AT, KEY_BLOCK_ELEMENTS = _DEFAULT.key_block_at, _DEFAULT.key_block_elements
+# the segmented walk (LaunchSettings.segments, sm_count): MIXC_SEGMENTS forces a count
+SEGMENTS: int | None = _launcher.env_segments()
+SM_COUNT: int | None = _DEFAULT.sm_count
 
 
 def current_settings() -> LaunchSettings:
@@ -46,7 +49,7 @@ def current_settings() -> LaunchSettings:
                           checkpoint_every=CHECKPOINT_EVERY, checkpoint_tokens=CHECKPOINT_TOKENS,
                           min_programs=MIN_PROGRAMS, stage_intra=STAGE_INTRA, stage_solve=STAGE_SOLVE,
                           key_block=KEY_BLOCK, key_block_at=KEY_BLOCK_AT, key_block_elements=KEY_BLOCK_ELEMENTS,
-                          interpreting=interpreting())
+                          segments=SEGMENTS, sm_count=SM_COUNT, interpreting=interpreting())
 
 
 def settings() -> tuple:
@@ -168,7 +171,7 @@ def chunk_size_for(plan: Plan, bound: Bound) -> int:
 def rules(plan: Plan) -> Launcher:
     """A launcher that launches nothing: its block and policy rules (chunk_blocks, key_block,
     checkpoint_every, stages, ...) for this plan and the knobs as they are now."""
-    return Launcher(plan_of(plan), None, current_settings())
+    return Launcher(plan_of(plan), load_module(plan), current_settings())
 
 
 def checkpoint_dtype(chunked: bool, dtype: torch.dtype, state: str = "", half: bool = True) -> torch.dtype:

@@ -140,6 +140,14 @@ class LaunchSettings:
     key_block: int | None = None
     key_block_at: int = 64
     key_block_elements: int = 32 * 128
+    # The segmented walk (standalone/segments.py): each sequence's chunk walk (forward and
+    # backward) cut into this many segments walked at once, their summaries folded, the
+    # checkpoints (dL/dS) corrected in place. None: the policy (Launcher.segments: on a GPU whose
+    # SMs the walk's grid leaves idle, from sm_count and the shape); 1: off; an int forces it
+    # (MIXC_SEGMENTS; the tests force 2 and 3 under the interpreter).
+    segments: int | None = None
+    # The SMs the policy fills: None: torch.cuda's count for the device (no segments off CUDA)
+    sm_count: int | None = None
     # Triton runs kernels in its interpreter (TRITON_INTERPRET=1): the CPU path the tests take
     interpreting: bool = False
 
@@ -147,7 +155,17 @@ class LaunchSettings:
     def from_env(cls) -> "LaunchSettings":
         """The defaults, with the environment's TRITON_INTERPRET and MIXC_FP32_CHECKPOINTS."""
         return cls(interpreting=_env_flag("TRITON_INTERPRET"),
-                   fp32_checkpoints=os.environ.get("MIXC_FP32_CHECKPOINTS") == "1")
+                   fp32_checkpoints=os.environ.get("MIXC_FP32_CHECKPOINTS") == "1", segments=env_segments())
+
+
+def env_segments() -> int | None:
+    """MIXC_SEGMENTS: the segmented walk's count forced (1: off), unset or empty: the policy."""
+    text = os.environ.get("MIXC_SEGMENTS", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"MIXC_SEGMENTS: expected a positive integer (1: off), got {text!r}")
+    return int(text)
 
 
 # The output kernel's walk covers the key dim in at most this many static blocks (codegen/key_walk.py)

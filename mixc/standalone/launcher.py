@@ -22,14 +22,16 @@ fast path (runtime/fastpath.py) replays a call's forward launches from that log,
 compare what mixc.load's op and a compiled module launch."""
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager
 
 import torch
 import triton
 
-from .launch_data import CHUNK_DEFAULT, STATIC_BLOCKS, LaunchConfig, LaunchPlan, LaunchSettings  # noqa: F401
+from .buffers import checkpoint_slots, chunk_seqs, empty, one_stage as _one_stage  # noqa: F401
+from .segments import backward as _segmented_backward, forward as _segmented_forward, unsupported as _unsupported
+from .launch_data import (CHUNK_DEFAULT, STATIC_BLOCKS, LaunchConfig, LaunchPlan, LaunchSettings,  # noqa: F401
+                          env_segments)
 
 
 # ---- rules that need no plan ----
@@ -47,20 +49,6 @@ def default_config(lp: LaunchPlan, form: str, sizes: dict, s: LaunchSettings) ->
 def block(size: int) -> int:
     """A dim's block: its next power of two (at least 1)."""
     return max(triton.next_power_of_2(size), 1)
-
-
-def empty(shape, dtype, device) -> torch.Tensor:
-    """An output buffer; filled with NaN under MIXC_POISON=1 (the tests) so that an element a
-    kernel forgets to write shows up instead of passing with stale memory."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if os.environ.get("MIXC_POISON") == "1":
-        t.fill_(float("nan"))
-    return t
-
-
-def checkpoint_slots(b, CK: int) -> int:
-    """Slots for the chunk checkpoints of all sequences (see codegen.recurrent_ir.state_base)."""
-    return (b.B * b.T) // CK + b.n_seqs + 1
 
 
 def checkpoint_dtype(chunked: bool, dtype: torch.dtype, s: LaunchSettings, fp32_state: bool = False,
@@ -84,15 +72,6 @@ def dot_code(dtype: torch.dtype, half_matmuls: bool, interpreting: bool) -> int:
     if dtype == torch.bfloat16 and interpreting:
         return 0
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
-
-
-def chunk_seqs(cu_seqlens: torch.Tensor, C: int, n: int, programs: int, device) -> torch.Tensor:
-    """Each checkpoint slot's sequence (the slot kernels of packed sequences, int32 [programs]): the last
-    whose first slot (cu_seqlens[i] // C + i) is at most the slot; made on the device (no sync).
-    runtime/fastpath.py makes it per replayed call."""
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    starts = cu[:-1] // C + torch.arange(n, device=device)
-    return (torch.searchsorted(starts, torch.arange(programs, device=device), right=True) - 1).to(torch.int32)
 
 
 def per_head(x: torch.Tensor, H: int) -> tuple:
@@ -251,6 +230,38 @@ class Launcher:
         while every > 1 and programs * (b.B * b.T // (C * every)) < s.min_programs:
             every //= 2
         return every
+
+    def segments(self, b, C: int) -> int:
+        """S, the segments each sequence's chunk walk is cut into (standalone/segments.py): the
+        setting's where forced; else 1 off CUDA, for a spec or call the segments do not serve,
+        and where the walk's programs (sequences x heads x tile blocks) fill the SMs already;
+        else the fewest segments that fill them, at most half the sequences' average spans of
+        checkpoint_every chunks (a shape-only rule, as checkpoint_every: the backward finds the
+        forward's S again)."""
+        s = self.s
+        if s.segments == 1 or self.module is None or b.n_seqs == 0 or b.T == 0:
+            return 1
+        if _unsupported(self.lp, self.module, b) is not None:
+            return 1
+        if s.segments is not None:
+            return s.segments
+        x0 = next(iter(b.inputs.values()))
+        sms = s.sm_count
+        if sms is None:
+            if x0.device.type != "cuda" or s.interpreting:
+                return 1
+            sms = torch.cuda.get_device_properties(x0.device).multi_processor_count
+        programs = b.n_seqs * b.H * self.n_tiles(b, self.chunk_blocks(b))
+        if programs >= sms:
+            return 1
+        spans = (b.B * b.T) // (b.n_seqs * C * self.checkpoint_every(b, C))
+        S = min(-(-sms // programs), spans // 2)
+        return S if S >= 2 else 1
+
+    def checkpoint_count(self, b, C: int) -> int:
+        """Slots of the chunked forward's checkpoints for chunks of C tokens (the segmented
+        stream's where segments are on: one more slot per segment)."""
+        return checkpoint_slots(b, C * self.checkpoint_every(b, C)) + b.n_seqs * (self.segments(b, C) - 1)
 
     def stages(self, stage_solve: bool | None = None) -> bool:
         """Whether the two-launch forward runs the intra kernel, and the walk and output kernels read what it staged."""
@@ -467,6 +478,12 @@ class Launcher:
         C = C or self.lp.chunk_size
         x0 = next(iter(b.inputs.values()))
         every = self.checkpoint_every(b, C)
+        S = self.segments(b, C)
+        if S > 1:
+            def run_segmented(cfg):
+                return _segmented_forward(self, b, S, C, every, cfg, output_final_state=output_final_state,
+                                         out_dtype=out_dtype, checkpoints=checkpoints)
+            return run_segmented(self.tuned(b, "chunk_fwd", run_segmented, C))
         programs, common = self.chunk_launch(b, C, every)
 
         def run(cfg):
@@ -523,6 +540,11 @@ class Launcher:
         the chunked forward's checkpoints (chunks of C tokens)."""
         x0 = next(iter(b.inputs.values()))
         H, tile = b.H, self.lp.tile
+        S = self.segments(b, C)
+        if S > 1:
+            def run_segmented(cfg):
+                return _segmented_backward(self, b, S, ckpts, do, dfinal, C, cfg)
+            return run_segmented(self.tuned(b, "chunk_bwd", run_segmented, C))
         ckpts = self.chunk_states(b, ckpts, C)
         slots = checkpoint_slots(b, C)
         chunk_programs, launch_kw = self.chunk_launch(b, C)
@@ -551,11 +573,3 @@ class Launcher:
                 launch=_one_stage(common) | {"stage": "tiles"}, tile_programs=1 if self.lp.tile_loop else None)
             return dinputs, dparams, dinit
         return run(self.tuned(b, "chunk_bwd", run, C))
-
-
-def _one_stage(kw: dict) -> dict:
-    """An output (refill, intra, tiles) launch's arguments: one pipeline stage where stages are set (its chunk loop has
-    one iteration per program, or checkpoint_every; pipelining would hold the next chunk's
-    inputs in shared memory; not measured on a GPU)."""
-    return kw | {"num_stages": 1} if "num_stages" in kw else kw
-
