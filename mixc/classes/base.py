@@ -124,6 +124,9 @@ class TransitionClass:
     # inputs' dtype (derive/layout.py half_states; the plan also asks an output linear in the
     # readouts)
     half_checkpoints: bool = True
+    # a stretch of tokens maps its start state by a diagonal Phi = exp(the summed log decays) over the
+    # state's leading key dims: the segmented walk (standalone/segments.py) corrects its checkpoints so
+    diagonal_segments: bool = False
 
     def checkpoint_tokens(self, st) -> int | None:
         """Tokens between the chunked forward's checkpoints (None: launch.CHECKPOINT_TOKENS),

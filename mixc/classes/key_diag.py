@@ -10,6 +10,7 @@ class KeyDiagonal(TransitionClass):
     hardness = 3
     parallel_form = "chunk"
     torch_chunked = True
+    diagonal_segments = True
     conv_form = True
     template = "key_diag.j2"
     compensated_sum = True          # key_diag.j2's pair log weights: (hi_i - hi_j) + (lo_i - lo_j)

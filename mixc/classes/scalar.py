@@ -11,6 +11,7 @@ class ScalarDecay(TransitionClass):
     hardness = 1
     parallel_form = "chunk"
     torch_chunked = True
+    diagonal_segments = True
     conv_form = True
     stabilizable = True
     template = "scalar.j2"

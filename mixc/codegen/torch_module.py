@@ -110,7 +110,8 @@ def torch_hooks(plan: Plan) -> dict:
              "value": lambda: full(p.log_decay, vd),
              "element": lambda: _element_log_decay(em, p.log_decay, kd, vd, order)}[axis]()
         out.append(f"{I1}_g[{st.name!r}] = {g}")
-        states[st.name] = {"class": unit.name, "decay": axis, "kd": list(kd), "vd": list(vd),
+        states[st.name] = {"class": unit.name, "decay": axis, "diagonal_segments": unit.diagonal_segments,
+                           "kd": list(kd), "vd": list(vd),
                            "decl": list(m.state(st.name).shape)}
     readouts = {}
     for r in plan.output.readouts:

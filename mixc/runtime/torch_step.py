@@ -95,6 +95,7 @@ class TorchStep(NamedTuple):
     direct: bool              # every input and param is in the compute dtype: the kwargs are passed as they are
     guard: object = None      # the declared ranges of the inputs, checked on every replay
                               # (inputs.range_guard), or None
+    replay: object = None     # the in-place, direct case as one closure (_inplace_replay), or None
 
 
 def step_recipe(plan: Plan, bound: Bound, inplace: bool, kwargs: dict) -> TorchStep | None:
@@ -107,13 +108,30 @@ def step_recipe(plan: Plan, bound: Bound, inplace: bool, kwargs: dict) -> TorchS
     dtype = torch.float32 if inplace else _compute_dtype(bound)
     # the key holds every tensor's dtype: what needs no conversion now needs none on replay
     direct = all(t.dtype == dtype for t in (*bound.inputs.values(), *bound.params.values()))
-    return TorchStep(load_module(plan), tuple(bound.inputs), tuple(bound.params), option_values(plan.ir, bound),
-                     dict(bound.sizes), bound.B, bound.H, dtype, x0.dtype, plan.ir.states[0].name, inplace, direct,
-                     range_guard(plan.ir, bound.inputs))
+    r = TorchStep(load_module(plan), tuple(bound.inputs), tuple(bound.params), option_values(plan.ir, bound),
+                  dict(bound.sizes), bound.B, bound.H, dtype, x0.dtype, plan.ir.states[0].name, inplace, direct,
+                  range_guard(plan.ir, bound.inputs))
+    return r._replace(replay=_inplace_replay(r)) if inplace and direct and r.mod.torch_step_ is not None else r
+
+
+def _inplace_replay(r: TorchStep):
+    """run_recipe's in-place, direct branch with every choice made: a decode loop's token pays
+    its update and its range check, not the recipe's branches (a step is ~65 us at B = 1, and
+    issue 33 allows 1.25x a hand-written update: each us counts)."""
+    step, guard, opt, sizes, B, H, first, out = r.mod.torch_step_, r.guard, r.opt, r.sizes, r.B, r.H, r.first_state, r.out_dtype
+
+    def replay(kwargs: dict, state):
+        if guard is not None:
+            guard(kwargs)
+        o = step(kwargs, kwargs, opt, sizes, B, H, {first: state} if isinstance(state, torch.Tensor) else state)
+        return (o if o.dtype is out else o.to(out)), state
+    return replay
 
 
 def run_recipe(r: TorchStep, kwargs: dict, state):
     """op.step on the replayed recipe: (o, the new states; in place: the state as given)."""
+    if r.replay is not None:
+        return r.replay(kwargs, state)
     dtype = r.dtype         # (a decode step is ~60 us of work at B = 1: each skipped call counts)
     if r.guard is not None:     # the declared ranges hold on every token, replayed or not: the
         # inputs (this token's values) are checked on every call, the params when the recipe was

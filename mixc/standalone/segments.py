@@ -39,8 +39,6 @@ import triton.language as tl
 from .binding import expand_heads
 from .buffers import checkpoint_slots, chunk_seqs, empty, one_stage as _one_stage
 
-# the classes whose Phi is a diagonal exp(sum of log decays) with the decay dims leading the state
-CLASSES = {"scalar decay": "scalar", "key-diagonal decay": "key"}
 
 
 def unsupported(lp, module, b) -> str | None:
@@ -51,7 +49,8 @@ def unsupported(lp, module, b) -> str | None:
     if lp.fp32_states or set(states) != {n for n, _ in lp.states}:
         return "a stabilizer state"
     for name, st in states.items():
-        if st["class"] not in CLASSES or st["decay"] != CLASSES[st["class"]]:
+        # the unit says whether Phi is diagonal (classes/base.py diagonal_segments)
+        if not st.get("diagonal_segments") or st["decay"] not in ("scalar", "key"):
             return f"state {name} is a {st['class']} (segments: scalar and key-diagonal decays)"
         if st["decl"] != st["kd"] + st["vd"]:
             return f"state {name}'s key dims do not lead its layout"
