@@ -122,12 +122,12 @@ def input_loads(m: ir.MixerIR, lead: int, indent: str = "    ") -> tuple[list[st
     order = m.dim_names
     lines, env, scalars = [f"{indent}_x0 = next(iter(_x.values()))"], {}, set()
     axes = ", ".join(str(i) for i in range(lead))
-    ones = ", ".join(["1"] * (lead - 1))
+    ones = ", ".join(["None"] * (lead - 1))     # a param [H, *dims] viewed at the lead ([None]: one view op)
     for decls, src, reshape in ((m.inputs, "_x", False), (m.params, "_p", True)):
         for d in decls:
             cd = canon(order, d.shape)
             perm = "" if cd == d.shape else f".permute({axes}, {', '.join(str(lead + d.shape.index(a)) for a in cd)})"
-            shaped = f".reshape({ones}, *{src}[{d.name!r}].shape)" if reshape else ""
+            shaped = f"[{ones}]" if reshape else ""
             lines.append(f"{indent}v_{d.name} = {src}[{d.name!r}]{shaped}{perm}")
             env[d.name] = (f"v_{d.name}", cd)
     for o in m.options:

@@ -94,13 +94,14 @@ def step_key(mode, kwargs: dict, state, launches: bool = True) -> tuple | None:
     path): type(v) is part of a number's key, so 1 and True (equal, same hash) differ.
     launches=False: without the launch settings (the torch backend launches no kernel)."""
     key = [mode, torch.is_grad_enabled(), launch.settings() if launches else None]
+    append, strided, tensor = key.append, torch.strided, torch.Tensor     # (a decode token pays this per input)
     for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            if v.is_nested or v.layout is not torch.strided:    # no shape to key: the binder names it
+        if isinstance(v, tensor):
+            if v.layout is not strided or v.is_nested:    # no shape to key: the binder names it
                 return None
-            key.append((k, v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous()))
+            append((k, v.shape, v.dtype, v.device, v.requires_grad, v.is_contiguous()))
         elif v is None or type(v) in (bool, int, float):
-            key.append((k, type(v), v))
+            append((k, type(v), v))
         else:
             return None
     if isinstance(state, torch.Tensor):
