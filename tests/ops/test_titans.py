@@ -387,3 +387,15 @@ def test_chunk_kernels_bf16(kernel_calls):
     assert_close(o, o_l, "titans chunk bf16: output", tol=2e-2)
     for n in fin_l:
         assert_close(fin[n], fin_l[n], f"titans chunk bf16: final {n}", tol=2e-2)
+
+
+def test_chunk_kernels_empty_calls():
+    """No sequence (B = 0: the recurrent kernels' empty outputs) and no token (T = 0: each final
+    state is its initial one) in mode "chunk"."""
+    op, args, s0 = make_case(B=1, T=5, H=2, K=4, V=3, seed=89, dtype=torch.float32)
+    o, fin = op(**{n: x[:0] for n, x in args.items()}, output_final_state=True, mode="chunk")
+    assert o.shape == (0, 5, 2, 3) and fin["mem"].shape == (0, 2, 4, 3)
+    o, fin = op(**{n: x[:, :0] for n, x in args.items()}, initial_state=s0, output_final_state=True, mode="chunk")
+    assert o.shape == (1, 0, 2, 3)
+    for n in s0:
+        assert_close(fin[n], s0[n], f"titans chunk, T = 0: final {n}", tol=0)
