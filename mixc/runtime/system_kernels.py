@@ -63,24 +63,38 @@ def _gate_products(la, ld, c, offs, C: tl.constexpr, DOT: tl.constexpr):
     inc = offs[:, None] >= offs[None, :]
     exc = offs[:, None] > offs[None, :]
     shift = offs[:, None] - 1 == offs[None, :]
-    A = tl.cumsum(la, axis=0)                                                     # [C]
-    G = tl.cumsum(ld, axis=0)
+    # a gate of 0 (log -inf) is a reset: counted apart (za, zd: resets at or before each row) and
+    # 0 in the sums, a pair of boundaries with a reset between them weighs 0
+    ra = la == float('-inf')
+    rd = ld == float('-inf')
+    A = tl.cumsum(tl.where(ra, 0.0, la), axis=0)                                  # [C]
+    G = tl.cumsum(tl.where(rd, 0.0, ld), axis=0)
+    za = tl.cumsum(tl.where(ra, 1.0, 0.0), axis=0)
+    zd = tl.cumsum(tl.where(rd, 1.0, 0.0), axis=0)
     Ap = tl.sum(tl.where(shift, A[None, :], 0.0), axis=1)                         # A one row down: exact
     Gp = tl.sum(tl.where(shift, G[None, :], 0.0), axis=1)
+    zap = tl.sum(tl.where(shift, za[None, :], 0.0), axis=1)
+    zdp = tl.sum(tl.where(shift, zd[None, :], 0.0), axis=1)
     Al = tl.sum(tl.where(offs == C - 1, A, 0.0), axis=0)                          # the chunk's end
     Gl = tl.sum(tl.where(offs == C - 1, G, 0.0), axis=0)
-    Pin00 = tl.where(inc, tl.exp(tl.where(inc, A[:, None] - A[None, :], 0.0)), 0.0)     # [C, C]
-    Pin11 = tl.where(inc, tl.exp(tl.where(inc, G[:, None] - G[None, :], 0.0)), 0.0)
-    Pex00 = tl.where(exc, tl.exp(tl.where(exc, Ap[:, None] - A[None, :], 0.0)), 0.0)
-    Pex11 = tl.where(exc, tl.exp(tl.where(exc, Gp[:, None] - G[None, :], 0.0)), 0.0)
-    p0in00 = tl.exp(A)                                                            # [C]
-    p0in11 = tl.exp(G)
-    p0ex00 = tl.exp(Ap)
-    p0ex11 = tl.exp(Gp)
-    last00 = tl.exp(Al - A)
-    last11 = tl.exp(Gl - G)
-    pl00 = tl.exp(Al)
-    pl11 = tl.exp(Gl)
+    zal = tl.sum(tl.where(offs == C - 1, za, 0.0), axis=0)
+    zdl = tl.sum(tl.where(offs == C - 1, zd, 0.0), axis=0)
+    ia = inc & (za[:, None] == za[None, :])
+    id = inc & (zd[:, None] == zd[None, :])
+    ea = exc & (zap[:, None] == za[None, :])
+    ed = exc & (zdp[:, None] == zd[None, :])
+    Pin00 = tl.where(ia, tl.exp(tl.where(ia, A[:, None] - A[None, :], 0.0)), 0.0)       # [C, C]
+    Pin11 = tl.where(id, tl.exp(tl.where(id, G[:, None] - G[None, :], 0.0)), 0.0)
+    Pex00 = tl.where(ea, tl.exp(tl.where(ea, Ap[:, None] - A[None, :], 0.0)), 0.0)
+    Pex11 = tl.where(ed, tl.exp(tl.where(ed, Gp[:, None] - G[None, :], 0.0)), 0.0)
+    p0in00 = tl.where(za == 0, tl.exp(A), 0.0)                                    # [C]
+    p0in11 = tl.where(zd == 0, tl.exp(G), 0.0)
+    p0ex00 = tl.where(zap == 0, tl.exp(Ap), 0.0)
+    p0ex11 = tl.where(zdp == 0, tl.exp(Gp), 0.0)
+    last00 = tl.where(za == zal, tl.exp(Al - A), 0.0)
+    last11 = tl.where(zd == zdl, tl.exp(Gl - G), 0.0)
+    pl00 = tl.where(zal == 0, tl.exp(Al), 0.0)
+    pl11 = tl.where(zdl == 0, tl.exp(Gl), 0.0)
     cP = c[:, None] * Pex00                                                       # c_r P00[r-1, n]
     cp = c * p0ex00
     Pin10 = _dot(Pin11, cP, DOT)

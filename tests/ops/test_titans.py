@@ -399,3 +399,28 @@ def test_chunk_kernels_empty_calls():
     assert o.shape == (1, 0, 2, 3)
     for n in s0:
         assert_close(fin[n], s0[n], f"titans chunk, T = 0: final {n}", tol=0)
+
+
+def test_chunk_kernels_take_gates_of_zero(kernel_calls):
+    """eta = 0 or alpha = 1 at some tokens (a reset of mom or mem: log -inf, past the declared
+    range, which the kernel modes do not check): the kernels count resets apart (no inf - inf),
+    so output, final states and the gradients of q, k, v, theta and the initial states equal
+    the loop's (eta's and alpha's own are infinite there: d log(eta) / d eta at 0)."""
+    op, args, s0 = make_case(B=1, T=40, H=2, K=4, V=3, seed=3, dtype=torch.float32)
+    args["eta"][0, 5] = 0.0
+    args["eta"][0, 20, 1] = 0.0
+    args["alpha"][0, 9] = 1.0
+    args["alpha"][0, 31, 0] = 1.0
+    a = {n: x.clone().requires_grad_(n not in ("eta", "alpha")) for n, x in args.items()}
+    s = {n: x.clone().requires_grad_(True) for n, x in s0.items()}
+    o, fin = op(**a, initial_state=s, output_final_state=True, mode="chunk", chunk=16)
+    assert kernel_calls == [16]
+    o_l, fin_l = titans_loop(a, s)
+    assert_close(o, o_l, "titans chunk, gates of 0: output", tol=1e-4)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunk, gates of 0: final {n}", tol=1e-4)
+    w = _weights(o_l, fin_l)
+    leaves = [a["q"], a["k"], a["v"], a["theta"], s["mom"], s["mem"]]
+    for name, g1, g2 in zip(["q", "k", "v", "theta", "mom0", "mem0"], torch.autograd.grad(_loss(o, fin, w), leaves),
+                            torch.autograd.grad(_loss(o_l, fin_l, w), leaves)):
+        assert_close(g1, g2, f"titans chunk, gates of 0: d/d {name}", tol=1e-4)
