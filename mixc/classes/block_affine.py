@@ -5,8 +5,9 @@ updates as written, their backward the adjoint of the same code). The torch back
 form (torch_system_chunk below; runtime/torch_system.py runs it) serves a 2x2 system with
 scalar gates per head and one rank-1 read (Titans' memory with momentum: derive/system_chunk.py
 says which): the rank-1 class's UT solve with each exp(b_t - b_s) an entry of a 2x2 product
-(docs/design-notes.md, "Coupled states are one block-affine system"). No chunked Triton
-kernels are generated for a system yet."""
+(docs/design-notes.md, "Coupled states are one block-affine system"). Mode "chunk" runs the
+same form as Triton kernels over the torch pieces (runtime/system_kernels.py, system_chunk.py;
+derive/system_chunk.py kernel_unsupported says where they serve)."""
 from __future__ import annotations
 
 from .base import TransitionClass, UpdateShape, torch_form
@@ -22,8 +23,8 @@ class BlockAffine(TransitionClass):
     torch_batched = False                  # runtime/torch_system.py runs the system's chunks, not torch_chunk's loops
 
     def explain_chunk(self, st, s) -> list[str]:
-        return ["no chunked kernels: the state is one of a block-affine system (states that read one another); "
-                "the recurrent and step forms run it"]
+        return ["the state is one of a block-affine system (states that read one another): the system's chunked "
+                "form below (its kernels: runtime/system_kernels.py), the recurrent and step forms"]
 
     # ---- torch form (runtime/torch_system.py) ----
     def torch_system_chunk(self, logs, W, U, inputs, X0, read, queries):

@@ -117,7 +117,9 @@ def _system_chunk_lines(plan: P.Plan, sy) -> list[str]:
         b = sy.block(of, f.read)
         return s(b.projections_sym[0][0]) if b is not None and b.projections else "0"
     B = f"B = ({s(plan.state(X1).input_term)}; {s(plan.state(X2).input_term)})"
-    out = [f"  chunked form (mode='torch' only: no chunked kernels are generated for a system), C tokens a chunk, "
+    where = ("mode='chunk': the system's Triton kernels over the per-token pieces, and mode='torch'"
+             if "chunk" in plan.forms else "mode='torch' only: no chunked kernels serve this system")
+    out = [f"  chunked form ({where}), C tokens a chunk, "
            f"X = ({X1}, {X2}), X_0 the states at the chunk's start:"]
     if f.read is None:
         out.append(f"    X_t = (D_t (x) I) X_{{t-1}} + B_t,  D_t = [[a, 0], [c, d]] with a = {diag(X1, X1)}, "
@@ -189,6 +191,8 @@ def explain(plan: P.Plan) -> str:
 def _explain(plan: P.Plan) -> str:
     m = plan.ir
     why = plan.layout.chunk_unsupported
+    if plan.systems and "chunk" in plan.forms:      # the system's own kernels (runtime/system_kernels.py)
+        why = None
     kernels = "recurrent forward + backward, step" + (", chunked forward + backward" if why is None
                                                      else f" (no chunked kernel: {why})")
     out = [f"mixer {m.name}    ({m.source.filename}, spec hash {m.spec_hash})",

@@ -333,7 +333,10 @@ def derive(mixer: ir.MixerIR, flags: dict[str, bool] | None = None) -> Plan:
     layout = kernel_layout(plan)
     forms = runnable_forms(plan, layout)
     for sy in systems:
-        notes.append(f"states {sy.describe()}: no chunked kernels are generated for it; the recurrent and step "
+        notes.append(f"states {sy.describe()}: mode='chunk' runs its chunked kernels (the system's own, over the "
+                     "per-token pieces torch computes), mode='torch' runs its chunked form, and the recurrent and "
+                     "step kernels run it too" if "chunk" in forms else
+                     f"states {sy.describe()}: no chunked kernels are generated for it; the recurrent and step "
                      "kernels run it, and mode='torch' runs its chunked form" if layout.torch_chunked else
                      f"states {sy.describe()}: no parallel form: {layout.torch_chunk_unsupported}; the recurrent "
                      "and step forms run it")
@@ -354,6 +357,8 @@ def runnable_forms(plan: Plan, layout: KernelLayout) -> tuple[str, ...]:
     parallel = {classes.unit(s.transition).parallel_form for s in plan.states}
     forms = ["recurrent", "step"]
     if parallel == {"chunk"} and layout.chunked:
+        forms.insert(0, "chunk")
+    elif plan.systems and system_chunk.kernel_unsupported(plan) is None:     # runtime/system_kernels.py
         forms.insert(0, "chunk")
     elif parallel <= {"chunk", "scan"} and "scan" in parallel and layout.torch_chunked:
         forms.insert(0, "scan")

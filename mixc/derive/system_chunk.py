@@ -111,3 +111,25 @@ def chunk_form(spec: ir.MixerIR, system: coupled.System, conv, table, outer_term
         inputs.append(pairs)
     return SystemChunk((first, second), a, diag.get((second, first)), d, read, right, tuple(lefts),
                        tuple(inputs), key_dims, value_dims), None
+
+
+def kernel_unsupported(plan) -> str | None:
+    """Why the chunked Triton kernels of a system (runtime/system_kernels.py) do not serve the
+    plan, or None: they take one 2x2 system holding every state in its chunked form, one rank-1
+    read, at most one outer product per state's input term and one readout term."""
+    if not plan.systems or len(plan.systems) != 1:
+        return "not one block-affine system"
+    sy = plan.systems[0]
+    if sy.chunk is None:
+        return f"the block-affine system {', '.join(sy.states)} has no chunked form: {sy.chunk_unsupported}"
+    if len(plan.states) != len(sy.states):
+        return "the spec has states beside its block-affine system"
+    if plan.stabilizer is not None:
+        return "the block-affine system has an exponential-gate stabilizer"
+    if sy.chunk.read is None:
+        return "the system has no projection (the kernels take one rank-1 read)"
+    if any(len(pairs) > 1 for pairs in sy.chunk.inputs):
+        return "a state's input term is a sum of several outer products (the kernels take one per state)"
+    if len(plan.output.readouts) != 1 or len(plan.output.readouts[0].terms_ir) != 1:
+        return "the output reads the states in more than one term (the kernels take one readout)"
+    return None

@@ -39,6 +39,8 @@ from .inputs import RANGE_CHECKED_MODES, check_ranges
 from .decode import step_inplace
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
+from .system_chunk import SYSTEM_CHUNK, system_chunked
+from ..derive.system_chunk import kernel_unsupported as system_kernel_unsupported
 from .torch_step import TORCH_INPLACE, TorchStep, run_recipe, step_recipe, torch_step, torch_tokens, use_token_loop
 from .launch import chunk_size_for
 from .op_doc import call_doc, call_signature
@@ -150,10 +152,20 @@ class MixerOp(HeldBySpec):
             if mode == "torch":
                 return o.to(next(iter(bound.inputs.values())).dtype), _state_dtype(st, bound)
             return o, st
+        if mode == "chunk" and plan.systems and not empty:
+            # a 2x2 block-affine system: its own chunked kernels over the torch pieces (runtime/system_chunk.py)
+            why = system_kernel_unsupported(plan)
+            if why is not None:
+                raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
+                                    "use mode='recurrent'")
+            o, st = system_chunked(plan, bound.expanded(), output_final_state=output_final_state,
+                                   C=clamp_chunk(chunk, bound.T, True) if chunk is not None else SYSTEM_CHUNK)
+            return o.to(next(iter(bound.inputs.values())).dtype), st
         if mode == "chunk" or (mode == "auto" and "chunk" in plan.forms):
             why = plan.layout.chunk_unsupported
             if why is not None:
-                if mode == "chunk":
+                # (an empty call of a system with its own chunked kernels: the recurrent kernels' empty outputs)
+                if mode == "chunk" and not (empty and plan.systems and "chunk" in plan.forms):
                     raise ArgumentError(f"mode='chunk': mixer '{self.name}' has no chunked kernel ({why}); "
                                         "use mode='recurrent'")
             else:

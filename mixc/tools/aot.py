@@ -24,6 +24,8 @@ from triton.compiler import ASTSource
 from .. import pipeline
 from ..codegen.launch_plan import chunk_stages, kernel_name, stage_kernel_name
 from ..derive.plan import Plan
+from ..derive.system_chunk import kernel_unsupported
+from ..runtime import system_kernels as SK
 from ..runtime.cache import interpreting
 from ..runtime.launch import rules
 from ..standalone.launcher import block
@@ -138,6 +140,35 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
                             "arch": f"sm_{arch}", "shared_bytes": ck.metadata.shared, **ptxas_usage(ptx, arch),
                             "tensor_cores": tensor_cores, "cubin_bytes": len(ck.asm["cubin"]),
                             "seconds": round(time.perf_counter() - t0, 2)})
+    if forms is None or "system_chunk" in forms:
+        out += compile_system(name, plan, archs, size)
+    return out
+
+
+def compile_system(name: str, plan: Plan, archs, size: int, C: int = 32) -> list[dict]:
+    """The chunked kernels of a 2x2 block-affine system (runtime/system_kernels.py: not generated
+    per spec; they take the system's pieces), where the plan's forms list chunk: the forward
+    and the backward, reported as system_chunk_fwd / _bwd at K = V = size, chunks of C."""
+    if not plan.systems or "chunk" not in plan.forms:
+        return []
+    if kernel_unsupported(plan) is not None:
+        return []
+    blk = max(16, block(size))
+    shape = dict(C=C, BK=blk, BV=min(blk, 64), READ=1, QS=1, PREV=False, DOT=3)
+    out = []
+    for label, kernel, switch in (("system_chunk_fwd", SK.system_chunk_fwd, "USE_INIT"),
+                                  ("system_chunk_bwd", SK.system_chunk_bwd, "USE_DFINAL")):
+        names = list(inspect.signature(kernel.fn).parameters)
+        sig = {n: ("constexpr" if n in shape or n == switch else
+                   "*i64" if n == "p_cu" else "*fp32" if n.startswith("p_") else "i32") for n in names}
+        for arch in archs:
+            t0 = time.perf_counter()
+            ck = compile_kernel(kernel, sig, shape | {switch: True}, arch=arch)
+            ptx = ck.asm["ptx"]
+            out.append({"spec": name, "kernel": label, "arch": f"sm_{arch}", "shared_bytes": ck.metadata.shared,
+                        **ptxas_usage(ptx, arch),
+                        "tensor_cores": "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None,
+                        "cubin_bytes": len(ck.asm["cubin"]), "seconds": round(time.perf_counter() - t0, 2)})
     return out
 
 

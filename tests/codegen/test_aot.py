@@ -48,9 +48,13 @@ def test_every_kernel_compiles(tmp_path, archs, stages):
     assert staged == {"gla", "hgrn2", "rwkv6", "s4d", "rwkv5", "delta_rule", "gated_delta_rule", "comba", "kda", "rwkv7"}
     want |= {(n, f"chunk_{d}_{s}", a) for n in chunked for d in ("fwd", "bwd") for s in stages for a in archs
              if s in (FORWARD if d == "fwd" else BACKWARD) and (s != "intra" or n in staged)}
+    # a 2x2 block-affine system's own chunked kernels (runtime/system_kernels.py: not generated per spec)
+    systems = {n for n in recurrent if mixc.load(n).plan().systems and "chunk" in mixc.load(n).plan().forms}
+    assert systems == {"titans"}
+    want |= {(n, f"system_chunk_{d}", a) for n in systems for d in ("fwd", "bwd") for a in archs}
     assert got == want
-    # every class but the elementwise one (mamba) and the block-affine system (titans: recurrent
-    # and step only, see docs/design-notes.md); rank-r (gated_delta_product) is chunked too
+    # every class but the elementwise one (mamba) and the block-affine system (titans: the system's
+    # own kernels above, see docs/design-notes.md); rank-r (gated_delta_product) is chunked too
     assert set(recurrent) - chunked == {"mamba", "titans"}
     # the rank-1 intra kernel of a per-key decay has no matmul: its A is a [C, C, K] sum, its inverse
     # a substitution

@@ -43,7 +43,7 @@ EXPECTED = {
     "kda": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "comba": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "gated_delta_product": (RANK_R, ("chunk", "recurrent", "step"), False, "g"),   # rank 2: rank_r.j2
-    "titans": (SYSTEM, ("recurrent", "step"), False, "log(eta)"),     # mom, mem: derive/coupled.py
+    "titans": (SYSTEM, ("chunk", "recurrent", "step"), False, "log(eta)"),     # mom, mem: derive/coupled.py
 }
 
 

@@ -128,16 +128,17 @@ RANGED = TITANS.replace("eta[], theta[], alpha[]", "eta[] in (0, 1), theta[] in 
 
 def test_titans_with_ranged_gates_has_the_torch_chunked_form():
     """Gates in (0, 1): the 2x2 system's chunked form (derive/system_chunk.py) with its pieces;
-    the Triton chunked kernels stay refused, and explain prints the form as mode 'torch' only."""
+    the generated chunked kernels stay refused (layout), the system's own (runtime/system_kernels.py)
+    serve it: forms list chunk, and explain names both modes."""
     plan = _plan(RANGED.format(mom="mom"))
     (sy,) = plan.systems
     f = sy.chunk
     assert sy.chunk_unsupported is None and plan.layout.torch_chunk_unsupported is None
-    assert plan.layout.chunk_unsupported is not None and plan.forms == ("recurrent", "step")
+    assert plan.layout.chunk_unsupported is not None and plan.forms == ("chunk", "recurrent", "step")
     assert f.states == ("mom", "mem") and f.read == "mem" and f.key_dims == ("K",) and f.value_dims == ("V",)
     assert all(len(pairs) == 1 for pairs in f.inputs) and all(u is not None for u in f.lefts)
     text = explain(plan)
-    assert "chunked form (mode='torch' only" in text
+    assert "chunked form (mode='chunk': the system's Triton kernels over the per-token pieces, and mode='torch')" in text
     assert "D_t = [[a, 0], [c, d]] with a = eta, c = eta, d = 1 - alpha;  r_t = mem_{t-1}^T w_t, w = k" in text
     assert "mode='torch' runs its chunked form" in text          # the note
 

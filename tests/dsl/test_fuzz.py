@@ -379,6 +379,38 @@ def test_random_systems_chunked_in_torch_mode(text, seed):
         assert (got_state[n].double() - ref_state[n]).abs().max().item() <= 1e-6 * (ref_state[n].abs().max().item() + 1), text
 
 
+@pytest.mark.slow
+@settings(FAST, max_examples=8)
+@given(system_spec(), st.integers(0, 2**16))
+def test_random_systems_chunk_kernels(text, seed):
+    """Those whose forms list chunk (derive/system_chunk.py kernel_unsupported: one rank-1 read,
+    one outer product per state, one readout term) run mode "chunk", the system's Triton kernels
+    (interpreted, float32), and equal the float64 reference: output and both final states over
+    T = 21 in chunks of 16, gradients of the output into every input."""
+    op = from_text(text, "sys.mix")
+    assume("chunk" in op.plan().forms)
+    args, _ = random_args(op.ir, B=1, T=21, H=2, sizes={"K": 3, "V": 2}, dtype=torch.float64, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    for n in ("ga", "gd", "beta"):
+        args[n] = 0.05 + 0.9 * torch.rand(args[n].shape, generator=gen, dtype=torch.float64)
+    args = {n: x.requires_grad_(True) for n, x in args.items()}
+    ref, ref_state = op(**args, mode="reference", output_final_state=True)
+    a32 = {n: x.detach().float().requires_grad_(True) for n, x in args.items()}
+    got, got_state = op(**a32, mode="chunk", output_final_state=True, chunk=16)
+    scale = ref.abs().max().item() + 1.0
+    assert (got.double() - ref).abs().max().item() <= 1e-4 * scale, text
+    for n in ref_state:
+        assert (got_state[n].double() - ref_state[n]).abs().max().item() <= 1e-4 * (ref_state[n].abs().max().item() + 1), text
+    w = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad((ref * w).sum(), list(args.values()), allow_unused=True)
+    have = torch.autograd.grad((got.double() * w).sum(), list(a32.values()), allow_unused=True)
+    for n, a, b in zip(args, have, want):
+        if b is None:
+            continue
+        assert a is not None, (n, text)
+        assert (a.double() - b).abs().max().item() <= 1e-3 * (b.abs().max().item() + 1), (n, text)
+
+
 # ---- crashes found by fuzzing -------------------------------------------------------------
 
 @pytest.mark.parametrize("const", ["softplus(0)", "relu(1)", "sqrt(2)", "elu(2)", "silu(0.5)"])

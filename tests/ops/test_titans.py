@@ -112,7 +112,7 @@ def assert_gradients_match(what, o, fin, o_l, fin_l, args, s0, tol):
 def test_titans_is_one_block_affine_system():
     plan = _op().plan()
     assert plan.transition == "block-affine system"
-    assert plan.forms == ("recurrent", "step")
+    assert plan.forms == ("chunk", "recurrent", "step")       # chunk: the system's kernels (runtime/system_kernels.py)
     (sy,) = plan.systems
     assert sy.describe() == "mom, mem: a 2x2 block-affine system, scalar per head, with rank-1 projections over K"
     assert {(b.of, b.wrt): b.kind() for b in sy.blocks} == {
@@ -308,3 +308,119 @@ def test_chunked_torch_form_is_causal_under_nan(name, chunked_calls):
     assert_close(o[:, :5], o_l[:, :5], f"titans chunked, NaN in {name}: the outputs before it", tol=1e-9)
     assert torch.isnan(o[:, 5:]).all() and torch.isnan(o_l[:, 5:]).all()
     assert all(torch.isnan(x).all() for x in fin.values())
+
+
+# ---- mode "chunk": the system's chunked Triton kernels (runtime/system_kernels.py) ----
+
+KERNEL_CASES = [dict(B=2, T=37, H=2, K=5, V=4, C=16), dict(B=1, T=16, H=1, K=16, V=8, C=16),
+                dict(B=1, T=70, H=2, K=8, V=40, C=32)]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The launches of the system's forward kernel (a test of mode "chunk" fails if another path ran)."""
+    import mixc.runtime.system_chunk as sc
+    calls, run = [], sc._SystemChunk.apply
+    monkeypatch.setattr(sc, "SYSTEM_TILE", 16)        # V = 40: three blocks of V, their partials summed
+    monkeypatch.setenv("MIXC_POISON", "1")            # outputs poisoned (NaN) before launch
+
+    def spy(*a):
+        calls.append(a[0][0])
+        return run(*a)
+    monkeypatch.setattr(sc._SystemChunk, "apply", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda d: case_id(**d))
+def test_chunk_kernels_match_loop(case, kernel_calls):
+    """Mode "chunk" (Triton's interpreter, float32): output, both final states and every gradient
+    (q, k, v, each gate, both initial states) against the float64 paper loop, T not a multiple
+    of C, V in several blocks."""
+    case = dict(case)
+    C = case.pop("C")
+    op, args, s0 = make_case(seed=71, dtype=torch.float32, requires_grad=True, **case)
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="chunk", chunk=C)
+    assert kernel_calls == [C]
+    o_l, fin_l = titans_loop(args, s0)
+    assert o.dtype == torch.float32
+    assert_close(o, o_l, "titans chunk: output", tol=1e-4)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunk: final {n}", tol=1e-4)
+    assert_gradients_match("titans chunk", o, fin, o_l, fin_l, args, s0, tol=1e-4)
+
+
+def test_chunk_kernels_without_initial_state(kernel_calls):
+    op, args, s0 = make_case(B=2, T=23, H=2, K=6, V=5, seed=73, dtype=torch.float32, requires_grad=True)
+    o, fin = op(**args, output_final_state=True, mode="chunk", chunk=16)
+    assert kernel_calls == [16]
+    o_l, fin_l = titans_loop(args, {n: torch.zeros_like(x) for n, x in s0.items()})
+    assert_close(o, o_l, "titans chunk from zeros: output", tol=1e-4)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunk from zeros: final {n}", tol=1e-4)
+    assert_gradients_match("titans chunk from zeros", o, fin, o_l, fin_l, args, {}, tol=1e-4)
+
+
+def test_chunk_kernels_packed(kernel_calls):
+    """cu_seqlens with an empty sequence, one shorter than a chunk and lengths C does not divide:
+    each sequence from its own initial state, against the loop on each sequence apart."""
+    lens = [19, 0, 5, 33]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    op, args, s0 = make_case(B=1, T=sum(lens), H=2, K=4, V=3, seed=79, dtype=torch.float32, requires_grad=True,
+                             states=len(lens))
+    o, fin = op(**args, initial_state=s0, output_final_state=True, cu_seqlens=cu, mode="chunk", chunk=16)
+    assert kernel_calls == [16]
+    o_l, fin_l = packed_loop(args, s0, cu)
+    assert_close(o, o_l, "titans chunk packed: output", tol=1e-4)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunk packed: final {n}", tol=1e-4)
+    assert_close(fin["mem"][1], s0["mem"][1], "titans chunk: the empty sequence keeps its state", tol=1e-6)
+    assert_gradients_match("titans chunk packed", o, fin, o_l, fin_l, args, s0, tol=1e-4)
+
+
+def test_chunk_kernels_bf16(kernel_calls):
+    """bf16 inputs (the pieces and the kernels in float32): output and final states within 2e-2
+    of the float64 loop run on the same bf16 values."""
+    op, args, s0 = make_case(B=1, T=40, H=2, K=8, V=8, seed=83, dtype=torch.bfloat16)
+    o, fin = op(**args, initial_state=s0, output_final_state=True, mode="chunk", chunk=16)
+    assert kernel_calls == [16] and o.dtype == torch.bfloat16
+    o_l, fin_l = titans_loop(args, s0)
+    assert_close(o, o_l, "titans chunk bf16: output", tol=2e-2)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunk bf16: final {n}", tol=2e-2)
+
+
+def test_chunk_kernels_empty_calls():
+    """No sequence (B = 0: the recurrent kernels' empty outputs) and no token (T = 0: each final
+    state is its initial one) in mode "chunk"."""
+    op, args, s0 = make_case(B=1, T=5, H=2, K=4, V=3, seed=89, dtype=torch.float32)
+    o, fin = op(**{n: x[:0] for n, x in args.items()}, output_final_state=True, mode="chunk")
+    assert o.shape == (0, 5, 2, 3) and fin["mem"].shape == (0, 2, 4, 3)
+    o, fin = op(**{n: x[:, :0] for n, x in args.items()}, initial_state=s0, output_final_state=True, mode="chunk")
+    assert o.shape == (1, 0, 2, 3)
+    for n in s0:
+        assert_close(fin[n], s0[n], f"titans chunk, T = 0: final {n}", tol=0)
+
+
+def test_chunk_kernels_take_gates_of_zero(kernel_calls):
+    """eta = 0 or alpha = 1 at some tokens (a reset of mom or mem: log -inf, past the declared
+    range, which the kernel modes do not check): the kernels count resets apart (no inf - inf),
+    so output, final states and the gradients of q, k, v, theta and the initial states equal
+    the loop's (eta's and alpha's own are infinite there: d log(eta) / d eta at 0)."""
+    op, args, s0 = make_case(B=1, T=40, H=2, K=4, V=3, seed=3, dtype=torch.float32)
+    args["eta"][0, 5] = 0.0
+    args["eta"][0, 20, 1] = 0.0
+    args["alpha"][0, 9] = 1.0
+    args["alpha"][0, 31, 0] = 1.0
+    a = {n: x.clone().requires_grad_(n not in ("eta", "alpha")) for n, x in args.items()}
+    s = {n: x.clone().requires_grad_(True) for n, x in s0.items()}
+    o, fin = op(**a, initial_state=s, output_final_state=True, mode="chunk", chunk=16)
+    assert kernel_calls == [16]
+    o_l, fin_l = titans_loop(a, s)
+    assert_close(o, o_l, "titans chunk, gates of 0: output", tol=1e-4)
+    for n in fin_l:
+        assert_close(fin[n], fin_l[n], f"titans chunk, gates of 0: final {n}", tol=1e-4)
+    w = _weights(o_l, fin_l)
+    leaves = [a["q"], a["k"], a["v"], a["theta"], s["mom"], s["mem"]]
+    for name, g1, g2 in zip(["q", "k", "v", "theta", "mom0", "mem0"], torch.autograd.grad(_loss(o, fin, w), leaves),
+                            torch.autograd.grad(_loss(o_l, fin_l, w), leaves)):
+        assert_close(g1, g2, f"titans chunk, gates of 0: d/d {name}", tol=1e-4)
