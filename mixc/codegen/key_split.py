@@ -17,8 +17,9 @@ chunk runs as
 The pass wraps the rendered chunk body of the intra kernel (the intra-chunk matrices) and of the output kernel
 where a program takes one chunk (CKPT_EVERY == 1; a state carried through several chunks would
 need every key block live: where the class asks for it, key_walk.py holds it in static key
-blocks instead) in that loop, behind a constexpr test that KEY_BLOCK is less than
-the key dim's block (the launch's policy: Launcher.key_block); every other launch runs the chunk
+blocks instead) in that loop, as a kernel of its own (the `_keyblocks` variant), which the
+launcher runs where KEY_BLOCK is less than the key dim's block (the launch's policy:
+Launcher.key_block, Launcher.variant); every other launch runs the chunk
 as rendered, so C = 32 at K = 128 compiles as before. It is block_split.py's machinery in its
 forward mode: what a key block's statements read must be whole, so a contraction read within
 the loop (an l2 norm over K) keeps the rendered chunk, but for the non-finite counts
