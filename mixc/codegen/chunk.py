@@ -61,11 +61,14 @@ class ChunkCode:
 
     indent = I2                 # the chunk loop's body
 
-    def __init__(self, plan: Plan, kernel_stage: str = "fused"):
+    def __init__(self, plan: Plan, kernel_stage: str = "fused", reads_staged: bool = False):
         self.plan = plan
         # the kernel this renders (module.py: one kernel per stage; forward: fused, walk,
         # output, refill, intra; backward: fused, walk, tiles): its code only, chosen here
         self.kernel_stage = kernel_stage
+        # the walk's and output kernel's staged variant: it reads the intra kernel's matrices
+        # where the other variant computes them (codegen/chunk_kernels.py)
+        self.reads_staged = reads_staged
         self.m = plan.ir
         self.dims = self.m.dim_names
         self.order = ("_T",) + self.dims + (UNIT,)
@@ -97,7 +100,7 @@ class ChunkCode:
 
     def macros(self, unit: classes.TransitionClass):
         """The unit's kernel macros (mixc/classes/<unit.template>) for this kernel's stage."""
-        return macros(unit, self.kernel_stage)
+        return macros(unit, self.kernel_stage, self.reads_staged)
 
     def intra_slot(self) -> IntraSlot | None:
         """The place of the next staged intra-chunk matrix in p_intra's rows (index of count);
@@ -591,6 +594,7 @@ def g_is_vector(st: P.StatePlan) -> bool:
     return classes.unit(st.transition).decay_is_vector(st)
 
 
-def chunk_fwd_hooks(plan: Plan, kernel_stage: str) -> dict:
-    """The texts of one stage's forward kernel that chunk_ir.forward_kernel places."""
-    return ChunkCode(plan, kernel_stage).hooks()
+def chunk_fwd_hooks(plan: Plan, kernel_stage: str, reads_staged: bool = False) -> dict:
+    """The texts of one stage's forward kernel that chunk_ir.forward_kernel places (reads_staged:
+    its variant that reads the staged intra-chunk matrices)."""
+    return ChunkCode(plan, kernel_stage, reads_staged).hooks()

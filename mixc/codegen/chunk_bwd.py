@@ -291,9 +291,9 @@ def chunk_bwd_hooks(plan: Plan, kernel_stage: str) -> dict:
     return ChunkBackward(plan, kernel_stage).hooks()
 
 
-def split_backward(plan: Plan, source: str, kernel: str) -> str:
-    """The rendered tiles kernel `kernel` with its tile loop split (codegen/tile_split.py). Its
-    cotangents: the output's gradient and each state's dL/dS."""
+def split_backward(plan: Plan, source: str, kernel: str) -> tuple[str, str | None]:
+    """The rendered tiles kernel `kernel` with its tile loop split (codegen/tile_split.py), and
+    its keyblocks variant or None. Its cotangents: the output's gradient and each state's dL/dS."""
     code = ChunkBackward(plan)
     cotangents = {"_do"} | {f"d_{st.name}" for st in code.states}
     aliases = {d.name: plan.ir.root_dim(d.name) for d in plan.ir.dims if d.alias_of}

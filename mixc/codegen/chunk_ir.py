@@ -298,9 +298,12 @@ def load_inputs(plan: Plan) -> list[K.Let]:
     return out
 
 
-def forward_kernel(plan: Plan, kernel: str, header: tuple[str, ...], stage: str, hooks: dict) -> K.Kernel:
+def forward_kernel(plan: Plan, kernel: str, header: tuple[str, ...], stage: str, hooks: dict,
+                   rewalk: bool = False) -> K.Kernel:
     """One stage's kernel of the chunked forward (fused, walk, output, refill or intra): what it
-    reads and writes is in its header (module.CHUNK_STAGES)."""
+    reads and writes is in its header (chunk_kernels.CHUNK_STAGES). rewalk: the output kernel's
+    variant that walks CKPT_EVERY > 1 chunks from their checkpoint, the state carried in
+    registers (else one chunk a program, its state loaded in the chunk: chunk_kernels.VARIANTS)."""
     slots = stage in ("output", "refill", "intra")
     every = arg("ckpt_every")
     span = mul(arg("chunk"), every)
@@ -321,17 +324,17 @@ def forward_kernel(plan: Plan, kernel: str, header: tuple[str, ...], stage: str,
             let("_c_hi", K.Call("tl.minimum", (add(name("_c_lo"), every), name("_n_chunks"))), "i64"),
             let("_ck_slot", add(op("//", bos, span), i_n, name("_first")), "i64"),
         ]
-        if stage != "intra":
-            body += [K.Comment("the state advances through the chunks in registers"),
-                     K.If(op(">", every, num(1)), tuple(load_checkpoint(plan)))]
+        if stage == "refill" or (stage == "output" and rewalk):
+            # (the refill runs only where CKPT_EVERY > 1: Launcher.chunk_states)
+            body += [K.Comment("the state advances through the chunks in registers"), *load_checkpoint(plan)]
     else:
         body += [let("_c_lo", num(0), "i32"), let("_c_hi", name("_n_chunks"), "i64")]
     loop: list[K.Stmt] = chunk_rows(chunk)
-    if stage == "output":
-        loop.append(K.If(op("==", every, num(1)), (
+    if stage == "output" and not rewalk:
+        loop += [
             K.Comment("one chunk, its state loaded here: nothing carries over, so its advance is dead"),
             K.Comment("code (fewer live registers: the output kernel spills nothing at K = V = 128, bench/README.md)"),
-            *load_checkpoint(plan))))
+            *load_checkpoint(plan)]
     elif stage == "refill":
         loop += [
             K.Comment("every chunk's start state, for the backward"),

@@ -17,8 +17,9 @@ chunk runs as
 The pass wraps the rendered chunk body of the intra kernel (the intra-chunk matrices) and of the output kernel
 where a program takes one chunk (CKPT_EVERY == 1; a state carried through several chunks would
 need every key block live: where the class asks for it, key_walk.py holds it in static key
-blocks instead) in that loop, behind a constexpr test that KEY_BLOCK is less than
-the key dim's block (the launch's policy: Launcher.key_block); every other launch runs the chunk
+blocks instead) in that loop, as a kernel of its own (the `_keyblocks` variant), which the
+launcher runs where KEY_BLOCK is less than the key dim's block (the launch's policy:
+Launcher.key_block, Launcher.variant); every other launch runs the chunk
 as rendered, so C = 32 at K = 128 compiles as before. It is block_split.py's machinery in its
 forward mode: what a key block's statements read must be whole, so a contraction read within
 the loop (an l2 norm over K) keeps the rendered chunk, but for the non-finite counts
@@ -45,22 +46,6 @@ from .block_split import split_iteration
 from .block_statements import NoSplit, _block, _flow, _fold, _parse
 
 INDENT = "    "
-# Per kernel, (what it is, the test that guards a split, the constexprs it folds). The intra
-# kernel (a spec with staged intra-chunk matrices: plan.layout.intra_matrices) splits wherever
-# KEY_BLOCK is less than the key dim's block; the output kernel where a program takes one chunk,
-# the staged one in both of its forms (reading the matrices, or computing them where
-# launch.STAGE_INTRA or STAGE_SOLVE is off: the rank-1 class's default)
-SPLITS = {
-    "intra": (("intra", "KEY_BLOCK < _BLOCK_{k}", {}),),
-    "output": (("output", "CKPT_EVERY == 1 and KEY_BLOCK < _BLOCK_{k}", {"CKPT_EVERY": 1}),),
-    "output staged": (("output reading the staged matrices",
-                       "CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}", {"CKPT_EVERY": 1, "STAGED_INTRA": 1}),
-                      ("output computing them",
-                       "CKPT_EVERY == 1 and not STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}",
-                       {"CKPT_EVERY": 1, "STAGED_INTRA": 0})),
-}
-
-
 def key_dim(plan) -> str | None:
     """The dim the forward loops over in key blocks: the one key dim every state shares, where
     no dim aliases it (a feature map's J = K would block one side only); None: no key loop."""
@@ -72,20 +57,19 @@ def key_dim(plan) -> str | None:
     return dims[0] if len(dims) == 1 and dims[0] not in aliased else None
 
 
-def split_keys(source: str, kernel: str, key: str | None, flags: set[str], staged: bool, stage: str,
-               walk: bool = False) -> str:
-    """The kernel `kernel` in `source` (the forward's intra or output kernel: stage) with its
-    chunk body in a loop over the key dim's blocks where it applies (flags: the base names a
-    block may test alone; staged: the spec stages intra-chunk matrices), else the source with a
-    comment why; walk: the output kernel walking several chunks too, its state in static key
+def split_keys(source: str, kernel: str, key: str | None, flags: set[str], walk: bool = False) -> tuple[str, str | None]:
+    """(the kernel `kernel` in `source` (the forward's intra or output kernel, one variant of
+    it) as rendered, its chunk body over the key dim's blocks or None where that does not apply,
+    the kernel as rendered then saying why in a comment). flags: the base names a block may test
+    alone; walk: the output kernel's variant walking several chunks, its state in static key
     blocks (codegen/key_walk.py)."""
     if key is None:
-        return source
-    return _split_keys(source, kernel, key, frozenset(flags), staged, stage, walk)
+        return source, None
+    return _split_keys(source, kernel, key, frozenset(flags), walk)
 
 
 @lru_cache(maxsize=256)         # a process generates a spec's module again per cache folder (tests)
-def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bool, stage: str, walk: bool) -> str:
+def _split_keys(source: str, kernel: str, key: str, flags: frozenset, walk: bool) -> tuple[str, str | None]:
     tree = ast.parse(source)
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == kernel)
     lines = source.split("\n")
@@ -97,52 +81,37 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, staged: bo
     def text(nodes):
         return "\n".join(lines[nodes[0].lineno - 1:nodes[-1].end_lineno]) if nodes else ""
     top, body = text(fn.body[:at]), text(chunk_loop.body)
-    branches, why = [], []
-    for what, test, env in SPLITS[stage + (" staged" if staged and stage == "output" else "")]:
-        try:
-            sp = _split(top, body, fn, key, env, flags)
-            branches.append((test.format(k=key), (sp.before, sp.loop, sp.after)))
-        except (NoSplit, UnknownShape) as e:
-            why.append(f"{what}: {e}")
-        except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
-            # a statement this pass misreads: keep the rendered chunk (the library specs' split
-            # is asserted by tests/codegen/test_key_split.py)
-            why.append(f"{what}: the pass could not read it: {type(e).__name__}: {e}")
-    inner = indent + INDENT
-    new = [f"{indent}# the whole key dim kept (codegen/key_split.py: {_one_line('; '.join(why))})"] if why else []
-    for i, (test, (before, loop, after)) in enumerate(branches):
-        new += [f"{indent}{'if' if i == 0 else 'elif'} {test}:",
-                f"{inner}# the key dim in blocks of KEY_BLOCK (codegen/key_split.py): what lacks it once, before",
-                f"{inner}# the loop; per block its rows and the contractions over it, summed; the rest after"]
-        new += [textwrap.indent(x, inner) for x in before]
-        new += [f"{inner}for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"]
-        new += [textwrap.indent(x, inner + INDENT) for x in loop] or [inner + INDENT + "pass"]
-        new += [textwrap.indent(x, inner) for x in after]
-    if branches:
-        new += [f"{indent}else:"]
-        new += [INDENT + ln if ln.strip() else ln for ln in lines[first - 1:last]]
-    else:
-        new += lines[first - 1:last]
-    # the output kernel walking several chunks: the state in static key blocks (codegen/key_walk.py, which
-    # imports _split from here: imported where used)
-    from .key_walk import static_walk
     head = chunk_loop.lineno
-    loop_lines = "\n".join(lines[head - 1:first - 1] + new).split("\n")
     outer = lines[head - 1][:chunk_loop.col_offset]
-    if not walk:
-        return "\n".join(lines[:head - 1] + loop_lines + lines[last:])
+
+    def kept(at_line: int, pad: str, why: str) -> str:
+        return "\n".join(lines[:at_line - 1] + [f"{pad}# {why}"] + lines[at_line - 1:])
     try:
-        test, walk = static_walk(top, body, text(fn.body[at + 1:]), fn, key, flags, staged,
-                                 lambda text, env, carried: _split(top, text, fn, key, env, flags, carried=carried))
-        loop_lines = [f"{outer}if {test}:"] + [textwrap.indent(x, outer + INDENT) for x in walk] + \
-            [f"{outer}else:"] + [INDENT + ln if ln.strip() else ln for ln in loop_lines]
+        if walk:
+            # the output kernel walking several chunks: the state in static key blocks
+            # (codegen/key_walk.py, which imports _split from here: imported where used)
+            from .key_walk import static_walk
+            new = static_walk(top, body, text(fn.body[at + 1:]), fn, key, flags,
+                              lambda text, env, carried: _split(top, text, fn, key, env, flags, carried=carried))
+            return source, "\n".join(lines[:head - 1] + [textwrap.indent(x, outer) for x in new] + lines[last:])
+        sp = _split(top, body, fn, key, {}, flags)
     except (NoSplit, UnknownShape) as e:
-        loop_lines = [f"{outer}# walking chunks keeps the whole key dim (codegen/key_walk.py: "
-                      f"{_one_line(str(e))})"] + loop_lines
+        why = str(e)
     except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
-        loop_lines = [f"{outer}# walking chunks keeps the whole key dim (codegen/key_walk.py: the pass "
-                      f"could not read it: {_one_line(f'{type(e).__name__}: {e}')})"] + loop_lines
-    return "\n".join(lines[:head - 1] + loop_lines + lines[last:])
+        # a statement this pass misreads: no key-blocked variant (the library specs' split is
+        # asserted by tests/codegen/test_key_split.py)
+        why = f"the pass could not read it: {type(e).__name__}: {e}"
+    else:
+        new = [f"{indent}# the key dim in blocks of KEY_BLOCK (codegen/key_split.py): what lacks it once, before",
+               f"{indent}# the loop; per block its rows and the contractions over it, summed; the rest after"]
+        new += [textwrap.indent(x, indent) for x in sp.before]
+        new += [f"{indent}for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"]
+        new += [textwrap.indent(x, indent + INDENT) for x in sp.loop] or [indent + INDENT + "pass"]
+        new += [textwrap.indent(x, indent) for x in sp.after]
+        return source, "\n".join(lines[:first - 1] + new + lines[last:])
+    if walk:
+        return kept(head, outer, f"walking chunks keeps the whole key dim (codegen/key_walk.py: {_one_line(why)})"), None
+    return kept(first, indent, f"the whole key dim kept (codegen/key_split.py: {_one_line(why)})"), None
 
 
 def _split(top: str, body: str, fn: ast.FunctionDef, key: str, env: dict, flags, prefix: str = "",

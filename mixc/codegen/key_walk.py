@@ -1,5 +1,5 @@
 """The chunked forward's output kernel walking R chunks (CKPT_EVERY > 1) with its state in static key
-blocks (fla's b_h1 .. b_h4, here up to eight).
+blocks (fla's b_h1 .. b_h4, here up to eight): its `_rewalk_staged_keyblocks` variant.
 
 Where a program takes R chunks from one checkpoint, the state [K, V-block] advances through
 them in registers, so a dynamic loop over the key blocks (key_split.py) cannot index it, and
@@ -11,15 +11,16 @@ walk runs as
     for each chunk:
         what lacks the key dim                  once
         key block 0: its rows, its share of the readout, S_k0 advanced
-        if KEY_BLOCK < K:       key block 1 ...   (constexpr tests: a K of one block has one)
+        if 1 * KEY_BLOCK < K:   key block 1 ...   (constexpr tests: a K of one block has one)
         ...
         the rest, from the sums                 A V, the output's store
 
 Each block's statements are key_split's loop body (the forward-mode split, with the state's
 rows carried from one chunk to the next: split_iteration's `carried`) written once per block
-with its index for _kb; up to STATIC_BLOCKS blocks (K <= 8 KEY_BLOCK: the branch's test; the
-launch's KEY_BLOCK is at least K / 8, Launcher.key_block),
-else the rendered walk runs. A class whose advance reads a contraction over the keys (the
+with its index for _kb; up to STATIC_BLOCKS blocks (K <= 8 KEY_BLOCK, asserted statically; the
+launch's KEY_BLOCK is at least K / 8, Launcher.key_block, and the launcher picks this variant
+only then), else the rendered walk runs (the output kernel's `_rewalk` variant without
+`_keyblocks`). A class whose advance reads a contraction over the keys (the
 rank-1 class's W S) has no such split (NoSplit: the walk stays whole).
 """
 from __future__ import annotations
@@ -33,22 +34,14 @@ from .block_statements import NoSplit, Stmt, _block, _flow, _fold
 
 INDENT = "    "
 STATIC_BLOCKS = 8
-# (the test that guards the static walk, the constexprs it folds): the output kernel with several
-# chunks a program (CKPT_EVERY > 1: any such R folds alike), reading the staged A where the spec
-# stages it
-STAGED_WALK = ("CKPT_EVERY > 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k} "
-               "and _BLOCK_{k} <= {n} * KEY_BLOCK", {"CKPT_EVERY": 2, "STAGED_INTRA": 1})
-WALK = ("CKPT_EVERY > 1 and KEY_BLOCK < _BLOCK_{k} and _BLOCK_{k} <= {n} * KEY_BLOCK",
-        {"CKPT_EVERY": 2})
 
 
-def static_walk(top: str, body: str, rest: str, fn: ast.FunctionDef, key: str, flags, staged: bool,
-                split) -> tuple[str, list[str]]:
-    """(the branch's test, its lines: the state's blocks loaded, then the chunk loop with one
-    copy of the key loop's body per block), dedented, for the chunk loop `for _chunk in
-    range(_c_lo, _c_hi):` (rest: what follows it in the kernel; split: key_split._split).
-    Raises NoSplit."""
-    test, env = STAGED_WALK if staged else WALK
+def static_walk(top: str, body: str, rest: str, fn: ast.FunctionDef, key: str, flags, split) -> list[str]:
+    """The lines (dedented) that replace the chunk loop `for _chunk in range(_c_lo, _c_hi):` of
+    the output kernel's walking variant (rest: what follows it in the kernel; split:
+    key_split._split): the state's blocks loaded, then the chunk loop with one copy of the key
+    loop's body per block. Raises NoSplit."""
+    env: dict = {}
     whole = re.compile(rf"\b_BLOCK_{re.escape(key)}\b")
     top_stmts = _fold(_block(top), env)
     body_stmts = _fold(_block(textwrap.dedent(body)), env)
@@ -90,12 +83,14 @@ def static_walk(top: str, body: str, rest: str, fn: ast.FunctionDef, key: str, f
         copies.append(_at(copy, i))
     lines = [f"# the state's key rows in static blocks of KEY_BLOCK (codegen/key_walk.py), carried through",
              "# the chunks: what lacks the key dim once a chunk, each block's rows and its share of the",
-             "# contractions, the rest from the sums"]
+             f"# contractions, the rest from the sums; at most {STATIC_BLOCKS} blocks (the launcher picks this",
+             "# kernel only then: Launcher.kernel)",
+             f"tl.static_assert(_BLOCK_{key} <= {STATIC_BLOCKS} * KEY_BLOCK)"]
     lines += _guarded(hoisted, key)
     lines += ["for _chunk in range(_c_lo, _c_hi):"]
     inner = list(sp.before) + _guarded(copies, key) + list(sp.after)
     lines += [textwrap.indent(x, INDENT) for x in inner]
-    return test.format(k=key, n=STATIC_BLOCKS), lines
+    return lines
 
 
 def _stmt(src: str, comments=()) -> Stmt:

@@ -18,6 +18,7 @@ from ..dsl.functions import FUNCTIONS
 from .chunk import chunk_fwd_hooks
 from .key_split import key_dim, split_keys
 from .launch_plan import chunk_stages, kernel_name, launch_plan, stage_kernel_name
+from ..standalone.kernel_args import STAGE_VARIANTS, stage_kernel
 from .chunk_bwd import chunk_bwd_hooks, split_backward
 from .header import docstring_safe
 from . import chunk_ir
@@ -124,13 +125,13 @@ CHUNK_STAGES = {
     ("chunk_fwd", "walk"): (
         "the chunked forward's walk: per (sequence, head) and tile block, the chunks in order, the state "
         "in registers, no output",
-        "reads the inputs, params, initial states (and the staged inverses: STAGED_INTRA); writes the state "
+        "reads the inputs, params, initial states (and the staged inverses: its _staged variant); writes the state "
         "at every CKPT_EVERY-th chunk start (the checkpoints) and the final states", "fla's chunk_fwd_h"),
     ("chunk_fwd", "output"): (
         "the chunked forward's outputs: per (checkpoint slot, head) and tile block, the CKPT_EVERY chunks "
         "of one checkpoint from it, all slots at once",
-        "reads the inputs, params, the walk's checkpoints (and the staged intra-chunk matrices: "
-        "STAGED_INTRA); writes the output", "fla's chunk_fwd_o"),
+        "reads the inputs, params, the walk's checkpoints (and the staged intra-chunk matrices: its _staged "
+        "variants); writes the output", "fla's chunk_fwd_o"),
     ("chunk_fwd", "refill"): (
         "the state at every chunk start, for the backward: per (checkpoint slot, head) and tile block, "
         "the slot's chunks walked from its checkpoint",
@@ -231,52 +232,111 @@ def kir_text(plan: Plan) -> str:
     return "\n".join(out)
 
 
-CHUNK_BUILDERS = {"chunk_fwd": chunk_ir.forward_kernel, "chunk_bwd": chunk_ir.backward_kernel}
+# each variant part's line in a variant kernel's header (kernel_args.VARIANT_PARTS; Launcher.variant picks)
+VARIANT_TEXT = {
+    "rewalk": ("CKPT_EVERY > 1 chunks a program, walked from their checkpoint", "one chunk a program"),
+    "staged": ("reads the intra kernel's staged matrices", "computes its intra-chunk matrices"),
+    "keyblocks": ("the key dim in blocks of KEY_BLOCK", "the whole key dim"),
+}
 
 
-def chunk_kernel(plan: Plan, form: str, stage: str) -> kir_nodes.Kernel:
+def _variant_header(plan: Plan, form: str, stage: str, parts: tuple[str, ...]) -> tuple[str, ...]:
+    header = list(_chunk_header(plan, form, stage))
+    name = stage_kernel(kernel_name(plan, form), stage, parts)
+    header[0] = header[0].replace(stage_kernel_name(plan, form, stage) + ":", name + ":", 1)
+    if (form, stage) in STAGE_VARIANTS:
+        have = [v for s, v in forward_variants(plan) + [("tiles", ()), ("tiles", ("keyblocks",))] if s == stage]
+        # the parts this spec's variants of the stage differ in (keyblocks: where the split may apply)
+        what = [VARIANT_TEXT[p][0 if p in parts else 1] for p in STAGE_VARIANTS[form, stage]
+                if p == "keyblocks" or any(p in v for v in have)]
+        header.insert(1, f"variant: {'; '.join(what)} (the launcher picks it: Launcher.variant)")
+    return tuple(header)
+
+
+def chunk_kernel(plan: Plan, form: str, stage: str, parts: tuple[str, ...] = ()) -> kir_nodes.Kernel:
     """One stage's kernel of a chunked form as kernel IR (codegen/chunk_ir.py: its scaffolding
     as statements, the hooks rendered for that stage as Text), verified: its name, its
     arguments (the one definition, plan.layout.kernel_args: standalone/kernel_args.py), under
-    a header that says which kernel and class it is."""
-    hooks = (chunk_fwd_hooks if form == "chunk_fwd" else chunk_bwd_hooks)(plan, stage)
-    return passes.run(CHUNK_BUILDERS[form](plan, stage_kernel_name(plan, form, stage),
-                                           _chunk_header(plan, form, stage), stage, hooks), ())
+    a header that says which kernel, variant and class it is. parts: the variant's rewalk and
+    staged (a keyblocks variant is this kernel's text split: forward_kernels)."""
+    parts = tuple(p for p in parts if p != "keyblocks")
+    name = stage_kernel(kernel_name(plan, form), stage, parts)
+    header = _variant_header(plan, form, stage, parts)
+    if form == "chunk_fwd":
+        hooks = chunk_fwd_hooks(plan, stage, "staged" in parts)
+        k = chunk_ir.forward_kernel(plan, name, header, stage, hooks, rewalk="rewalk" in parts)
+    else:
+        k = chunk_ir.backward_kernel(plan, name, header, stage, chunk_bwd_hooks(plan, stage))
+    return passes.run(k, ())
 
 
-def _render_kernel(plan: Plan, form: str, stage: str) -> str:
+def _render_kernel(plan: Plan, form: str, stage: str, parts: tuple[str, ...] = ()) -> str:
     """One stage's kernel of a chunked form, printed (the ast passes read this text)."""
-    return printer.kernel(chunk_kernel(plan, form, stage))
+    return printer.kernel(chunk_kernel(plan, form, stage, parts))
+
+
+def _keyed(plan: Plan, form: str, stage: str, parts: tuple[str, ...], source: str) -> str:
+    """A split kernel's text as its keyblocks variant: that variant's name and header."""
+    parts = parts + ("keyblocks",)
+    old = stage_kernel(kernel_name(plan, form), stage, tuple(p for p in parts if p != "keyblocks"))
+    body = source[source.index("@triton.jit"):].replace(f"def {old}(", f"def {stage_kernel(kernel_name(plan, form), stage, parts)}(", 1)
+    return "\n".join(f"# {h}" for h in _variant_header(plan, form, stage, parts)) + "\n" + body
+
+
+def forward_variants(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
+    """(stage, parts) of the chunked forward's kernels but the keyblocks variants: the walk's
+    staged one where a class reads its staged inverse there (stages_solve), the output
+    kernel's rewalk x staged (staged where the spec stages matrices)."""
+    staged = bool(plan.layout.intra_matrices)
+    solve = staged and any(classes.unit(st.transition).stages_solve for st in plan.states)
+    out = []
+    for stage in chunk_stages(plan, "chunk_fwd"):
+        if stage == "walk":
+            out += [(stage, ())] + ([(stage, ("staged",))] if solve else [])
+        elif stage == "output":
+            out += [(stage, r + s) for r in ((), ("rewalk",)) for s in (((), ("staged",)) if staged else ((),))]
+        else:
+            out.append((stage, ()))
+    return out
 
 
 def forward_kernels(plan: Plan) -> list[str]:
-    """The chunked forward's kernels, one per stage (chunk_stages), each with its chunk over the
-    key dim's blocks where it applies (codegen/key_split.py: the output and intra kernels, where
-    the states share one key dim, key_dim); a key block tests its own keys' non-finite entries
-    (_bad_<S>)."""
+    """The chunked forward's kernels, one per stage and variant (forward_variants), with the
+    intra and output kernels' keyblocks variants where the key split applies (codegen/key_split.py:
+    the states share one key dim, key_dim; the output kernel walking chunks: its state in static
+    key blocks, key_walk.py, for a class that walks them, reading the staged A); a key block tests
+    its own keys' non-finite entries (_bad_<S>)."""
     key = key_dim(plan)
     flags = {f"_bad_{st.name}" for st in plan.states} | {f"_badv_{st.name}" for st in plan.states}
     walk = any(classes.unit(st.transition).walks_key_blocks for st in plan.states)
     staged = bool(plan.layout.intra_matrices)
     out = []
-    for stage in chunk_stages(plan, "chunk_fwd"):
-        source = _render_kernel(plan, "chunk_fwd", stage)
-        if stage in ("output", "intra"):
-            source = split_keys(source, stage_kernel_name(plan, "chunk_fwd", stage), key, flags, staged,
-                                stage, walk and stage == "output")
+    for stage, parts in forward_variants(plan):
+        source = _render_kernel(plan, "chunk_fwd", stage, parts)
+        keyed = None
+        name = stage_kernel(kernel_name(plan, "chunk_fwd"), stage, parts)
+        if stage == "intra" or (stage == "output" and "rewalk" not in parts):
+            source, keyed = split_keys(source, name, key, flags)
+        elif stage == "output" and walk and ("staged" in parts or not staged):
+            source, keyed = split_keys(source, name, key, flags, walk=True)
         out.append(source)
+        if keyed is not None:
+            out.append(_keyed(plan, "chunk_fwd", stage, parts, keyed))
     return out
 
 
 def backward_kernels(plan: Plan) -> list[str]:
     """The chunked backward's kernels, one per stage, the tiles kernel's tile loop split
-    (codegen/tile_split.py)."""
+    (codegen/tile_split.py), and its keyblocks variant where the key split applies after it."""
     out = []
     for stage in chunk_stages(plan, "chunk_bwd"):
         source = _render_kernel(plan, "chunk_bwd", stage)
+        keyed = None
         if stage == "tiles":
-            source = split_backward(plan, source, stage_kernel_name(plan, "chunk_bwd", stage))
+            source, keyed = split_backward(plan, source, stage_kernel_name(plan, "chunk_bwd", stage))
         out.append(source)
+        if keyed is not None:
+            out.append(_keyed(plan, "chunk_bwd", stage, (), keyed))
     return out
 
 

@@ -23,8 +23,10 @@ def macro_env() -> jinja2.Environment:
 
 
 @lru_cache(maxsize=None)
-def macros(unit: classes.TransitionClass, stage: str = "fused"):
+def macros(unit: classes.TransitionClass, stage: str = "fused", staged: bool = False):
     """The macros of a class's template as attributes (each renders its lines of Triton), for
     the kernel of one stage: the template reads `stage` (forward: fused, walk, output, refill,
-    intra; backward: fused, walk, tiles) where a stage's code differs, so a kernel holds its own."""
-    return macro_env().get_template(unit.template).make_module({"stage": stage})
+    intra; backward: fused, walk, tiles) where a stage's code differs, so a kernel holds its own;
+    `staged`: the kernel is the variant that reads the intra kernel's matrices (the walk and
+    output kernels' `_staged` variants: codegen/chunk_kernels.py), else it computes them."""
+    return macro_env().get_template(unit.template).make_module({"stage": stage, "staged": staged})

@@ -45,18 +45,21 @@ INDENT = "    "
 # ---- the kernel -------------------------------------------------------------------------
 
 def split_tiles(source: str, kernel: str, tile: str | None, cotangents: set[str],
-                aliases: dict[str, str] | None = None, key: str | None = None, flags: set[str] = frozenset()) -> str:
-    """The tiles kernel `kernel` in `source` with its tile loop split; where the split does not
-    apply, the source with a comment why. aliases: dim -> the dim it aliases (same block)."""
+                aliases: dict[str, str] | None = None, key: str | None = None,
+                flags: set[str] = frozenset()) -> tuple[str, str | None]:
+    """(the tiles kernel `kernel` in `source` with its tile loop split, where the split does not
+    apply the source with a comment why; its variant with the key dim in blocks after the split
+    or None where that does not apply, the first then saying why). aliases: dim -> the dim it
+    aliases (same block)."""
     if tile is None:
-        return source
+        return source, None
     return _split_tiles(source, kernel, tile, frozenset(cotangents), tuple(sorted((aliases or {}).items())), key,
-                         frozenset(flags))
+                        frozenset(flags))
 
 
 @lru_cache(maxsize=256)         # a process generates a spec's module again per cache folder (tests)
 def _split_tiles(source: str, kernel: str, tile: str, cotangents: frozenset, alias_items: tuple,
-                  key: str | None = None, flags: frozenset = frozenset()) -> str:
+                 key: str | None = None, flags: frozenset = frozenset()) -> tuple[str, str | None]:
     aliases = dict(alias_items)
     tree = ast.parse(source)
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == kernel)
@@ -75,7 +78,7 @@ def _split_tiles(source: str, kernel: str, tile: str, cotangents: frozenset, ali
     # zeros), the loop's body as one iteration, and what follows it (the sums' stores)
     tv = next((i for i, st in enumerate(chunk_loop.body) if isinstance(st, ast.For) and st.target.id == "_tv"), None)
     if tv is None:
-        return source
+        return source, None
     shapes.env[chunk_loop.target.id] = ()
     shapes.env["_tv"] = ()
     head, loop, rest = chunk_loop.body[:tv], chunk_loop.body[tv], chunk_loop.body[tv + 1:]
@@ -89,47 +92,42 @@ def _split_tiles(source: str, kernel: str, tile: str, cotangents: frozenset, ali
         body = [s for part in (head, loop.body, rest) if part for s in _block(text(part))]
         sp = split_iteration(body, tile=tile, shapes=shapes, outer=outer, cotangents=cotangents)
     except (NoSplit, UnknownShape) as e:
-        return _kept(lines, first, indent, str(e))
+        return _kept(lines, first, indent, str(e)), None
     except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
         # a statement this pass misreads: the rendered loop is the checked kernel, so keep it
         # and say so (the library specs' split is asserted by tests/codegen/test_tile_split.py)
-        return _kept(lines, first, indent, f"the pass could not read it: {type(e).__name__}: {e}")
+        return _kept(lines, first, indent, f"the pass could not read it: {type(e).__name__}: {e}"), None
     header = lines[loop.lineno - 1].strip()
-    inner = indent + INDENT
-    new = []
+    keyed, why = None, []
     if key is not None:
-        # what follows the tile loop over the key dim's blocks (codegen/key_split.py)
+        # the variant with what follows the tile loop over the key dim's blocks (codegen/key_split.py)
         top = text(fn.body[:fn.body.index(chunk_loop)])
         try:
             pre, kept, kb, kl, ka = split_after_tiles(top, fn, key, sp.before, sp.loop, sp.after, header, flags)
-            new += [f"{indent}if KEY_BLOCK < _BLOCK_{key}:",
-                    f"{inner}# the tile loop split (codegen/tile_split.py), then the key dim in blocks of KEY_BLOCK",
-                    f"{inner}# (codegen/key_split.py): each block sums its rows of the tile blocks' contractions",
-                    f"{inner}# that carry the key dim in a tile loop of its own, then its rows of the rest"]
-            new += [textwrap.indent(x, inner) for x in pre]
-            new += [inner + header]
-            new += [textwrap.indent(x, inner + INDENT) for x in kept] or [inner + INDENT + "pass"]
-            new += [textwrap.indent(x, inner) for x in kb]
-            new += [f"{inner}for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"]
-            new += [textwrap.indent(x, inner + INDENT) for x in kl] or [inner + INDENT + "pass"]
-            new += [textwrap.indent(x, inner) for x in ka]
+            new = [f"{indent}# the tile loop split (codegen/tile_split.py), then the key dim in blocks of KEY_BLOCK",
+                   f"{indent}# (codegen/key_split.py): each block sums its rows of the tile blocks' contractions",
+                   f"{indent}# that carry the key dim in a tile loop of its own, then its rows of the rest"]
+            new += [textwrap.indent(x, indent) for x in pre]
+            new += [indent + header]
+            new += [textwrap.indent(x, indent + INDENT) for x in kept] or [indent + INDENT + "pass"]
+            new += [textwrap.indent(x, indent) for x in kb]
+            new += [f"{indent}for _kb in range((_size_{key} + KEY_BLOCK - 1) // KEY_BLOCK):"]
+            new += [textwrap.indent(x, indent + INDENT) for x in kl] or [indent + INDENT + "pass"]
+            new += [textwrap.indent(x, indent) for x in ka]
+            keyed = "\n".join(lines[:first - 1] + new + lines[last:])
         except (NoSplit, UnknownShape) as e:
-            new += [f"{indent}# the whole key dim after the tile loop (codegen/key_split.py: {_one_line(str(e))})"]
+            why = [f"{indent}# the whole key dim after the tile loop (codegen/key_split.py: {_one_line(str(e))})"]
         except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:
-            new += [f"{indent}# the whole key dim after the tile loop (codegen/key_split.py: the pass could not "
-                    f"read it: {_one_line(f'{type(e).__name__}: {e}')})"]
-    keyed = bool(new) and new[0].lstrip().startswith("if ")
-    at = inner if keyed else indent
-    if keyed:
-        new += [f"{indent}else:"]
-    new += [f"{at}# the tile loop split (codegen/tile_split.py): what no block changes once, before the",
-            f"{at}# loop; per block what carries it and the contractions over it, summed; the rest once,",
-            f"{at}# after the loop, from the sums"]
-    new += [textwrap.indent(x, at) for x in sp.before]
-    new += [at + header]
-    new += [textwrap.indent(x, at + INDENT) for x in sp.loop] or [at + INDENT + "pass"]
-    new += [textwrap.indent(x, at) for x in sp.after]
-    return "\n".join(lines[:first - 1] + new + lines[last:])
+            why = [f"{indent}# the whole key dim after the tile loop (codegen/key_split.py: the pass could not "
+                   f"read it: {_one_line(f'{type(e).__name__}: {e}')})"]
+    new = why + [f"{indent}# the tile loop split (codegen/tile_split.py): what no block changes once, before the",
+                 f"{indent}# loop; per block what carries it and the contractions over it, summed; the rest once,",
+                 f"{indent}# after the loop, from the sums"]
+    new += [textwrap.indent(x, indent) for x in sp.before]
+    new += [indent + header]
+    new += [textwrap.indent(x, indent + INDENT) for x in sp.loop] or [indent + INDENT + "pass"]
+    new += [textwrap.indent(x, indent) for x in sp.after]
+    return "\n".join(lines[:first - 1] + new + lines[last:]), keyed
 
 
 def _kept(lines: list[str], first: int, indent: str, why: str) -> str:

@@ -38,9 +38,22 @@ CHUNK_STAGES = {"chunk_fwd": ("fused", "walk", "output", "refill", "intra"),
                 "chunk_bwd": ("fused", "walk", "tiles")}
 
 
-def stage_kernel(stem: str, stage: str) -> str:
-    """The name of a chunked form's kernel for one stage (stem: <spec>_<form>)."""
-    return f"{stem}_{stage}"
+# The variants of a stage the launcher chooses among, each a kernel of its own named
+# <spec>_<form>_<stage>[_rewalk][_staged][_keyblocks] (the parts in this order; none: the
+# stage's plain kernel): rewalk, the output kernel walking CKPT_EVERY > 1 chunks from one
+# checkpoint (else one chunk a program); staged, the walk or output kernel reading the intra
+# kernel's matrices (else computing them); keyblocks, the chunk over the key dim in blocks of
+# KEY_BLOCK (else the whole dim). codegen/chunk_kernels.py generates them (a keyblocks variant
+# only where its split applies), Launcher.kernel picks one per launch.
+VARIANT_PARTS = ("rewalk", "staged", "keyblocks")
+STAGE_VARIANTS = {("chunk_fwd", "walk"): ("staged",), ("chunk_fwd", "output"): VARIANT_PARTS,
+                  ("chunk_fwd", "intra"): ("keyblocks",), ("chunk_bwd", "tiles"): ("keyblocks",)}
+
+
+def stage_kernel(stem: str, stage: str, parts: tuple[str, ...] = ()) -> str:
+    """The name of a chunked form's kernel for one stage (stem: <spec>_<form>), one variant of
+    it (parts: some of VARIANT_PARTS)."""
+    return "_".join((stem, stage) + tuple(p for p in VARIANT_PARTS if p in parts))
 # Triton's launch options: a launch's values may hold them next to the arguments
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
@@ -100,8 +113,6 @@ ROLES: dict[str, Role] = {
     "dot": Role("DOT", "constexpr", None, "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16, 3 fp32 (tf32x3)"),
     "key_block": Role("KEY_BLOCK", "constexpr", None, "the key dim's block in the intra and output kernels' loop "
                                                       "over it"),
-    "staged_intra": Role("STAGED_INTRA", "constexpr", None,
-                         "the output kernel reads the intra-chunk matrices the intra kernel wrote"),
 }
 
 
@@ -260,10 +271,8 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_initial"), *_one("store_final"), *_one("varlen"), *_one("store_ckpt"),
         *_one("ckpt_every", "chunks per checkpoint (the output, refill and intra kernels: chunks per program)"),
-        *_one("staged_intra", "the output kernel (and the rank-1 walk) reads the intra-chunk matrices the intra "
-                              "kernel wrote (else computes them)"),
-        *_one("key_block", "the intra and output kernels loop over the key dim in blocks of this, where less than "
-                           "its block (codegen/key_split.py; the output kernel walking chunks: static blocks, "
+        *_one("key_block", "the intra and output kernels' _keyblocks variants loop over the key dim in blocks of "
+                           "this (codegen/key_split.py; the output kernel walking chunks: static blocks, "
                            "key_walk.py)"),
         *_one("dot", "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16, 3 fp32 (tf32x3)"),
     ]
@@ -287,8 +296,8 @@ def _chunk_bwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "fsize"), *after_fsize,
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_dfinal"), *_one("varlen"), *_one("dot"),
-        *_one("key_block", "the tiles kernel loops over the key dim in blocks of this before, in and after its "
-                           "tile loop, where less than its block (codegen/key_split.py)"),
+        *_one("key_block", "the tiles kernel's _keyblocks variant loops over the key dim in blocks of this "
+                           "before, in and after its tile loop (codegen/key_split.py)"),
     ]
 
 

@@ -66,16 +66,17 @@ class LaunchPlan:
         """form -> a recurrent kernel's name, or a chunked form's stem (kernel_name)."""
         return dict(self.kernels)
 
-    def kernel_name(self, form: str, stage: str | None = None) -> str:
-        """The kernel a launch of `form` runs: a chunked form's kernel for `stage`
-        (kernel_args.CHUNK_STAGES: gla_chunk_fwd_walk ...), a recurrent form's own."""
+    def kernel_name(self, form: str, stage: str | None = None, parts: tuple[str, ...] = ()) -> str:
+        """The kernel a launch of `form` runs: a chunked form's kernel for `stage`, the variant
+        `parts` names (kernel_args.CHUNK_STAGES, STAGE_VARIANTS: gla_chunk_fwd_walk,
+        gla_chunk_fwd_output_rewalk_staged ...), a recurrent form's own."""
         stem = self.kernel_names[form]
         if form not in CHUNK_STAGES:
             return stem
         if stage not in CHUNK_STAGES[form]:
             raise ValueError(f"{form}: a launch names its stage, one of {', '.join(CHUNK_STAGES[form])}; "
                              f"got {stage!r}")
-        return stage_kernel(stem, stage)
+        return stage_kernel(stem, stage, parts)
 
     @cached_property
     def kernel_args(self) -> dict[str, KernelArgs]:

@@ -30,6 +30,7 @@ import triton
 
 from .buffers import checkpoint_slots, chunk_seqs, empty, one_stage as _one_stage  # noqa: F401
 from .segments import backward as _segmented_backward, forward as _segmented_forward, unsupported as _unsupported
+from .kernel_args import STAGE_VARIANTS
 from .launch_data import (CHUNK_DEFAULT, STATIC_BLOCKS, LaunchConfig, LaunchPlan, LaunchSettings,  # noqa: F401
                           env_segments)
 
@@ -137,11 +138,41 @@ class Launcher:
     def __init__(self, lp: LaunchPlan, module, settings: LaunchSettings, tune=None, refuse=None):
         self.lp, self.module, self.s, self.tune, self.refuse = lp, module, settings, tune, refuse
 
-    def kernel(self, form: str, device, stage: str | None = None):
-        """The kernel a launch of `form` runs (a chunked form's: its stage's, by name)."""
+    def kernel(self, form: str, device, stage: str | None = None, v: dict | None = None):
+        """(name, kernel) of what a launch of `form` runs: a chunked form's kernel for its
+        stage, the variant the launch's values v call for (variant)."""
         if self.refuse is not None:
             self.refuse(device)
-        return getattr(self.module, self.lp.kernel_name(form, stage))
+        parts = self.variant(form, stage, v) if v is not None else ()
+        name = self.lp.kernel_name(form, stage, parts)
+        if "keyblocks" in parts and not hasattr(self.module, name):
+            # no key-blocked variant: its split does not apply to this spec (the kernel generated
+            # in its place says why, codegen/key_split.py), so the whole key dim, as that kernel's
+            name = self.lp.kernel_name(form, stage, tuple(p for p in parts if p != "keyblocks"))
+        return name, getattr(self.module, name)
+
+    def variant(self, form: str, stage: str | None, v: dict) -> tuple[str, ...]:
+        """Which variant of a chunked stage a launch with values v runs (kernel_args.VARIANT_PARTS;
+        each a kernel of its own, codegen/chunk_kernels.py): the output kernel's "rewalk" where a
+        program takes CKPT_EVERY > 1 chunks; the output's and the rank-1 walk's "staged" where the
+        intra kernel staged its matrices; the intra, output and tiles kernels' "keyblocks" where
+        KEY_BLOCK is less than the key dim's block (the output walking chunks: its static blocks
+        cover the dim, at most STATIC_BLOCKS of them)."""
+        if (form, stage) not in STAGE_VARIANTS:
+            return ()
+        key, parts = self.lp.key, []
+        keyed = key is not None and v["key_block"] < v["block", key]
+        if stage == "output":
+            rewalk = v["ckpt_every"] > 1
+            parts += ["rewalk"] if rewalk else []
+            parts += ["staged"] if v.get("staged_intra") else []
+            if keyed and (not rewalk or v["block", key] <= STATIC_BLOCKS * v["key_block"]):
+                parts.append("keyblocks")
+        elif stage == "walk":
+            parts += ["staged"] if v.get("staged_intra") and self.lp.stages_solve else []
+        elif keyed:
+            parts.append("keyblocks")
+        return tuple(parts)
 
     # ---- blocks and grids ----
     def dim_blocks(self, b, config: LaunchConfig | None = None) -> dict:
@@ -322,10 +353,10 @@ class Launcher:
     def _launch(self, form: str, device, grid: tuple, v: dict, **record) -> None:
         """kernel[grid] on v: a chunked form's kernel for the stage v names (v["stage"])."""
         stage = v.get("stage")
-        kernel = self.kernel(form, device, stage)
+        name, kernel = self.kernel(form, device, stage, v if stage is not None else None)
         args = self.lp.kernel_args[form]
         args.launch(kernel, grid, v)
-        _record(form=form, module=self.module, kernel=self.lp.kernel_name(form, stage), grid=grid, args=args,
+        _record(form=form, module=self.module, kernel=name, grid=grid, args=args,
                 values=v, **record)
 
     def forward(self, b, form: str, *, output_final_state: bool, checkpoints: bool, chunk_tokens: int,

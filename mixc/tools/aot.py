@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .. import pipeline
+from ..codegen.key_split import key_dim as plan_key
 from ..codegen.launch_plan import chunk_stages, kernel_name, stage_kernel_name
 from ..derive.plan import Plan
 from ..derive.system_chunk import kernel_unsupported
@@ -44,8 +45,9 @@ def _form(kernel, plan: Plan) -> str:
     form's stage_kernel_name(plan, form, stage))."""
     name = getattr(kernel, "fn", kernel).__name__
     for form in plan.layout.kernel_args:
-        if name == kernel_name(plan, form) or (form.startswith("chunk") and name in {
-                stage_kernel_name(plan, form, s) for s in chunk_stages(plan, form)}):
+        if name == kernel_name(plan, form) or (form.startswith("chunk") and any(
+                name == stage_kernel_name(plan, form, s) or name.startswith(stage_kernel_name(plan, form, s) + "_")
+                for s in chunk_stages(plan, form))):
             return form
     raise ValueError(f"{name} is none of {plan.name}'s kernels ({', '.join(plan.layout.kernel_args)})")
 
@@ -56,8 +58,7 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
     kernel_args, the definition its signature was printed from): pointers by their role's dtype
     rule ("io": `dtype`, the inputs, the output and their gradients; "fp32"; "i32"), runtime
     scalars i32 or fp32, constexprs the dims' sizes and blocks, the plan's chunk size and the
-    switches above; STAGED_INTRA as the launch stages (Launcher.stages: the key-diagonal A, and
-    the rank-1 inverse only where stage_solve or launch.STAGE_SOLVE asks)."""
+    switches above."""
     t = _DTYPE[dtype]
     form = _form(kernel, plan)
     policy = rules(plan)                            # the launcher's rules (standalone/launcher.py)
@@ -79,8 +80,6 @@ def signature(kernel, plan: Plan, sizes: dict[str, int], dtype: str = "bfloat16"
             const[a.name] = _DOT[dtype] if plan.layout.half_matmuls or not _DOT[dtype] else 3   # launcher.dot_code
         elif a.role == "ckpt_every":        # the policy's at long sequences (Launcher.checkpoint_every)
             const[a.name] = max(1, policy.checkpoint_tokens() // plan.layout.chunk_size)
-        elif a.role == "staged_intra":      # the launch's policy (Launcher.stages)
-            const[a.name] = policy.stages(stage_solve)
         elif a.role == "key_block":         # the launch's policy (Launcher.key_block)
             blocks = {("block", d): max(16, block(n)) for d, n in sizes.items()}
             const[a.name] = policy.key_block(blocks, plan.layout.chunk_size)
@@ -131,6 +130,15 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
                 const["KEY_BLOCK"] = key_block
                 if "CKPT_EVERY" in const:
                     const["CKPT_EVERY"] = ckpt_every
+            if form.startswith("chunk"):
+                # the variant the launcher picks with these constexprs (Launcher.variant), staged
+                # as the launch stages (Launcher.stages: the key-diagonal A, and the rank-1
+                # inverse only where stage_solve or launch.STAGE_SOLVE asks)
+                policy, key = rules(plan), plan_key(plan)
+                v = {"stage": label[len(form) + 1:], "ckpt_every": const.get("CKPT_EVERY", 1),
+                     "staged_intra": policy.stages(stage_solve), "key_block": const.get("KEY_BLOCK", 0),
+                     ("block", key): const.get(f"_BLOCK_{key}", 0)}
+                kernel = policy.kernel(form, None, v["stage"], v)[1]
             for arch in archs:
                 t0 = time.perf_counter()
                 ck = compile_kernel(kernel, sig, const, arch=arch)

@@ -49,8 +49,14 @@ def test_the_forwards_state_io_is_typed_statements():
     assert isinstance(stores["p_ckpt_S"].value, K.Cast) and stores["p_final_S"].value == K.Name("s_S", ("K", "V"))
     assert all(s.mask.dims == ("K", "V") for s in stores.values())
     output = module.chunk_kernel(plan, "chunk_fwd", "output")
-    loads = [s for s in _stmts(output, K.Let) if s.name == "s_S" and isinstance(s.value, K.Cast)]
-    assert len(loads) == 2          # from the checkpoint: walking CKPT_EVERY chunks, or per chunk
+    rewalk = module.chunk_kernel(plan, "chunk_fwd", "output", ("rewalk",))
+    # from the checkpoint: one chunk a program, in the chunk loop; the rewalk variant walking
+    # CKPT_EVERY chunks, before it; neither branches on CKPT_EVERY
+    for k, in_loop in ((output, True), (rewalk, False)):
+        loads = [s for s in _stmts(k, K.Let) if s.name == "s_S" and isinstance(s.value, K.Cast)]
+        loop = next(s for s in k.body if isinstance(s, K.For) and s.var == "_chunk")
+        assert len(loads) == 1 and (loads[0] in K.walk_stmts(loop.body)) == in_loop
+        assert "if CKPT_EVERY" not in printer.kernel(k)
     assert [s.name for s in _stmts(output, K.Let) if s.name.startswith("v_")] == ["v_q", "v_k", "v_v", "v_g"]
     v_q = next(s for s in _stmts(output, K.Let) if s.name == "v_q")
     assert v_q.dims == ("_T", "K") and printer.expr(v_q.value).startswith(

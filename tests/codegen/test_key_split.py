@@ -21,18 +21,8 @@ SPLIT = "# the key dim in blocks of KEY_BLOCK (codegen/key_split.py)"
 KEPT = "# the whole key dim kept (codegen/key_split.py"
 
 
-def _walk_branch(fn: ast.FunctionDef) -> ast.If | None:
-    """The output kernel's branch walking chunks in static key blocks (codegen/key_walk.py)."""
-    return next((n for n in fn.body if isinstance(n, ast.If) and "CKPT_EVERY > 1" in ast.unparse(n.test)
-                 and n.orelse and isinstance(n.orelse[0], ast.For)), None)
-
-
 def _chunk_loop(fn: ast.FunctionDef) -> ast.For:
-    """A forward kernel's chunk loop as rendered (with its key loops): where the output kernel
-    walking chunks has static key blocks (codegen/key_walk.py), the else of that branch."""
-    walk = _walk_branch(fn)
-    if walk is not None:
-        return walk.orelse[0]
+    """A forward kernel's chunk loop (with its key loops in a _keyblocks variant)."""
     for n in fn.body:
         if isinstance(n, ast.For) and n.target.id == "_chunk":
             return n
@@ -43,10 +33,11 @@ def _kernel(src: str, name: str) -> ast.FunctionDef:
     return next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
-def _branch(name: str, stage: str) -> ast.If:
-    """The first key-split branch of the spec's forward kernel for `stage` (intra, output)."""
-    fn = _kernel(generate(pipeline.compile(name)), f"{name}_chunk_fwd_{stage}")
-    return next(n for n in _chunk_loop(fn).body if isinstance(n, ast.If) and "KEY_BLOCK <" in ast.unparse(n.test))
+def _branch(name: str, kernel: str) -> ast.For:
+    """The chunk loop of the spec's forward kernel variant `kernel` (intra_keyblocks ...): the
+    key split's before, key loop and after."""
+    fn = _kernel(generate(pipeline.compile(name)), f"{name}_chunk_fwd_{kernel}")
+    return _chunk_loop(fn)
 
 
 def _parts(branch: ast.If) -> tuple[str, str, str]:
@@ -81,7 +72,7 @@ def test_every_library_spec_with_one_key_dim_is_split():
         plan = pipeline.compile(name)
         src = generate(plan)
         for stage in ("output", "intra") if plan.layout.intra_matrices else ("output",):
-            fn = _kernel(src, f"{name}_chunk_fwd_{stage}")
+            fn = _kernel(src, f"{name}_chunk_fwd_{stage}_keyblocks")
             at = next(i for i, n in enumerate(fn.body) if isinstance(n, (ast.For, ast.If)) and "_chunk" in ast.unparse(n))
             top = {t.id for n in fn.body[:at] for t in ast.walk(n) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
             loops = [n for n in ast.walk(_chunk_loop(fn)) if isinstance(n, ast.For) and n.target.id == "_kb"]
@@ -90,7 +81,7 @@ def test_every_library_spec_with_one_key_dim_is_split():
             assert not assigned & top, (name, stage, assigned & top)
         # no other kernel of the module has a key loop
         others = [n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name.startswith(f"{name}_chunk_fwd_")
-                  and n.name.rsplit("_", 1)[1] not in ("output", "intra")]
+                  and not n.name.endswith("_keyblocks")]
         assert others and not any(isinstance(x, ast.For) and x.target.id == "_kb" for n in others for x in ast.walk(n))
     assert "reduces over the blocks but is read within the loop" in kept["gated_delta_product"]
 
@@ -98,8 +89,7 @@ def test_every_library_spec_with_one_key_dim_is_split():
 def test_gla_intra_kernel_sums_A_over_the_key_blocks():
     """gla's intra kernel: q, k and g load per block, both sub-chunk loops add into A, zeroed
     before the loop and stored once after it."""
-    branch = _branch("gla", "intra")
-    assert ast.unparse(branch.test) == "KEY_BLOCK < _BLOCK_K"
+    branch = _branch("gla", "intra_keyblocks")
     before, loop, after = _parts(branch)
     assert "_A = tl.zeros([_BLOCK__T, _BLOCK__T]" in before
     for x in ("v_q = tl.load(p_q", "v_k = tl.load(p_k", "v_g = tl.load(p_g", "for _I in tl.static_range",
@@ -114,9 +104,7 @@ def test_gla_output_kernel_reads_the_state_by_key_block():
     """gla's output kernel (one chunk a program): the state's rows of the block and (Q * exp(b0))
     S0 summed in the loop; A, V and the output after it, from the sum; the whole non-finite test
     NaNs the rows (after), a block's own zeroes nothing here (no key enters its matmuls)."""
-    branch = _branch("gla", "output")
-    want = "CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_K"
-    assert ast.unparse(branch.test) == ast.unparse(ast.parse(want, mode="eval"))
+    branch = _branch("gla", "output_staged_keyblocks")
     before, loop, after = _parts(branch)
     assert "tl.load(p_ckpt_S" in loop and "_r1_sum += _mixc_dot(" in loop
     assert "_bad_S_sum += tl.sum(" in loop
@@ -193,11 +181,10 @@ def test_gla_backward_sums_its_key_rows_in_a_tile_loop_of_their_own():
     its rows of those in a tile loop of its own, then stores its rows of dq, dk, dg; the tile
     split alone stays for a launch with the whole key dim (else)."""
     src = generate(pipeline.compile("gla"))
-    fn = _kernel(src, "gla_chunk_bwd_tiles")
-    chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
-    branch = chunk_loop.body[0]
-    assert ast.unparse(branch.test) == "KEY_BLOCK < _BLOCK_K"
-    assert [n.target.id for n in branch.orelse if isinstance(n, ast.For)].count("_tv") == 1
+    fn = _kernel(src, "gla_chunk_bwd_tiles_keyblocks")
+    branch = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
+    whole = next(n for n in _kernel(src, "gla_chunk_bwd_tiles").body if isinstance(n, ast.For) and n.target.id == "_cc")
+    assert [n.target.id for n in whole.body if isinstance(n, ast.For)].count("_tv") == 1
     assert "_BLOCK_K" not in "\n".join(ast.unparse(n) for n in branch.body)
     loops = [n for n in branch.body if isinstance(n, ast.For)]
     assert [n.target.id for n in loops] == ["_kb", "_tv", "_kb"]
@@ -221,14 +208,12 @@ def test_the_backward_key_branch_holds_no_value_of_the_whole_key_dim(name):
     key contraction inside it and dq, dk, dg after it each in a key loop, so no [C, K] block of
     the whole dim is live in the branch (the spills at C = 64 came from those)."""
     src = generate(pipeline.compile(name))
-    fn = _kernel(src, f"{name}_chunk_bwd_tiles")
-    chunk_loop = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
-    branch = chunk_loop.body[0]
-    assert "KEY_BLOCK < _BLOCK_" in ast.unparse(branch.test)
+    fn = _kernel(src, f"{name}_chunk_bwd_tiles_keyblocks")
+    branch = next(n for n in fn.body if isinstance(n, ast.For) and n.target.id == "_cc")
     body = "\n".join(ast.unparse(n) for n in branch.body)
     assert "# the whole key dim" not in src
     assert [n.target.id for n in branch.body if isinstance(n, ast.For)] == ["_kb", "_tv", "_kb"]
-    key = ast.unparse(branch.test).split("_BLOCK_")[-1]
+    key = key_dim(pipeline.compile(name))
     # but a param's gradient over the keys (rwkv6's u), whole before the chunk loop: each block
     # adds its entries at its rows
     whole = [ln for ln in body.splitlines() if f"_BLOCK_{key}" in ln]
@@ -248,15 +233,13 @@ def test_the_key_diagonal_walk_holds_its_state_in_static_key_blocks():
         if plan.sequence is not None or "chunk_fwd" not in metadata(plan)["kernels"]:
             continue
         src = generate(plan)
-        fn = _kernel(src, f"{name}_chunk_fwd_output")
-        branch = _walk_branch(fn)
-        if branch is None:
+        if f"def {name}_chunk_fwd_output_rewalk_staged_keyblocks(" not in src:
             continue
+        branch = _kernel(src, f"{name}_chunk_fwd_output_rewalk_staged_keyblocks")
         walks.add(name)
         key = key_dim(plan)
-        assert f"_BLOCK_{key} <= 8 * KEY_BLOCK" in ast.unparse(branch.test)
-        chunk_loop = next(n for n in branch.body if isinstance(n, ast.For))
-        assert chunk_loop.target.id == "_chunk" and isinstance(branch.orelse[0], ast.For)
+        assert f"tl.static_assert(_BLOCK_{key} <= 8 * KEY_BLOCK)" in ast.unparse(branch)
+        chunk_loop = next(n for n in branch.body if isinstance(n, ast.For) and n.target.id == "_chunk")
         loop = ast.unparse(chunk_loop)
         assert f"_BLOCK_{key}" not in loop
         guards = [ast.unparse(n.test) for n in chunk_loop.body if isinstance(n, ast.If)]

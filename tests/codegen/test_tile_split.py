@@ -143,7 +143,8 @@ def test_an_unknown_construct_keeps_the_rendered_loop():
                     y = tl.mystery(x)
                     tl.store(p_dx + _rows[:, None] * 8 + _offs_V[None, :], y)
     """)
-    out = split_tiles(src, "k_chunk_bwd_tiles", "V", {"_do"})
+    out, keyed = split_tiles(src, "k_chunk_bwd_tiles", "V", {"_do"})
+    assert keyed is None
     assert KEPT_NOTE in out and "no shape rule for tl.mystery" in out
     assert out.replace(next(ln for ln in out.splitlines() if KEPT_NOTE in ln) + "\n", "") == src
 
