@@ -52,12 +52,15 @@ INDENT = "    "
 # launch.STAGE_INTRA or STAGE_SOLVE is off: the rank-1 class's default)
 SPLITS = {
     "intra": (("intra", "KEY_BLOCK < _BLOCK_{k}", {}),),
-    "output": (("output", "CKPT_EVERY == 1 and KEY_BLOCK < _BLOCK_{k}", {"CKPT_EVERY": 1}),),
+    # (not SEGMENTED: the segmented walk's correction of the loaded checkpoint runs the rendered chunk)
+    "output": (("output", "CKPT_EVERY == 1 and not SEGMENTED and KEY_BLOCK < _BLOCK_{k}",
+                {"CKPT_EVERY": 1, "SEGMENTED": 0}),),
     "output staged": (("output reading the staged matrices",
-                       "CKPT_EVERY == 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}", {"CKPT_EVERY": 1, "STAGED_INTRA": 1}),
+                       "CKPT_EVERY == 1 and STAGED_INTRA and not SEGMENTED and KEY_BLOCK < _BLOCK_{k}",
+                       {"CKPT_EVERY": 1, "STAGED_INTRA": 1, "SEGMENTED": 0}),
                       ("output computing them",
-                       "CKPT_EVERY == 1 and not STAGED_INTRA and KEY_BLOCK < _BLOCK_{k}",
-                       {"CKPT_EVERY": 1, "STAGED_INTRA": 0})),
+                       "CKPT_EVERY == 1 and not STAGED_INTRA and not SEGMENTED and KEY_BLOCK < _BLOCK_{k}",
+                       {"CKPT_EVERY": 1, "STAGED_INTRA": 0, "SEGMENTED": 0})),
 }
 
 

@@ -36,10 +36,12 @@ STATIC_BLOCKS = 8
 # (the test that guards the static walk, the constexprs it folds): the output kernel with several
 # chunks a program (CKPT_EVERY > 1: any such R folds alike), reading the staged A where the spec
 # stages it
-STAGED_WALK = ("CKPT_EVERY > 1 and STAGED_INTRA and KEY_BLOCK < _BLOCK_{k} "
-               "and _BLOCK_{k} <= {n} * KEY_BLOCK", {"CKPT_EVERY": 2, "STAGED_INTRA": 1})
-WALK = ("CKPT_EVERY > 1 and KEY_BLOCK < _BLOCK_{k} and _BLOCK_{k} <= {n} * KEY_BLOCK",
-        {"CKPT_EVERY": 2})
+# (not SEGMENTED: the segmented walk's correction of the loaded checkpoint, chunk_ir.segment_correction,
+# runs the rendered walk)
+STAGED_WALK = ("CKPT_EVERY > 1 and STAGED_INTRA and not SEGMENTED and KEY_BLOCK < _BLOCK_{k} "
+               "and _BLOCK_{k} <= {n} * KEY_BLOCK", {"CKPT_EVERY": 2, "STAGED_INTRA": 1, "SEGMENTED": 0})
+WALK = ("CKPT_EVERY > 1 and not SEGMENTED and KEY_BLOCK < _BLOCK_{k} and _BLOCK_{k} <= {n} * KEY_BLOCK",
+        {"CKPT_EVERY": 2, "SEGMENTED": 0})
 
 
 def static_walk(top: str, body: str, rest: str, fn: ast.FunctionDef, key: str, flags, staged: bool,
