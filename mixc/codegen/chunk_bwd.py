@@ -193,6 +193,8 @@ class ChunkBackward(ChunkCode):
                 load_ckpt.append(f"{I2}tl.store({ptr}, d_{n}, mask={msk})")
             elif self.kernel_stage == "tiles":
                 load_ckpt.append(f"{I2}d_{n} = tl.load({ptr}, mask={msk}, other=0.0).to(tl.float32)")
+                if not whole and self.stab is None:
+                    load_ckpt += self._segment_correction(st, slot)
             ptr, msk = self.state_ptr(st, f"p_dinit_{n}", f"({self._partial(self.m.state(n).shape, '_nseq')}i_n * H + i_h)")
             if walks:
                 final.append(f"{I1}tl.store({ptr}, d_{n}, mask={msk})")
@@ -234,6 +236,22 @@ class ChunkBackward(ChunkCode):
         }
 
     # ---- helpers ----
+    def _segment_correction(self, st: P.StatePlan, slot: str) -> list[str]:
+        """The tiles kernel of the segmented walk (standalone/segments.py, SEGMENTED): the walk's
+        dL/dS at this chunk's end was carried back from its segment's end at zero; dL/dS at the
+        segment's end (seg_start, row i_n: the segments are the stream's sequences), decayed per
+        key row by exp(seg_decay[slot]) (the log decay from the chunk's end to the segment's end),
+        added: the true dL/dS, as unsegmented. A key row's index is its offset // the value dims'
+        size (the scalar and key-diagonal classes, key dims leading: segments.unsupported)."""
+        n = st.name
+        keys = " * ".join(f"_size_{d}" for d in st.key_dims) or "1"
+        values = " * ".join(f"_size_{d}" for d in st.value_dims) or "1"
+        ptr, msk = self.state_ptr(st, f"p_segstart_{n}", "(i_n * H + i_h)")
+        decay = (f"tl.load(p_segdecay_{n} + ({slot} * H + i_h) * ({keys}) + _ok_{n} // ({values}), "
+                 f"mask=_mk_{n}, other=0.0)")
+        return [f"{I2}if SEGMENTED:     # the segment's end dL/dS, decayed to this chunk's end, added",
+                f"{I3}d_{n} = d_{n} + tl.exp({decay})[:, None] * tl.load({ptr}, mask={msk}, other=0.0)"]
+
     def _lacks_tile(self, shape) -> bool:
         return self.tile is not None and self.tile not in shape
 

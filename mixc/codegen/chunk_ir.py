@@ -259,6 +259,32 @@ def load_checkpoint(plan: Plan) -> list[K.Stmt]:
     return out
 
 
+def segment_correction(plan: Plan) -> list[K.Stmt]:
+    """The output kernel of the segmented walk (standalone/segments.py, SEGMENTED): the checkpoint
+    just loaded holds the state from its segment's start at zero; its segment's true start
+    (seg_start, row i_n: the segments are the stream's sequences), decayed per key row by
+    exp(seg_decay[_ck_slot]), added: the true state, as unsegmented. Where the checkpoints are kept
+    (STORE_CHECKPOINTS: training), the corrected one is stored back for the backward (each program
+    its own slot and tile block). Only the scalar and key-diagonal classes take this launch, their
+    key dims leading the state (segments.unsupported): a key row's index is its offset // the value
+    dims' size."""
+    row = add(mul(name("_ck_slot"), arg("H")), name("i_h"))
+    out: list[K.Stmt] = [K.Comment("the segmented walk: this segment's true start, decayed to the checkpoint, added")]
+    for st in plan.states:
+        s = state_matrix(plan, st)
+        ka, _ = s.dims
+        n, (kd, vd) = st.name, (st.key_dims, st.value_dims)
+        keys = mul(*[arg("size", d) for d in kd]) if kd else num(1)
+        values = mul(*[arg("size", d) for d in vd]) if vd else num(1)
+        decay = K.Load(arg("seg_decay", n), (mul(row, keys), op("//", name(f"_ok_{n}", (ka,)), values)),
+                       name(f"_mk_{n}", (ka,)), num(0.0))
+        offs, mask = state_address(plan, st, seq_row())
+        start = K.Load(arg("seg_start", n), offs, mask, num(0.0))
+        out.append(K.Let(s.id, add(s, mul(K.Broadcast(K.Call("tl.exp", (decay,)), s.dims), start)), s.dims, "f32"))
+    out.append(K.If(arg("store_ckpt"), tuple(store_checkpoint(plan))))
+    return [K.If(arg("segmented"), tuple(out))]
+
+
 def store_checkpoint(plan: Plan) -> list[K.Stmt]:
     row = add(mul(name("_ck_slot"), arg("H")), name("i_h"))
     out: list[K.Stmt] = [store_state(plan, st, arg("ckpt", st.name), row) for st in plan.states]
@@ -325,8 +351,10 @@ def forward_kernel(plan: Plan, kernel: str, header: tuple[str, ...], stage: str,
             let("_ck_slot", add(op("//", bos, span), i_n, name("_first")), "i64"),
         ]
         if stage == "refill" or (stage == "output" and rewalk):
-            # (the refill runs only where CKPT_EVERY > 1: Launcher.chunk_states)
-            body += [K.Comment("the state advances through the chunks in registers"), *load_checkpoint(plan)]
+            # (the refill runs only where CKPT_EVERY > 1: Launcher.chunk_states); the output adds the
+            # segment's true start where the walk was segmented (SEGMENTED: standalone/segments.py)
+            fix = segment_correction(plan) if stage == "output" and not stabilizer(plan) else []
+            body += [K.Comment("the state advances through the chunks in registers"), *load_checkpoint(plan), *fix]
     else:
         body += [let("_c_lo", num(0), "i32"), let("_c_hi", name("_n_chunks"), "i64")]
     loop: list[K.Stmt] = chunk_rows(chunk)
@@ -334,7 +362,7 @@ def forward_kernel(plan: Plan, kernel: str, header: tuple[str, ...], stage: str,
         loop += [
             K.Comment("one chunk, its state loaded here: nothing carries over, so its advance is dead"),
             K.Comment("code (fewer live registers: the output kernel spills nothing at K = V = 128, bench/README.md)"),
-            *load_checkpoint(plan)]
+            *load_checkpoint(plan), *([] if stabilizer(plan) else segment_correction(plan))]
     elif stage == "refill":
         loop += [
             K.Comment("every chunk's start state, for the backward"),

@@ -94,7 +94,7 @@ def _split_keys(source: str, kernel: str, key: str, flags: frozenset, walk: bool
             new = static_walk(top, body, text(fn.body[at + 1:]), fn, key, flags,
                               lambda text, env, carried: _split(top, text, fn, key, env, flags, carried=carried))
             return source, "\n".join(lines[:head - 1] + [textwrap.indent(x, outer) for x in new] + lines[last:])
-        sp = _split(top, body, fn, key, {}, flags)
+        sp = _split(top, body, fn, key, {"SEGMENTED": 0}, flags)     # (the segmented walk runs the plain kernel)
     except (NoSplit, UnknownShape) as e:
         why = str(e)
     except (ValueError, IndexError, KeyError, TypeError, AttributeError, SyntaxError) as e:

@@ -41,7 +41,7 @@ def static_walk(top: str, body: str, rest: str, fn: ast.FunctionDef, key: str, f
     the output kernel's walking variant (rest: what follows it in the kernel; split:
     key_split._split): the state's blocks loaded, then the chunk loop with one copy of the key
     loop's body per block. Raises NoSplit."""
-    env: dict = {}
+    env: dict = {"SEGMENTED": 0}     # (the segmented walk runs the plain kernel: Launcher.variant)
     whole = re.compile(rf"\b_BLOCK_{re.escape(key)}\b")
     top_stmts = _fold(_block(top), env)
     body_stmts = _fold(_block(textwrap.dedent(body)), env)

@@ -128,7 +128,7 @@ def _call_launches(log: list) -> list | None:
     if log[-1]["values"].get("stage") != "output":
         return log[-1:]
     if log[-1]["values"].get("segments", 1) > 1:
-        return None         # the segmented walk corrects the checkpoints between its launches (not a launch)
+        return None         # the segmented walk folds its segments' summaries between its launches (torch, not recorded)
     before = ["intra", "walk"] if log[-1]["values"].get("staged_intra") else ["walk"]  # Launcher.chunk_forward's order
     n = len(before) + 1
     if len(log) < n or any(r is None for r in log[-n:]) or [r["values"].get("stage") for r in log[-n:-1]] != before:

@@ -81,6 +81,13 @@ ROLES: dict[str, Role] = {
     "dfinal": Role("p_dfinal_{}", "pointer", "fp32", "the final state's gradient [N, H, *dims]"),
     "dinit": Role("p_dinit_{}", "pointer", "fp32", "the initial state's gradient (per tile or split block)"),
     "dh": Role("p_dh_{}", "pointer", "fp32", "dL/dS at each chunk's end [slots, H, *dims]"),
+    "seg_start": Role("p_segstart_{}", "pointer", "fp32",
+                      "the segmented walk (standalone/segments.py): each segment's true start state (forward) or "
+                      "dL/dS at its end (backward) [segments, H, *dims]"),
+    "seg_decay": Role("p_segdecay_{}", "pointer", "fp32",
+                      "the segmented walk: per slot, each key row's log decay from its segment's start to the "
+                      "slot's checkpoint (forward) or from the chunk's end to its segment's end (backward) "
+                      "[slots, H, key rows]"),
     "out": Role("p_out", "pointer", "io", "the output [B, T, H, *dims] (float32 partials per split block)"),
     "do": Role("p_do", "pointer", "io", "the output's gradient"),
     "dinput": Role("p_d{}", "pointer", "io", "an input's gradient (float32 partials per tile or split block)"),
@@ -113,6 +120,9 @@ ROLES: dict[str, Role] = {
     "dot": Role("DOT", "constexpr", None, "matmul inputs: 0 fp32 (ieee), 1 bf16, 2 fp16, 3 fp32 (tf32x3)"),
     "key_block": Role("KEY_BLOCK", "constexpr", None, "the key dim's block in the intra and output kernels' loop "
                                                       "over it"),
+    "segmented": Role("SEGMENTED", "constexpr", None,
+                      "the segmented walk's correction: a checkpoint (forward) or dL/dS (backward) read here gets "
+                      "its segment's seg_start, decayed by exp(seg_decay), added"),
 }
 
 
@@ -261,6 +271,9 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_comment("states: initial in, final out [N, H, *state dims]; checkpoints at the start of every",
                   "CKPT_EVERY-th chunk [slots, H, *state dims]; the refill writes every chunk's start into dense"),
         *_each(states, "init", "final", "ckpt", "dense"),
+        *_comment("the segmented walk (SEGMENTED): each segment's true start [segments, H, *state dims] and per",
+                  "checkpoint slot each key row's log decay from its segment's start [slots, H, key rows]"),
+        *_each(states, "seg_start", "seg_decay"),
         *_one("intra", "the intra kernel writes each chunk's intra-chunk matrices [rows, H, n, C], the output "
                        "kernel (and the rank-1 walk) reads them"),
         Line((Arg("out"), Arg("cu_seqlens"))),
@@ -271,6 +284,7 @@ def _chunk_fwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_initial"), *_one("store_final"), *_one("varlen"), *_one("store_ckpt"),
         *_one("ckpt_every", "chunks per checkpoint (the output, refill and intra kernels: chunks per program)"),
+        *_one("segmented", "the output kernel adds each segment's true start to its checkpoints (segments.py)"),
         *_one("key_block", "the intra and output kernels' _keyblocks variants loop over the key dim in blocks of "
                            "this (codegen/key_split.py; the output kernel walking chunks: static blocks, "
                            "key_walk.py)"),
@@ -287,6 +301,9 @@ def _chunk_bwd(inputs, params, options, states, dims) -> list[Line]:
                   "the initial state's gradient out [N, H, *dims], dL/dS at each chunk's end [slots, H, *dims]",
                   "(written by the walk, read by the tiles kernel)"),
         *_each(states, "ckpt", "dfinal", "dinit", "dh"),
+        *_comment("the segmented walk (SEGMENTED): dL/dS at each segment's end [segments, H, *dims] and per chunk",
+                  "each key row's log decay from the chunk's end to its segment's end [slots, H, key rows]"),
+        *_each(states, "seg_start", "seg_decay"),
         *_comment("the output's gradient in; the inputs' gradients out, the params' per (sequence, head)"),
         *_one("do"), *_each(inputs, "dinput"), *_each(params, "dparam"),
         *_one("cu_seqlens"),
@@ -296,6 +313,7 @@ def _chunk_bwd(inputs, params, options, states, dims) -> list[Line]:
         *_each(dims, "fsize"), *after_fsize,
         *_each(dims, "size", "block"), *after_blocks,
         *_one("use_dfinal"), *_one("varlen"), *_one("dot"),
+        *_one("segmented", "the tiles kernel adds each segment's end dL/dS to its chunks' (segments.py)"),
         *_one("key_block", "the tiles kernel's _keyblocks variant loops over the key dim in blocks of this "
                            "before, in and after its tile loop (codegen/key_split.py)"),
     ]

@@ -38,6 +38,15 @@ from .launch_data import (CHUNK_DEFAULT, STATIC_BLOCKS, LaunchConfig, LaunchPlan
 # ---- rules that need no plan ----
 
 
+def _unsegmented(v: dict, states, dummy: torch.Tensor) -> None:
+    """The segmented walk's arguments where the launch does not set them (segments.py does):
+    SEGMENTED off, its pointers a buffer the kernel never reads then."""
+    v.setdefault("segmented", False)
+    for name, _ in states:
+        v.setdefault(("seg_start", name), dummy)
+        v.setdefault(("seg_decay", name), dummy)
+
+
 def default_config(lp: LaunchPlan, form: str, sizes: dict, s: LaunchSettings) -> LaunchConfig:
     """The launch config without tuning (CUDA): the tuner's list's first."""
     if form.startswith("chunk"):
@@ -161,7 +170,9 @@ class Launcher:
         if (form, stage) not in STAGE_VARIANTS:
             return ()
         key, parts = self.lp.key, []
-        keyed = key is not None and v["key_block"] < v["block", key]
+        # a segmented launch (SEGMENTED: the checkpoint's correction, standalone/segments.py) runs the
+        # whole-dim kernel: the key-blocked ones are split with SEGMENTED folded off (key_split.py)
+        keyed = key is not None and v["key_block"] < v["block", key] and not v.get("segmented")
         if stage == "output":
             rewalk = v["ckpt_every"] > 1
             parts += ["rewalk"] if rewalk else []
@@ -398,10 +409,13 @@ class Launcher:
             v["init", name], v["final", name], v["ckpt", name] = init, finals.get(name, out), ckpts.get(name, out)
             v["dense", name] = (dense_into or {}).get(name, out)
         v["out"] = out
+        _unsegmented(v, lp.states, out)
         v["intra"], v["staged_intra"] = (intra if intra is not None else out), staged
         v["cu_seqlens"] = b.cu_seqlens.to(device) if b.cu_seqlens is not None else out
         v.update(use_initial=b.initial_state is not None and ckpts_in is None, store_final=output_final_state,
-                 varlen=b.cu_seqlens is not None, store_ckpt=checkpoints)
+                 varlen=b.cu_seqlens is not None,
+                 # the segmented output kernel stores its corrected checkpoints back (segments.py)
+                 store_ckpt=checkpoints or bool(launch.get("store_ckpt", False)))
         self._launch(form, device, (grid0 or n * H, tiles, splits), v, x0=x0, splits=splits,
                      final_dtype=x0.dtype if out_dtype is None else out_dtype, inplace=finals_into is not None,
                      states=[(name, (n, H) + tuple(b.sizes[d] for d in dims),
@@ -449,6 +463,7 @@ class Launcher:
         dparams = {k: empty((parts(dims) * (param_rows or n),) + tuple(b.params[k].shape), torch.float32, device)
                    if "params" in write else do for k, dims in lp.params}
         v["do"] = do.contiguous()
+        _unsegmented(v, lp.states, v["do"])
         v.update({("dinput", k): x for k, x in dinputs.items()})
         v.update({("dparam", k): x for k, x in dparams.items()})
         v["cu_seqlens"] = b.cu_seqlens.to(device) if b.cu_seqlens is not None else do

@@ -15,14 +15,17 @@ segments (at multiples of the checkpoint span from its start, never across its e
 3. the S summaries fold per (sequence, head) into each segment's true start state (`fold`: one
    small matmul, S_start[s] = sum_{r<s} exp(G[s] - G[r+1]) Z[r], G the cumulative log decay at
    segment starts);
-4. each checkpoint inside segment s gets exp(its prefix's log decay) * S_start[s] added in place
-   (`add_decayed`, one fused pass over the checkpoints: a read and a write), so the output
-   kernel (and the backward's refill and tiles kernels) read the true chunk-start states, as
-   unsegmented.
+4. the output kernel adds exp(the log decay from segment s's start to the checkpoint) * S_start[s]
+   to each checkpoint it loads (SEGMENTED: codegen/chunk_ir.segment_correction) and, where the
+   checkpoints are kept for the backward, stores the sum back, so the refill and tiles kernels
+   read the true chunk-start states, as unsegmented. No pass of its own over the checkpoints:
+   the bytes grow by the decays' slot sums and the S start states only
+   (bench/results/time-model/segments.md).
 
 The backward's reverse walk alike: segments walked from zero dL/dS (the last from the final
-state's gradient), folded from the end (`fold_back`), and each chunk end's dL/dS gets
-exp(the log decay from it to its segment's end) * dL/dS at the segment's end added.
+state's gradient), folded from the end (`fold_back`), and the tiles kernel adds
+exp(the log decay from a chunk's end to its segment's end) * dL/dS at the segment's end to the
+walk's dL/dS at that chunk's end as it reads it (SEGMENTED: codegen/chunk_bwd).
 
 Everything runs in the segmented stream (B = 1, the segments as packed sequences): the
 checkpoints a forward keeps are in its layout (checkpoint_slots of that stream), and the
@@ -33,8 +36,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import triton
-import triton.language as tl
 
 from .binding import expand_heads
 from .buffers import checkpoint_slots, chunk_seqs, empty, one_stage as _one_stage
@@ -211,41 +212,6 @@ def _prod(shape) -> int:
     return out
 
 
-@triton.jit
-def add_decayed_kernel(p_out, p_src, p_log, p_row, H, F: tl.constexpr, R: tl.constexpr,
-                       BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr):
-    """out[u, h] += exp(log[u, h])[:, None] * src[row[u], h] for one (slot u, head h) per
-    program: out [slots, H, F, R] (a checkpoint or dL/dS buffer, any float dtype), src
-    [rows, H, F, R] float32, log [slots, H, F] float32, row [slots] int64."""
-    u = (tl.program_id(0) // H).to(tl.int64)
-    h = tl.program_id(0) % H
-    row = tl.load(p_row + u)
-    f = tl.arange(0, BLOCK_F)
-    mf = f < F
-    w = tl.exp(tl.load(p_log + (u * H + h) * F + f, mask=mf, other=0.0))          # [F]
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        m = mf[:, None] & (r < R)[None, :]
-        offs = f[:, None] * R + r[None, :]                                        # [F, R]
-        x = tl.load(p_src + (row * H + h) * F * R + offs, mask=m, other=0.0)
-        o = tl.load(p_out + (u * H + h) * F * R + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(p_out + (u * H + h) * F * R + offs, (o + w[:, None] * x).to(p_out.dtype.element_ty), mask=m)
-
-
-def add_decayed(out: torch.Tensor, src: torch.Tensor, log: torch.Tensor, row: torch.Tensor) -> None:
-    """add_decayed_kernel over every slot of `out` [slots, H, *F, *R] (in place): src [rows, H,
-    *F, *R] (float32), log [slots, H, *F], row [slots]."""
-    slots, H = out.shape[:2]
-    F = _prod(log.shape[2:])
-    R = _prod(out.shape[2:]) // F
-    if slots * H == 0 or F * R == 0:
-        return
-    BLOCK_F = triton.next_power_of_2(F)
-    BLOCK_R = min(triton.next_power_of_2(R), max(16, 4096 // BLOCK_F))
-    add_decayed_kernel[(slots * H,)](out, src.contiguous(), log.float().contiguous(), row.contiguous(), H,
-                                     F=F, R=R, BLOCK_F=BLOCK_F, BLOCK_R=BLOCK_R)
-
-
 # ---- the launches (Launcher.chunk_forward / chunk_backward with S > 1) ----
 
 def _rows(b) -> tuple | None:
@@ -264,6 +230,15 @@ def _decays(L, b, bs, cu, span: int, slots: int) -> dict:
             gn = torch.zeros((1, bs.T, bs.H), dtype=torch.float32, device=x0.device)
         out[name] = SlotDecays(gn, cu, span, slots, _rows(b))
     return out
+
+
+def _key_rows(L, b, name: str, log: torch.Tensor) -> torch.Tensor:
+    """A state's per-slot log decays [slots, H, *F] (F: () for a scalar decay, the key dims for a
+    key-diagonal one) as the kernels read them: float32 [slots, H, key rows] (a scalar's
+    repeated over the rows: a key row's index is all the kernel needs)."""
+    rows = _prod(b.sizes[d] for d in L.module.TORCH_STATES[name]["kd"])
+    log = log.reshape(tuple(log.shape[:2]) + (-1,)).float()
+    return log.expand(tuple(log.shape[:2]) + (rows,)).contiguous()
 
 
 def forward(L, b, S: int, C: int, every: int, cfg, *, output_final_state: bool, out_dtype, checkpoints: bool):
@@ -285,17 +260,20 @@ def forward(L, b, S: int, C: int, every: int, cfg, *, output_final_state: bool, 
     # 1. the segments' walks from zero (a sequence's first from its initial state): Z, local checkpoints
     _, Z, ckpts = L.forward(bs, "chunk_fwd", checkpoints=True, write_out=False, intra=intra, staged=intra is not None,
                             output_final_state=True, launch=launch | {"stage": "walk"}, **kw)
-    # 2.-4. the summaries folded; every checkpoint gets its segment's true start, decayed, added
+    # 2.-3. the summaries folded into each segment's true start; 4. the output kernel adds it,
+    # decayed, to each checkpoint it loads (and stores the sum back where the checkpoints are kept)
     decays = _decays(L, b, bs, cu, span, checkpoint_slots(bs, span))
-    finals = {}
+    finals, seg = {}, {"segmented": True}
     for name, _ in L.lp.states:
         d = decays[name]
         starts = fold(Z[name], d.total, n, S)                         # [n, S + 1, H, *state]
-        add_decayed(ckpts[name], starts[:, :S].reshape((n * S,) + tuple(starts.shape[2:])), d.before, d.seg)
+        seg["seg_start", name] = starts[:, :S].reshape((n * S,) + tuple(starts.shape[2:])).contiguous()
+        seg["seg_decay", name] = _key_rows(L, b, name, d.before)
         finals[name] = starts[:, S].contiguous()
     o, _, _ = L.forward(bs, "chunk_fwd", checkpoints=False, ckpts_in=ckpts, grid0=programs * H, intra=intra,
                         staged=intra is not None, output_final_state=False,
-                        launch=_one_stage(launch) | {"stage": "output", "segments": S} | L.output_blocks(bs), **kw)
+                        launch=_one_stage(launch) | {"stage": "output", "segments": S, "store_ckpt": checkpoints}
+                        | seg | L.output_blocks(bs), **kw)
     o = o.reshape((b.B, b.T) + tuple(o.shape[2:]))
     return o, (finals if output_final_state else None), (ckpts if checkpoints else None)
 
@@ -330,17 +308,18 @@ def backward(L, b, S: int, ckpts: dict, do: torch.Tensor, dfinal: dict | None, C
         return dict(ckpt=ckpts[name], dfinal=dfn if dfn is not None else dinit, dinit=dinit, dh=dh[name])
     _, _, local = L.backward(bs, "chunk_bwd", per_state, do_s, dfin, write=("dinit",), launch=common | {"stage": "walk"})
     decays = _decays(L, b, bs, cu, C, slots)
-    dinit = {}
+    dinit, seg = {}, {"segmented": True}
     for name, _ in lp.states:
         d = decays[name]
         true = fold_back(local[name], d.total, n, S)                  # [n, S + 1, H, *state]
-        after = true[:, 1:].reshape((n * S,) + tuple(true.shape[2:]))  # dL/dS at each segment's end
-        # a chunk end's: exp(the log decay from it to its segment's end) * the segment end's
-        add_decayed(dh[name], after, d.total[d.seg] - d.before - d.sums, d.seg)
+        # the tiles kernel adds dL/dS at the chunk's segment's end, decayed by exp(the log decay
+        # from the chunk's end to there), to the walk's dL/dS at each chunk's end
+        seg["seg_start", name] = true[:, 1:].reshape((n * S,) + tuple(true.shape[2:])).contiguous()
+        seg["seg_decay", name] = _key_rows(L, b, name, d.total[d.seg] - d.before - d.sums)
         dinit[name] = true[:, 0].contiguous()
     dinputs, dparams, _ = L.backward(
         bs, "chunk_bwd", lambda name, *a: dict(ckpt=ckpts[name], dfinal=do_s, dinit=do_s, dh=dh[name]),
         do_s, dfin, write=("inputs", "params"), grid0=chunk_programs * H, param_rows=chunk_programs,
-        launch=_one_stage(common) | {"stage": "tiles"}, tile_programs=1 if lp.tile_loop else None)
+        launch=_one_stage(common) | {"stage": "tiles"} | seg, tile_programs=1 if lp.tile_loop else None)
     dinputs = {k: x.reshape(b.inputs[k].shape) for k, x in dinputs.items()}
     return dinputs, dparams, dinit

@@ -34,7 +34,8 @@ from ..standalone.launcher import block
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # constexpr values of the switches of every template, by role (standalone/kernel_args.py)
 _SWITCHES = {"use_initial": True, "store_final": True, "varlen": False, "store_ckpt": True, "use_dfinal": True,
-             "use_indices": False, "ck": 32, "unit": 16}
+             "use_indices": False, "ck": 32, "unit": 16,
+             "segmented": False}     # the segmented walk's correction (segments.py) is a launch-time choice
 # every stage's kernel of the chunked forms (standalone/kernel_args.py CHUNK_STAGES)
 STAGES = ("fused", "walk", "output", "refill", "intra", "tiles")
 _DOT = {"bfloat16": 1, "float16": 2, "float32": 0}

@@ -1,6 +1,6 @@
 """The segmented walk (issue 34 item 4, mixc/standalone/segments.py): each sequence's chunk walk
 cut into S segments walked at once from zero, their summaries (Phi, Z) folded, the checkpoints
-and the backward's dL/dS corrected in place. Forced S (launch.SEGMENTS) under the interpreter at
+and the backward's dL/dS corrected where the output and tiles kernels load them (SEGMENTED). Forced S (launch.SEGMENTS) under the interpreter at
 small T: T not a multiple of S * C, packed sequences shorter than a segment (and empty), initial
 and final states, fp32 and bf16; each against the unsegmented launch (the same kernels) and the
 float64 reference (kernel_checks), forward and every gradient. And the policy: S from the SM
@@ -77,12 +77,34 @@ def test_segments_equal_the_unsegmented_walk_and_float64(name, S, packed, monkey
 
 @pytest.mark.parametrize("name", ["gla", "mamba2"])
 def test_segments_bf16_against_float64(name, monkeypatch):
-    """bf16 inputs (checkpoints and dL/dS in bf16, corrected in place): forced S = 3, packed."""
+    """bf16 inputs (checkpoints and dL/dS in bf16, corrected as loaded): forced S = 3, packed."""
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "SEGMENTS", 3)
     op = mixc.load(name)
     args, st, cu = _args(op, True, dtype=torch.bfloat16, seed=8)
     check_against_reference(op, {}, args, st, torch.bfloat16, cu_seqlens=cu, mode="chunk", chunk=16)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["B2-T75", "packed"])
+def test_segments_with_sparse_checkpoints(packed, monkeypatch):
+    """A checkpoint every 2 chunks (the GPU's rule; the interpreter's is every chunk): the output
+    kernel corrects the checkpoint it loads before walking its 2 chunks and stores it back, the
+    refill walks from the stored one (without the store the backward's states are the segments'
+    local ones and the gradients differ)."""
+    monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
+    monkeypatch.setattr(launch, "CHECKPOINT_EVERY", 2)
+    op = mixc.load("simple_gla")
+    args, st, cu = _args(op, packed, seed=11)
+    o1, s1, g1, _ = _run(op, args, st, cu, 1, monkeypatch)
+    oS, sS, gS, grids = _run(op, args, st, cu, 3, monkeypatch)
+    assert "refill_bwd" not in grids and "refill" in grids, grids
+    torch.testing.assert_close(oS, o1, rtol=1e-5, atol=1e-5)
+    for k in s1:
+        torch.testing.assert_close(sS[k], s1[k], rtol=1e-5, atol=1e-5)
+    for a, b in zip(gS, g1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(launch, "SEGMENTS", 3)
+    check_against_reference(op, {}, args, st, torch.float32, cu_seqlens=cu, mode="chunk", chunk=16)
 
 
 def _bound(name, B, T, H, K=128, V=128):
