@@ -83,7 +83,9 @@ KERNEL_ARGUMENTS = {
               ("p_dense_", "the state '{}' at every chunk start"),
               ("p_dinit_", "the gradient of the initial value of state '{}'"),
               ("p_dfinal_", "the gradient of the final value of state '{}'"),
-              ("p_dh_", "the gradient of state '{}' at each chunk's end")),
+              ("p_dh_", "the gradient of state '{}' at each chunk's end"),
+              ("p_segstart_", "state '{}' (or its gradient) at each segment's start (end) of a segmented walk"),
+              ("p_segdecay_", "the log decay of state '{}' from each checkpoint to its segment's start (end)")),
 }
 FIXED_KERNEL_ARGUMENTS = {"p_out": "the output", "p_do": "the gradient of the output",
                           "p_cu_seqlens": "the sequence starts (cu_seqlens)",
