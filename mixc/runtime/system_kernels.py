@@ -108,6 +108,34 @@ def _gate_products(la, ld, c, offs, C: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
+def _read_rows(Pex00, Pex11, Pex10, p0ex00, p0ex11, p0ex10, READ: tl.constexpr):
+    """The row of the (exclusive) products the rank-1 read meets, one definition for the forward
+    and its adjoint: X* = X0 reads P00 (no P01); X* = X1 reads P10 and P11.
+    Returns (E0, E1 [C, C], e0, e1 [C])."""
+    if READ == 1:
+        return Pex10, Pex11, p0ex10, p0ex11
+    else:
+        return Pex00, Pex00 * 0.0, p0ex00, p0ex00 * 0.0
+
+
+@triton.jit
+def _readout_rows(Pin00, Pin11, Pin10, Pex00, Pex11, Pex10, p0in00, p0in11, p0in10, p0ex00, p0ex11, p0ex10,
+                  QS: tl.constexpr, PREV: tl.constexpr):
+    """The row of the products the readout of X_QS meets (at t: inclusive; at t-1 with PREV:
+    exclusive), one definition for the forward and its adjoint. Returns (F0, F1 [C, C], f0, f1 [C])."""
+    if QS == 1:
+        if PREV:
+            return Pex10, Pex11, p0ex10, p0ex11
+        else:
+            return Pin10, Pin11, p0in10, p0in11
+    else:
+        if PREV:
+            return Pex00, Pex00 * 0.0, p0ex00, p0ex00 * 0.0
+        else:
+            return Pin00, Pin00 * 0.0, p0in00, p0in00 * 0.0
+
+
+@triton.jit
 def system_chunk_fwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p_q,
                      p_init0, p_init1, p_out, p_final0, p_final1, p_ck0, p_ck1, p_cu,
                      H, KF, VF,
@@ -161,42 +189,15 @@ def system_chunk_fwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p
         (Pin00, Pin11, Pin10, Pex00, Pex11, Pex10, p0in00, p0in11, p0in10, p0ex00, p0ex11, p0ex10,
          last00, last11, last10, pl00, pl11, pl10, A, G, Ap, Gp, Al, Gl, cP, cp) = _gate_products(la, ld, c, offs, C, DOT)
         # the read row of the products: X* = X0 reads P00 (and no P01); X* = X1 reads P10, P11
-        if READ == 1:
-            E0 = Pex10
-            E1 = Pex11
-            e0 = p0ex10
-            e1 = p0ex11
-        else:
-            E0 = Pex00
-            E1 = Pex00 * 0.0
-            e0 = p0ex00
-            e1 = p0ex00 * 0.0
+        E0, E1, e0, e1 = _read_rows(Pex00, Pex11, Pex10, p0ex00, p0ex11, p0ex10, READ)
         # the predictions: (I - M) R = e0 (W X0) + e1 (W X1) + (E0 * W K0^T) V0 + (E1 * W K1^T) V1
         M = E0 * _dot(W, tl.trans(U0), DOT) + E1 * _dot(W, tl.trans(U1), DOT)           # [C, C]
         rhs = (e0[:, None] * _dot(W, X0, DOT) + e1[:, None] * _dot(W, X1, DOT)
                + _dot(E0 * _dot(W, tl.trans(K0), DOT), V0, DOT) + _dot(E1 * _dot(W, tl.trans(K1), DOT), V1, DOT))
         R = _dot(_unit_lower_inverse(M, offs, C), rhs, DOT)                              # [C, V]
         # the readout of X_QS (at t, or t-1 with PREV): its row of the products
-        if QS == 1:
-            if PREV:
-                F0 = Pex10
-                F1 = Pex11
-                f0 = p0ex10
-                f1 = p0ex11
-            else:
-                F0 = Pin10
-                F1 = Pin11
-                f0 = p0in10
-                f1 = p0in11
-        else:
-            if PREV:
-                F0 = Pex00
-                f0 = p0ex00
-            else:
-                F0 = Pin00
-                f0 = p0in00
-            F1 = F0 * 0.0
-            f1 = f0 * 0.0
+        F0, F1, f0, f1 = _readout_rows(Pin00, Pin11, Pin10, Pex00, Pex11, Pex10,
+                                       p0in00, p0in11, p0in10, p0ex00, p0ex11, p0ex10, QS, PREV)
         o = (f0[:, None] * _dot(Q, X0, DOT) + f1[:, None] * _dot(Q, X1, DOT)
              + _dot(F0 * _dot(Q, tl.trans(U0), DOT) + F1 * _dot(Q, tl.trans(U1), DOT), R, DOT)
              + _dot(F0 * _dot(Q, tl.trans(K0), DOT), V0, DOT) + _dot(F1 * _dot(Q, tl.trans(K1), DOT), V1, DOT))
@@ -298,36 +299,9 @@ def system_chunk_bwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p
         # ---- the chunk's forward again (system_chunk_fwd) ----
         (Pin00, Pin11, Pin10, Pex00, Pex11, Pex10, p0in00, p0in11, p0in10, p0ex00, p0ex11, p0ex10,
          last00, last11, last10, pl00, pl11, pl10, A, G, Ap, Gp, Al, Gl, cP, cp) = _gate_products(la, ld, c, offs, C, DOT)
-        if READ == 1:
-            E0 = Pex10
-            E1 = Pex11
-            e0 = p0ex10
-            e1 = p0ex11
-        else:
-            E0 = Pex00
-            E1 = Pex00 * 0.0
-            e0 = p0ex00
-            e1 = p0ex00 * 0.0
-        if QS == 1:
-            if PREV:
-                F0 = Pex10
-                F1 = Pex11
-                f0 = p0ex10
-                f1 = p0ex11
-            else:
-                F0 = Pin10
-                F1 = Pin11
-                f0 = p0in10
-                f1 = p0in11
-        else:
-            if PREV:
-                F0 = Pex00
-                f0 = p0ex00
-            else:
-                F0 = Pin00
-                f0 = p0in00
-            F1 = F0 * 0.0
-            f1 = f0 * 0.0
+        E0, E1, e0, e1 = _read_rows(Pex00, Pex11, Pex10, p0ex00, p0ex11, p0ex10, READ)
+        F0, F1, f0, f1 = _readout_rows(Pin00, Pin11, Pin10, Pex00, Pex11, Pex10,
+                                       p0in00, p0in11, p0in10, p0ex00, p0ex11, p0ex10, QS, PREV)
         WU0 = _dot(W, tl.trans(U0), DOT)                                          # [C, C]
         WU1 = _dot(W, tl.trans(U1), DOT)
         WK0 = _dot(W, tl.trans(K0), DOT)
