@@ -80,9 +80,10 @@ FLA_WALKS = {
     "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": 2,
     "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64": 3,
 }
-# mixc's chunked kernels: <spec>_chunk_<fwd|bwd>_<stage>, one kernel per stage; the reports
-# committed before that named them by PHASE, <spec>_chunk_<fwd|bwd>[n] (read as the stage)
-_MIXC = re.compile(r"_chunk_(fwd|bwd)(?:_(fused|walk|output|refill|intra|tiles)|\[(\d)\])$")
+# mixc's chunked kernels: <spec>_chunk_<fwd|bwd>_<stage>[_<variant>...], one kernel per stage and
+# tuner variant (_rewalk, _staged, _keyblocks); the reports committed before that named them by
+# PHASE, <spec>_chunk_<fwd|bwd>[n] (read as the stage)
+_MIXC = re.compile(r"_chunk_(fwd|bwd)(?:_(fused|walk|output|refill|intra|tiles)((?:_[a-z]+)*)|\[(\d)\])$")
 _PHASE_STAGES = {"fwd": ("fused", "walk", "output", "refill", "intra"), "bwd": ("fused", "walk", "tiles")}
 
 
@@ -91,7 +92,7 @@ def mixc_stage(kernel: str) -> tuple[str, str] | None:
     m = _MIXC.search(kernel)
     if not m:
         return None
-    return m.group(1), m.group(2) or _PHASE_STAGES[m.group(1)][int(m.group(3))]
+    return m.group(1), m.group(2) or _PHASE_STAGES[m.group(1)][int(m.group(4))]
 # mixc's delta-rule walks: the state's correction is the WY form, solved per chunk inside the
 # walk unless the staged inverse is on (launch.STAGE_SOLVE: on by default since this model chose it)
 SOLVE_IN_WALK = {"delta_rule", "gated_delta_rule", "kda", "rwkv7", "dplr"}
@@ -169,6 +170,9 @@ def op_time(dev: Device, k: Constants, result: dict, static_rows: list[dict], B:
                 continue
             st = statics.get(("bwd" if x["phase"] == "bwd" else "fwd", x["kernel"]))
             st = st or next((r for (p, kn), r in statics.items() if kn == x["kernel"]), None)
+            # a report of another naming (the PHASE names [n] against the stage names): the stage's row
+            st = st or next((r for (p, kn), r in statics.items()
+                             if mixc_stage(kn) is not None and mixc_stage(kn) == mixc_stage(x["kernel"])), None)
             terms = launch_time(dev, k, x, st, chain_of(result["spec"], result["impl"], x, B, T, H,
                                                           staged_solve=staged), result["impl"])
             total += terms["t"]
