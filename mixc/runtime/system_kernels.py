@@ -136,6 +136,26 @@ def _readout_rows(Pin00, Pin11, Pin10, Pex00, Pex11, Pex10, p0in00, p0in11, p0in
 
 
 @triton.jit
+def _nonfinite_rows(x):
+    """[C] 1 where a row of x [C, N] holds inf or NaN (x - x is NaN there, 0 elsewhere)."""
+    return tl.max(tl.where((x - x) != 0.0, 1, 0), axis=1)
+
+
+@triton.jit
+def _bad_rows(la, ld, c, W, U0, U1, K0, K1, V0, V1):
+    """[C] 1 at a token whose key-side pieces (w, the lefts, the input terms, c) hold inf or NaN
+    or whose log gate is NaN or +inf (-inf is a gate of 0: a reset), as the torch form's
+    _finite_rows (runtime/torch_system.py): its pieces are zeroed before the chunk's matmuls (a
+    masked 0 times a NaN would reach the earlier rows of the chunk), and the readouts from it on
+    and the states at the chunk's end are NaN. A value's inf or NaN is seen by the program of its
+    block of V (its columns only, as the recurrence spreads it)."""
+    gates = tl.where(~(la < float('inf')) | ~(ld < float('inf')) | ((c - c) != 0.0), 1, 0)
+    keys = tl.maximum(tl.maximum(_nonfinite_rows(W), _nonfinite_rows(U0)),
+                      tl.maximum(_nonfinite_rows(U1), tl.maximum(_nonfinite_rows(K0), _nonfinite_rows(K1))))
+    return tl.maximum(gates, tl.maximum(keys, tl.maximum(_nonfinite_rows(V0), _nonfinite_rows(V1))))
+
+
+@triton.jit
 def system_chunk_fwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p_q,
                      p_init0, p_init1, p_out, p_final0, p_final1, p_ck0, p_ck1, p_cu,
                      H, KF, VF,
@@ -186,6 +206,18 @@ def system_chunk_fwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p
         Q = tl.load(p_q + kk, mask=mck, other=0.0).to(tl.float32)
         V0 = tl.load(p_v0 + vv, mask=mcv, other=0.0).to(tl.float32)
         V1 = tl.load(p_v1 + vv, mask=mcv, other=0.0).to(tl.float32)
+        bad = _bad_rows(la, ld, c, W, U0, U1, K0, K1, V0, V1)                      # [C] (_bad_rows)
+        # (the tests on the int rows, broadcast first: a broadcast i1 block cannot pass through shared memory)
+        la = tl.where(bad == 0, la, 0.0)
+        ld = tl.where(bad == 0, ld, 0.0)
+        c = tl.where(bad == 0, c, 0.0)
+        W = tl.where(bad[:, None] == 0, W, 0.0)
+        U0 = tl.where(bad[:, None] == 0, U0, 0.0)
+        U1 = tl.where(bad[:, None] == 0, U1, 0.0)
+        K0 = tl.where(bad[:, None] == 0, K0, 0.0)
+        K1 = tl.where(bad[:, None] == 0, K1, 0.0)
+        V0 = tl.where(bad[:, None] == 0, V0, 0.0)
+        V1 = tl.where(bad[:, None] == 0, V1, 0.0)
         (Pin00, Pin11, Pin10, Pex00, Pex11, Pex10, p0in00, p0in11, p0in10, p0ex00, p0ex11, p0ex10,
          last00, last11, last10, pl00, pl11, pl10, A, G, Ap, Gp, Al, Gl, cP, cp) = _gate_products(la, ld, c, offs, C, DOT)
         # the read row of the products: X* = X0 reads P00 (and no P01); X* = X1 reads P10, P11
@@ -201,13 +233,17 @@ def system_chunk_fwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p
         o = (f0[:, None] * _dot(Q, X0, DOT) + f1[:, None] * _dot(Q, X1, DOT)
              + _dot(F0 * _dot(Q, tl.trans(U0), DOT) + F1 * _dot(Q, tl.trans(U1), DOT), R, DOT)
              + _dot(F0 * _dot(Q, tl.trans(K0), DOT), V0, DOT) + _dot(F1 * _dot(Q, tl.trans(K1), DOT), V1, DOT))
-        tl.store(p_out + vv, o, mask=mcv)
+        seen = tl.cumsum(bad, axis=0)                                             # bad tokens up to each readout
+        if PREV:
+            seen = seen - bad
+        tl.store(p_out + vv, tl.where(seen[:, None] > 0, float('nan'), o), mask=mcv)
         # the states at the chunk's end: X_i = sum_l pl_il X_l + U_l^T (last_il R) + K_l^T (last_il V_l)
         Xn0 = pl00 * X0 + _dot(tl.trans(U0), last00[:, None] * R, DOT) + _dot(tl.trans(K0), last00[:, None] * V0, DOT)
         X1 = (pl10 * X0 + pl11 * X1
               + _dot(tl.trans(U0), last10[:, None] * R, DOT) + _dot(tl.trans(K0), last10[:, None] * V0, DOT)
               + _dot(tl.trans(U1), last11[:, None] * R, DOT) + _dot(tl.trans(K1), last11[:, None] * V1, DOT))
-        X0 = Xn0
+        X0 = tl.where(tl.max(bad, axis=0) > 0, float('nan'), Xn0)
+        X1 = tl.where(tl.max(bad, axis=0) > 0, float('nan'), X1)
     tl.store(p_final0 + st, X0, mask=ms)
     tl.store(p_final1 + st, X1, mask=ms)
 
@@ -295,7 +331,27 @@ def system_chunk_bwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p
         Q = tl.load(p_q + kk, mask=mck, other=0.0).to(tl.float32)
         V0 = tl.load(p_v0 + vv, mask=mcv, other=0.0).to(tl.float32)
         V1 = tl.load(p_v1 + vv, mask=mcv, other=0.0).to(tl.float32)
-        dO = tl.load(p_do + vv, mask=mcv, other=0.0).to(tl.float32)
+        bad = _bad_rows(la, ld, c, W, U0, U1, K0, K1, V0, V1)                      # [C] (_bad_rows)
+        # (the tests on the int rows, broadcast first: a broadcast i1 block cannot pass through shared memory)
+        la = tl.where(bad == 0, la, 0.0)
+        ld = tl.where(bad == 0, ld, 0.0)
+        c = tl.where(bad == 0, c, 0.0)
+        W = tl.where(bad[:, None] == 0, W, 0.0)
+        U0 = tl.where(bad[:, None] == 0, U0, 0.0)
+        U1 = tl.where(bad[:, None] == 0, U1, 0.0)
+        K0 = tl.where(bad[:, None] == 0, K0, 0.0)
+        K1 = tl.where(bad[:, None] == 0, K1, 0.0)
+        V0 = tl.where(bad[:, None] == 0, V0, 0.0)
+        V1 = tl.where(bad[:, None] == 0, V1, 0.0)
+        # the forward's NaN rows and NaN end states were filled, not computed: no gradient flows back
+        # through them (as through the torch form's masked_fill); dO's rows masked in its load (a
+        # select of [C, V] on i1 fails sm_90's compile: an i1 block in shared memory)
+        seen = tl.cumsum(bad, axis=0)
+        if PREV:
+            seen = seen - bad
+        dO = tl.load(p_do + vv, mask=mcv & (seen[:, None] == 0), other=0.0).to(tl.float32)
+        Z0 = tl.where(tl.max(bad, axis=0) > 0, 0.0, Z0)
+        Z1 = tl.where(tl.max(bad, axis=0) > 0, 0.0, Z1)
         # ---- the chunk's forward again (system_chunk_fwd) ----
         (Pin00, Pin11, Pin10, Pex00, Pex11, Pex10, p0in00, p0in11, p0in10, p0ex00, p0ex11, p0ex10,
          last00, last11, last10, pl00, pl11, pl10, A, G, Ap, Gp, Al, Gl, cP, cp) = _gate_products(la, ld, c, offs, C, DOT)

@@ -401,6 +401,30 @@ def test_chunk_kernels_empty_calls():
         assert_close(fin[n], s0[n], f"titans chunk, T = 0: final {n}", tol=0)
 
 
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_chunk_kernels_are_causal_under_nan(name, kernel_calls):
+    """A NaN in token 21's key or value (chunks of 16: rows 16-20 share its chunk): the kernels'
+    outputs before it equal the loop's (no masked 0 times NaN reaches them), those from it on
+    and both final states are NaN, as the loop's; the gradients equal mode "torch"'s (the same
+    rule: the token's pieces zeroed, the rows from it on filled with NaN)."""
+    op, args, s0 = make_case(B=1, T=37, H=2, K=3, V=2, seed=97, dtype=torch.float32)
+    args[name][0, 21] = float("nan")
+    grads = {}
+    for mode in ("chunk", "torch"):
+        a = {n: x.clone().requires_grad_(True) for n, x in args.items()}
+        o, fin = op(**a, initial_state=s0, output_final_state=True, mode=mode, chunk=16)
+        o_l, _ = titans_loop(args, s0)
+        assert_close(o[:, :21], o_l[:, :21], f"titans {mode}, NaN in {name}: the outputs before it", tol=1e-4)
+        assert torch.isnan(o[:, 21:]).all() and torch.isnan(o_l[:, 21:]).all()
+        assert all(torch.isnan(x).all() for x in fin.values())
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float32)
+        loss = (torch.nan_to_num(o, nan=0.0) * w).sum()
+        grads[mode] = torch.autograd.grad(loss, [a["q"], a["k"], a["v"], a["theta"]])
+    assert kernel_calls == [16]
+    for g, (x, y) in zip(["q", "k", "v", "theta"], zip(*grads.values())):
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-4, equal_nan=True), f"d{g}: chunk vs torch under NaN in {name}"
+
+
 def test_chunk_kernels_take_gates_of_zero(kernel_calls):
     """eta = 0 or alpha = 1 at some tokens (a reset of mom or mem: log -inf, past the declared
     range, which the kernel modes do not check): the kernels count resets apart (no inf - inf),
