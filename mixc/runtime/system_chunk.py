@@ -19,8 +19,13 @@ from .signature import option_values
 
 # the kernels' block of the value dim (one program per block; tests set it lower for several)
 SYSTEM_TILE = 64
-# the chunk of mode "chunk" where the call passes none
-SYSTEM_CHUNK = 32
+# the chunk of mode "chunk" where the call passes none, and each kernel's warps: sm_90's compile
+# (tools/aot.py compile_system) at K = V = 64 spills fwd 2,192 B, bwd 52,916 B at C = 16 on 8 / 4
+# warps against 13,636 / 78,140 B at C = 32 on 4; at K = V = 16 168 / 3,504 B against 1,752 /
+# 51,520. Half the chunk is twice the chunk-steps but half the solve rows in each (the dependent
+# rows per token stay ~1) and half the [C, C] products' FLOPs per token.
+SYSTEM_CHUNK = 16
+SYSTEM_WARPS = {"fwd": 8, "bwd": 4}
 
 
 class _SystemChunk(torch.autograd.Function):
@@ -40,7 +45,8 @@ class _SystemChunk(torch.autograd.Function):
         grid = (n * H, triton.cdiv(VF, BV))
         K.system_chunk_fwd[grid](la, c, ld, w, u0, u1, k0, v0, k1, v1, q, init0 if use_init else out,
                                  init1 if use_init else out, out, fin0, fin1, ck0, ck1, cu, H, KF, VF,
-                                 C=C, BK=BK, BV=BV, READ=READ, QS=QS, PREV=PREV, USE_INIT=use_init, DOT=dot)
+                                 C=C, BK=BK, BV=BV, READ=READ, QS=QS, PREV=PREV, USE_INIT=use_init, DOT=dot,
+                                 num_warps=SYSTEM_WARPS["fwd"])
         ctx.save_for_backward(cu, la, c, ld, w, u0, u1, k0, v0, k1, v1, q, ck0, ck1)
         ctx.meta, ctx.blocks, ctx.use_init = meta, (BK, BV, dot, grid), use_init
         return out, fin0, fin1
@@ -65,7 +71,8 @@ class _SystemChunk(torch.autograd.Function):
                                  dfin0 if use_dfinal else do, dfin1 if use_dfinal else do, cu,
                                  g[0], g[1], g[2], kg[0], kg[1], kg[2], kg[3], vg[0], kg[4], vg[1], kg[5],
                                  dinit[0], dinit[1], H, KF, VF, NT,
-                                 C=C, BK=BK, BV=BV, READ=READ, QS=QS, PREV=PREV, USE_DFINAL=use_dfinal, DOT=dot)
+                                 C=C, BK=BK, BV=BV, READ=READ, QS=QS, PREV=PREV, USE_DFINAL=use_dfinal, DOT=dot,
+                                 num_warps=SYSTEM_WARPS["bwd"])
         dla, dc, dld = (x.sum(0) for x in g)
         dw, du0, du1, dk0, dk1, dq = (x.sum(0) for x in kg)
         di = (dinit[0], dinit[1]) if ctx.use_init else (None, None)

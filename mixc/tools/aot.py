@@ -27,6 +27,7 @@ from ..codegen.launch_plan import chunk_stages, kernel_name, stage_kernel_name
 from ..derive.plan import Plan
 from ..derive.system_chunk import kernel_unsupported
 from ..runtime import system_kernels as SK
+from ..runtime.system_chunk import SYSTEM_CHUNK, SYSTEM_WARPS
 from ..runtime.cache import interpreting
 from ..runtime.launch import rules
 from ..standalone.launcher import block
@@ -154,7 +155,7 @@ def compile_spec(name: str, archs=(90, 80), size: int = 16, dtype: str = "bfloat
     return out
 
 
-def compile_system(name: str, plan: Plan, archs, size: int, C: int = 32) -> list[dict]:
+def compile_system(name: str, plan: Plan, archs, size: int, C: int = SYSTEM_CHUNK) -> list[dict]:
     """The chunked kernels of a 2x2 block-affine system (runtime/system_kernels.py: not generated
     per spec; they take the system's pieces), where the plan's forms list chunk: the forward
     and the backward, reported as system_chunk_fwd / _bwd at K = V = size, chunks of C."""
@@ -172,7 +173,7 @@ def compile_system(name: str, plan: Plan, archs, size: int, C: int = 32) -> list
                    "*i64" if n == "p_cu" else "*fp32" if n.startswith("p_") else "i32") for n in names}
         for arch in archs:
             t0 = time.perf_counter()
-            ck = compile_kernel(kernel, sig, shape | {switch: True}, arch=arch)
+            ck = compile_kernel(kernel, sig, shape | {switch: True}, arch=arch, num_warps=SYSTEM_WARPS[label[-3:]])
             ptx = ck.asm["ptx"]
             out.append({"spec": name, "kernel": label, "arch": f"sm_{arch}", "shared_bytes": ck.metadata.shared,
                         **ptxas_usage(ptx, arch),
