@@ -216,3 +216,14 @@ def calibrate(points: list[tuple], results: dict, static_rows: list[dict]) -> tu
             if best is None or err < best[0]:
                 best = (err, k, rows)
     return best[1], best[2]
+
+
+def modeled_times(traffic: dict, static_rows: list[dict], calibration: dict, device: str = "H100") -> tuple[Constants, dict]:
+    """Modeled seconds of every op call of a traffic report ({(spec, impl): {'fwd': s, 'fwd_bwd': s}})
+    on `device`, the step latencies fitted to CALIBRATION first (calibration: the traffic report at
+    the calibration points' shape): what bench/traffic_report prints beside its bytes."""
+    k, _ = calibrate(CALIBRATION, {(r["spec"], r["impl"]): r for r in calibration["results"]}, static_rows)
+    meta = traffic["meta"]
+    B, T, H = meta.get("B", 1), meta["T"], meta["H"]
+    return k, {(r["spec"], r["impl"]): op_time(DEVICES[device], k, r, static_rows, B, T, H)["seconds"]
+               for r in traffic["results"] if "error" not in r}

@@ -281,8 +281,10 @@ def _n(x, fmt="{:.0f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
-def markdown(results: list[dict], meta: dict) -> str:
-    """The summary (per op: mixc, fla; forward and forward + backward) and the per-launch table."""
+def markdown(results: list[dict], meta: dict, modeled: dict | None = None, model_note: str = "") -> str:
+    """The summary (per op: mixc, fla; forward and forward + backward), the modeled time of each
+    op call where `modeled` has it ({(spec, impl): {'fwd': s, 'fwd_bwd': s}}: time_model.
+    modeled_times; model_note says on what) and the per-launch table."""
     from gpubench import formulas as Fm
     D = meta["D"]
     out = [f"sm_90 host decisions (stand-in driver), {meta['triton']}, {meta['fla']}; B = 1, T = {meta['T']}, "
@@ -307,6 +309,18 @@ def markdown(results: list[dict], meta: dict) -> str:
                       _n(fl), _n(None if fl is None else fl / nominal[key], "{:.2f}")]
         impl = r["impl"] + (" (simple_gla's kernels + torch)" if r["impl"] == "fla" and r["spec"] == "mamba2" else "")
         out.append(f"| {r['spec']} | {impl} | " + " | ".join(cells) + " |")
+    if modeled:
+        out += ["", f"Modeled time (bench/gpubench/time_model.py: per launch the larger of bytes over bandwidth, "
+                f"FLOPs over peak and the dependent chain, scaled by occupancy; {model_note}). A model, not a "
+                "measurement: bench/README.md says how close it comes.", "",
+                "| op | mixc fwd ms | fla fwd ms | mixc / fla | mixc fwd+bwd ms | fla fwd+bwd ms | mixc / fla |",
+                "|---|---|---|---|---|---|---|"]
+        for spec in dict.fromkeys(r["spec"] for r in results):
+            mx, fl = modeled.get((spec, "mixc")), modeled.get((spec, "fla"))
+            if mx is None or fl is None:
+                continue
+            out.append(f"| {spec} | {mx['fwd'] * 1e3:.3f} | {fl['fwd'] * 1e3:.3f} | {mx['fwd'] / fl['fwd']:.2f} | "
+                       f"{mx['fwd_bwd'] * 1e3:.3f} | {fl['fwd_bwd'] * 1e3:.3f} | {mx['fwd_bwd'] / fl['fwd_bwd']:.2f} |")
     out += ["", "| op | impl | pass | kernel | grid | read B | written B | reads | writes | FLOPs |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:

@@ -118,3 +118,23 @@ def test_the_staged_solve_section_prefers_the_inverse_before_the_walk(tmp_path):
     for r in rows:
         walk, staged, tie = float(r[2]), float(r[3]), float(r[5])
         assert staged < walk and tie < 0.05
+
+
+def test_the_traffic_report_prints_the_modeled_time_beside_its_bytes(tmp_path):
+    """bench/traffic_report --render: the committed report's markdown again, with each op call's
+    modeled time for mixc and fla side by side, the same numbers bench/time_model gives."""
+    (tmp_path / "traffic_report.json").write_text((ROOT / "bench/results/traffic-sm90/traffic_report.json").read_text())
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "traffic_report"), "--render", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    md = (tmp_path / "traffic_report.md").read_text()
+    section = md.split("Modeled time")[1].split("\n\n| op | impl | pass")[0]
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| ") and "---" not in line}
+    traffic = json.loads((tmp_path / "traffic_report.json").read_text())
+    assert set(rows) - {"op"} == {r["spec"] for r in traffic["results"]}
+    tm_out = tmp_path / "tm.md"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "time_model"), "--out", str(tm_out)], check=True,
+                   capture_output=True, timeout=120)
+    for spec, line in rows.items():
+        if spec != "op":
+            assert line in tm_out.read_text(), f"{spec}: the traffic report's modeled row is the time model's"
