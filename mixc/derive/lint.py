@@ -12,7 +12,10 @@ inputs it accepts, reported at the spec's line (`mixc check` prints them as warn
    (derive/stabilize.py handles a scalar exp(x) gate shared by its states), or one in the
    output beside stabilized states that the output's scale does not cover.
 3. A division in the output whose denominator is not provably nonzero (a normalizer
-   q . z + eps with a feature map that can go negative)."""
+   q . z + eps with a feature map that can go negative): bounded readout by readout, or
+   proven as a sum over tokens of one polynomial (derive/token_sums.py: Based's Taylor
+   normalizer). Both proofs take the states from zero (or from an earlier call's final
+   state); an initial state passed from elsewhere can make any normalizer 0."""
 from __future__ import annotations
 
 import math
@@ -27,6 +30,7 @@ from . import plan as P
 from .bounds import bounds, interval_product, lower_bound
 from .decay_sign import may_be_negative, nonpositive as _nonpositive
 from .symbolic import SymbolTable, ToSympy
+from .token_sums import polynomial_sign, token_sum
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,27 @@ def _nonzero(plan: P.Plan, den: sp.Expr) -> bool:
         if strict and r.terms:
             positive.add(sp.Symbol(r.name, real=True))
     lo, hi = bounds(den, table, known)
-    return lo > 0 or hi < 0 or (lo >= 0 and _positive(den, table, known, positive))
+    if lo > 0 or hi < 0 or (lo >= 0 and _positive(den, table, known, positive)):
+        return True
+    return _positive_token_sum(plan, den, known) or _positive_token_sum(plan, -den, known)
+
+
+def _positive_token_sum(plan: P.Plan, den: sp.Expr, known: dict) -> bool:
+    """den > 0 as a sum over tokens j of w_tj P(t, j) + b with common weights w >= 0
+    (derive/token_sums.py): P >= 0 for every value and b > 0, or P > 0, b >= 0 and the token's
+    own term in the sum. Based's z0 + qs @ z1 + qq @ z2 / 2 + 1e-6 has P = 1 + s + s^2 / 2 > 0,
+    s = scale q . k_j, which bounding each readout on its own cannot show."""
+    try:
+        form = token_sum(plan, den)
+        sign = polynomial_sign(form.per_token) if form is not None else None
+    except Exception:       # a form sympy's polynomial tools do not take: not proven (the warning stays)
+        return False
+    if sign is None:
+        return False
+    table = plan.table
+    if bounds(form.rest, table, known)[0] >= 0 and _positive(form.rest, table, known):
+        return True
+    return sign == "positive" and not form.prev and bounds(form.rest, table, known)[0] >= 0
 
 
 def _option_defaults(plan: P.Plan) -> dict:
