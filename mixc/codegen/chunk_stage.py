@@ -24,9 +24,12 @@ from .kir.build import INF, Block
 class ChunkStage:
     """One class stage's statements for one state, built in order."""
 
-    # Triton's functions, for the class modules (which cannot import codegen)
-    dot, trans, exp, where, INF = staticmethod(b.dot), staticmethod(b.trans), staticmethod(b.exp), \
-        staticmethod(b.where), INF
+    # Triton's functions (kir/build.py), handed to the class modules, which cannot import codegen
+    dot = staticmethod(b.dot)               # _mixc_dot(a, b, DOT)
+    trans = staticmethod(b.trans)           # tl.trans
+    exp = staticmethod(b.exp)               # tl.exp
+    where = staticmethod(b.where)           # tl.where, its operands broadcast to one block
+    INF = INF
 
     def __init__(self, code, st: P.StatePlan):
         self.code, self.st = code, st
