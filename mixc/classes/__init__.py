@@ -1,5 +1,6 @@
 """The transition classes, one unit each (base.py says what a unit owns). Adding a class is a
-new module here, its macros (<unit>.j2) if it has chunked kernels, and one line in CLASSES.
+new module here (its chunked kernel stages built in it as kernel IR, codegen/chunk_stage.py), and
+one line in CLASSES.
 
 CLASSES is also the order in which the units are asked to claim an update: the first that
 claims it is its class (a rank-r class would go before `general`)."""

@@ -10,8 +10,10 @@ A unit says
   stabilizer can rescale it;
 - its chunk-size policy and the chunk sizes the tuner tries;
 - its chunked algorithm three times over, one per notation, each next to the others: the
-  Triton kernel stages (Jinja macros in <unit>.j2 that read as Triton, rendered by the `chunk_*`
-  hooks below for codegen/chunk.py and chunk_bwd.py), the torch backend's chunked form
+  Triton kernel stages (the `chunk_*` hooks below, for codegen/chunk.py and chunk_bwd.py: built
+  as kernel IR with the builder the codegen hands them, code.builder(st), and reading as Triton;
+  the key-diagonal, rank-1 and rank-r classes' are still Jinja macros in <unit>.j2, pending
+  their builders), the torch backend's chunked form
   (`torch_*`, for runtime/torch_chunk*.py) and the context-parallel summary of a shard
   (`cp_*`, for runtime/context_parallel.py);
 - the lines `mixc explain` prints for the class (`explain_chunk`).
@@ -57,7 +59,10 @@ class TransitionClass:
     torch_chunked: bool = False            # the torch backend's chunked form serves it
     conv_form: bool = False                # a time-invariant state of the class: the convolution form
     stabilizable: bool = False             # the exponential-gate max-stabilizer can rescale it
-    template: str | None = None            # its kernel macros: mixc/classes/<template>
+    template: str | None = None            # its kernel macros (Jinja, pending builders): mixc/classes/<template>
+    # its kernel stages built as kernel IR, in its own module (the hooks below): the prefix sum's,
+    # the scalar and value-diagonal decays'
+    builds_stages: bool = False
     # the update is one term left * (right @ S) whose left the plan keeps apart (StateIR.left,
     # .right): the rank-1 and value-column classes
     single_projection: bool = False
@@ -96,11 +101,14 @@ class TransitionClass:
         return []
 
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    # The Triton of a class's chunk is in its template's macros (<template>); these hooks pick
-    # the per-spec names and render them. `code` is the plan's ChunkCode (ChunkBackward): it
+    # The Triton of a class's chunk: these hooks build it as kernel IR with `code.builder(st)`
+    # (codegen/chunk_stage.py: the chunk's names as typed blocks, Triton's functions over them;
+    # its `lines()` are the stage's statements, verified and printed), or, for the classes
+    # whose builders are pending (builds_stages False), pick the per-spec names and render
+    # their template's macros (<template>). `code` is the plan's ChunkCode (ChunkBackward): it
     # owns what every class shares (the chunk's rows, the cumulative log decay b_<S> and its
-    # resets, the stabilizer, fresh names, the gradient lists G) and hands out the macros
-    # (code.macros(unit)). `parts` is a state's (K, V, g, kd, vd): its key and value matrices
+    # resets, the stabilizer, fresh names, the gradient lists G) and hands out the builders and
+    # macros (code.macros(unit)). `parts` is a state's (K, V, g, kd, vd): its key and value matrices
     # [C, KF], [C, VF], its log decay and its flat key and value axes. The defaults are the
     # diagonal decays' (key- and value-diagonal): the others override what differs.
     compensated_sum: bool = False          # its macros take b as hi + lo (ChunkCode.compensated)
@@ -141,6 +149,14 @@ class TransitionClass:
         """The axes of the chunk's log decay [C, axes] (decay_axis, given the state's flat key
         and value axes): () for a [C] vector, None where the class has no decay."""
         return {None: None, "scalar": (), "key": kd, "value": vd}[self.decay_axis(st)]
+
+    @property
+    def stages_file(self) -> str | None:
+        """The file of mixc/classes holding the class's kernel stages (its module where it builds
+        them, else its template; None: no chunked kernels)."""
+        if self.builds_stages:
+            return type(self).__module__.rpartition(".")[2] + ".py"
+        return self.template
 
     def render(self, code, macro: str, **names) -> list[str]:
         """The lines of one macro of the class's template, at the chunk loop's indent."""

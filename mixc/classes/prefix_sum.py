@@ -11,7 +11,7 @@ class PrefixSum(TransitionClass):
     torch_chunked = True
     conv_form = True
     stabilizable = True
-    template = "prefix_sum.j2"
+    builds_stages = True
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections and u.decay_is_one
@@ -21,20 +21,54 @@ class PrefixSum(TransitionClass):
         return [f"O   = Q {S}0 + [(Q K^T) masked i >= j] V",
                 f"{S}_C = {S}0 + K^T V"]
 
-    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    # no decay: no log weights, no db; advance is the default (prefix_sum.j2)
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py), built as kernel IR ----
+    # The prefix sum's chunk (linear attention): S_t = S_{t-1} + k_t v_t^T, no decay: no log
+    # weights, no db. Notation (codegen/chunk_stage.py): k, the stage's builder; rows i are the
+    # chunk's C tokens, j the same rows as keys; Q, K [i, K] and V [i, V] are the chunk's query,
+    # key and value matrices (the state's key and value dims flattened); s = s_<S>, the state S0
+    # at the chunk's start [K, V], d = d_<S> = dL/dS_C; prev: the readout reads S_{t-1}, so
+    # token i sees keys j < i (else j <= i). k.dot is _mixc_dot, tl.dot at the DOT precision.
+    #
+    #     R   = Q S0 + [(Q K^T) masked i >= j] V
+    #     S_C = S0 + K^T V
+
     def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
-        return self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev)
+        k = code.builder(st)
+        Q, K, V, s = k.block(Q, "i", "K"), k.block(K, "i", "K"), k.block(V, "i", "V"), k.state()
+        A = k.let("_A", k.where(k.causal(prev), k.dot(Q, k.trans(k.at_keys(K))), 0.0), "i", "j")
+        k.let(R, k.dot(Q, s) + k.dot(A, k.at_keys(V)), "i", "V")
+        return k.lines()
+
+    def chunk_advance(self, code, st, parts) -> list[str]:
+        k = code.builder(st)
+        K, V, s = k.block(parts[0], "i", "K"), k.block(parts[1], "i", "V"), k.state()
+        k.let(s, s + k.dot(k.trans(K), V), "K", "V")
+        return k.lines()
 
     def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
+        """dR = dL/dR [i, V]: assigns dQ and this term's dK, dV, dS0."""
         dK, dV, dS0 = code.grad_names(G, "t", with_db=False)
-        return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev, dQ=dQ, dK=dK,
-                           dV=dV, dS0=dS0)
+        k = code.builder(st)
+        Q, K, V, s = k.block(Q, "i", "K"), k.block(K, "i", "K"), k.block(V, "i", "V"), k.state()
+        dR = k.block(dR, "i", "V")
+        causal = k.causal(prev)
+        A = k.let("_A", k.where(causal, k.dot(Q, k.trans(k.at_keys(K))), 0.0), "i", "j")
+        dA = k.let("_dA", k.where(causal, k.dot(dR, k.trans(k.at_keys(V))), 0.0), "i", "j")
+        k.let(dQ, k.dot(dR, k.trans(s)) + k.dot(dA, k.at_keys(K)), "i", "K")
+        k.let(dK, k.at_rows(k.dot(k.trans(dA), Q)), "i", "K")
+        k.let(dV, k.at_rows(k.dot(k.trans(A), dR)), "i", "V")
+        k.let(dS0, k.dot(k.trans(Q), dR), "K", "V")
+        return k.lines()
 
     def chunk_advance_backward(self, code, st, parts, G) -> list[str]:
-        K, V = parts[:2]
+        """Given d = dL/dS_C."""
         dK, dV, dS0 = code.grad_names(G, "u", with_db=False)
-        return self.render(code, "advance_backward", n=st.name, K=K, V=V, dK=dK, dV=dV, dS0=dS0)
+        k = code.builder(st)
+        K, V, d = k.block(parts[0], "i", "K"), k.block(parts[1], "i", "V"), k.state_grad()
+        k.let(dS0, d, "K", "V")
+        k.let(dK, k.dot(V, k.trans(d)), "i", "K")
+        k.let(dV, k.dot(K, d), "i", "V")
+        return k.lines()
 
     # ---- torch form (runtime/torch_chunk.py) ----
     def torch_readout(self, st, Q, K, V, L, S, bb, prev, logs, ctx):

@@ -14,7 +14,7 @@ class ScalarDecay(TransitionClass):
     diagonal_segments = True
     conv_form = True
     stabilizable = True
-    template = "scalar.j2"
+    builds_stages = True
     # the output kernel (the outputs) in the walk's tile blocks (64), as every other class. Blocks of 32
     # spilled nothing where 64 spilled 128 B (Mamba-2's [C, 64] skip-term operand, sm_90, K = V =
     # 128), but on the first GPU run (H200, Triton 3.6, 2026-12-04) every scalar-decay op at
@@ -35,37 +35,101 @@ class ScalarDecay(TransitionClass):
                 f"{S}_C = exp(b_C) * {S}0 + (K * exp(b_C - b))^T V",
                 "only exponents b_i - b_j (i >= j) and b_C - b_j are formed: none is positive"]
 
-    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    # the log weights come from ChunkCode.scalar_logs / scalar_advance_logs, which subtract
-    # the stabilizer's m for the states of its group (scalar.j2)
-    compensated_sum = True          # scalar.j2's pair_logs: b_i - b_j as (hi_i - hi_j) + (lo_i - lo_j)
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py), built as kernel IR ----
+    # The scalar decay's chunk (RetNet, Mamba-2, simple GLA; the stabilizer's group of states):
+    # S_t = a_t S_{t-1} + k_t v_t^T with one a_t per token. Notation (codegen/chunk_stage.py): k,
+    # the stage's builder; rows i are the chunk's C tokens, j the same rows as keys; Q, K [i, K]
+    # and V [i, V] are the chunk's query, key and value matrices; s = s_<S>, the state S0 at the
+    # chunk's start [K, V], d = d_<S> = dL/dS_C; b = _b_<S> is the cumulative log decay in the
+    # chunk, a [C] vector; ok masks the pairs (i, j) with a reset between them. The log weights
+    # are named by ChunkCode (scalar_logs, and the builder's scalar_advance_logs; the stabilizer
+    # subtracts its m there): bq at the query rows, bk at the keys, b0 of S0 at each row; bs of
+    # S0 in S_C, kw of each key in S_C. prev: the readout reads S_{t-1} (token i sees keys j < i,
+    # else j <= i).
+    #
+    #     R   = (Q * exp(b0)) S0 + [(Q K^T)_ij exp(bq_i - bk_j), i >= j] V
+    #     S_C = exp(bs) S0 + (K * exp(kw))^T V
+    compensated_sum = True          # pair_logs: b_i - b_j as (hi_i - hi_j) + (lo_i - lo_j)
+
+    @staticmethod
+    def pair_logs(k, bq, bk):
+        """The log weight b_i - b_j of the pairs (query row i, key j) [i, j]: bq and bk are
+        blocks, or (hi, lo) pairs of a compensated sum (ChunkCode.compensated): exact hi
+        differences, then lo's."""
+        if not isinstance(bq, tuple):
+            return bq - k.at_keys(bk)
+        return (bq[0] - k.at_keys(bk[0])) + (bq[1] - k.at_keys(bk[1]))
 
     def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
-        pre, bq, bk, b0 = code.scalar_logs(st, prev)
-        return pre + self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev,
-                                 ok=code.pair_ok(st, code.query_z(st, prev)), bq=bq, bk=bk, b0=b0)
+        k = code.builder(st)
+        pre, bq, bk, b0, ok = k.scalar_logs(prev)
+        Q, K, V, s = k.block(Q, "i", "K"), k.block(K, "i", "K"), k.block(V, "i", "V"), k.state()
+        A = k.let("_A", k.dot(Q, k.trans(k.at_keys(K)))
+                  * k.exp(k.where(k.causal(prev) & ok, self.pair_logs(k, bq, bk), -k.INF)), "i", "j")
+        k.let(R, k.dot(Q * k.exp(b0), s) + k.dot(A, k.at_keys(V)), "i", "V")
+        return pre + k.lines()
 
     def chunk_advance(self, code, st, parts) -> list[str]:
-        K, V = parts[:2]
-        bs, kw = code.scalar_advance_logs(st)
-        return self.render(code, "advance", n=st.name, K=K, V=V, bs=bs, kw=kw)
+        k = code.builder(st)
+        bs, kw = k.scalar_advance_logs()
+        K, V, s = k.block(parts[0], "i", "K"), k.block(parts[1], "i", "V"), k.state()
+        k.let(s, k.exp(bs) * s + k.dot(k.trans(K * k.exp(kw)), V), "K", "V")
+        return k.lines()
 
     def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
+        """dR = dL/dR [i, V]: assigns dQ and this term's dK, dV, dS0, db (db: the keys' side;
+        _dbq, the query rows' side, goes into db after this: ChunkBackward.query_side). The pair
+        of a row with the token it reads last (j = i, or i - 1 with prev) spans no log decay: its
+        +E and -E cancel in math, not in fp32, so it is dropped, except when stabilized, where
+        the gate's gradient di needs every pair."""
         dK, dV, dS0, db = code.grad_names(G, "t", with_db=True)
-        pre, bq, bk, b0 = code.scalar_logs(st, prev)
+        k = code.builder(st)
+        pre, bq, bk, b0, ok = k.scalar_logs(prev)
         di = self._di(code, st, G)
-        return pre + self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev,
-                                 ok=code.pair_ok(st, code.query_z(st, prev)), bq=bq, bk=bk, b0=b0, dQ=dQ, dK=dK,
-                                 dV=dV, dS0=dS0, db=db, stabilized=di is not None, di=di) \
-            + code.query_side(st, db, prev)
+        Q, K, V, s = k.block(Q, "i", "K"), k.block(K, "i", "K"), k.block(V, "i", "V"), k.state()
+        dR = k.block(dR, "i", "V")
+        D = k.let("_D", k.exp(k.where(k.causal(prev) & ok, self.pair_logs(k, bq, bk), -k.INF)), "i", "j")
+        A = k.let("_A", k.dot(Q, k.trans(k.at_keys(K))) * D, "i", "j")
+        dA = k.let("_dA", k.dot(dR, k.trans(k.at_keys(V))), "i", "j")
+        dP = k.let("_dP", dA * D, "i", "j")
+        if di is not None:
+            E = k.let("_E", dA * A, "i", "j")
+        else:
+            E = k.let("_E", k.where(k.row_i - int(prev) > k.key_j, dA * A, 0.0), "i", "j")
+        eb = k.let("_eb", k.exp(b0), "i")
+        Gq = k.let("_Gq", k.dot(dR, k.trans(s)), "i", "K")
+        k.let(dQ, k.dot(dP, k.at_keys(K)) + Gq * eb, "i", "K")
+        k.let(dK, k.at_rows(k.dot(k.trans(dP), Q)), "i", "K")
+        k.let(dV, k.at_rows(k.dot(k.trans(A), dR)), "i", "V")
+        k.let(dS0, k.dot(k.trans(Q * eb), dR), "K", "V")
+        k.let("_dbq", k.sum(E, "j") + k.sum(Gq * Q, "K") * eb, "i")
+        db_ = k.let(db, -k.at_rows(k.sum(E, "i")), "i")
+        if di is not None:
+            # exp(bq_i - b_j + i_j): the gate's exponent i weighs like -b_j
+            k.let(di, -db_, "i")
+        return pre + k.lines() + code.query_side(st, db, prev)
 
     def chunk_advance_backward(self, code, st, parts, G) -> list[str]:
-        K, V = parts[:2]
+        """Given d = dL/dS_C; _dbl_<S>: the gradient of b at the chunk's last token. That token's
+        key weight exp(b_C - b_last) = 1 spans no log decay (its -F into db and +F into _dbl
+        cancel in math, not in fp32): dropped from both, except when stabilized (di needs it)."""
         dK, dV, dS0, db = code.grad_names(G, "u", with_db=True)
-        bs, kw = code.scalar_advance_logs(st)
+        k = code.builder(st)
+        bs, kw = k.scalar_advance_logs()
         di = self._di(code, st, G)
-        return self.render(code, "advance_backward", n=st.name, K=K, V=V, bs=bs, kw=kw, dK=dK, dV=dV, dS0=dS0,
-                           db=db, stabilized=di is not None, di=di)
+        K, V, d, s = k.block(parts[0], "i", "K"), k.block(parts[1], "i", "V"), k.state_grad(), k.state()
+        w = k.let("_w", k.exp(kw), "i")
+        k.let(dS0, k.exp(bs) * d, "K", "V")
+        k.let(dV, k.dot(K * w, d), "i", "V")
+        dKw = k.let("_dKw", k.dot(V, k.trans(d)), "i", "K")
+        k.let(dK, dKw * w, "i", "K")
+        F = k.let("_F", k.sum(dKw * K, "K") * w, "i")
+        Fb = k.let("_Fb", F if di is not None else k.where(k.offs.eq(k.n_valid - 1), 0.0, F), "i")
+        k.let(db, -Fb, "i")
+        k.let(f"_dbl_{st.name}", k.sum(Fb, "i") + k.sum(s * d) * k.exp(bs))            # a scalar
+        if di is not None:
+            k.let(di, F, "i")
+        return k.lines()
 
     @staticmethod
     def _di(code, st, G) -> str | None:

@@ -309,7 +309,7 @@ def row_col_factors(g):
     chunk; or None where g is out of ROW_COL_BOUND (a strong decay, a reset's -inf, NaN), of
     another dtype than float32/64, or under torch.compile (a host read).
 
-    As the kernels' compensated sums (scalar.j2's pair_logs): g = hi + lo with hi on a grid,
+    As the kernels' compensated sums (scalar.py's pair_logs): g = hi + lo with hi on a grid,
     whose cumulative sums bh are exact (and their differences), lo's bl of size below C
     2^-10. u_i = exp(bh_i - r) exp(bl_i) and v = 1 / u (r = bh at the chunk's middle, on the
     grid): each exp of an exact exponent or of a small one, so u_i v_j is the pair's factor to

@@ -15,8 +15,10 @@ Key dims of a state flatten into one matrix axis (based's S2[K, J, V] is a [K*J,
 value dims too; a state without key (or value) dims gets a unit axis "_1".
 
 What a class computes in a chunk (its readout, its state advance, the rank-1 class's setup)
-is Triton in its unit's macros, mixc/classes/<class>.j2, rendered by the unit's chunk_* hooks
-(mixc/classes/<class>.py); this module keeps what every class shares: the loads, the sanitizing
+is its unit's chunk_* hooks (mixc/classes/<class>.py): built as kernel IR with the builder
+`builder(st)` hands them (codegen/chunk_stage.py) and printed into lines, or, for the classes
+whose builders are pending (key-diagonal, rank-1, rank-r), rendered from the Triton macros of
+mixc/classes/<class>.j2; this module keeps what every class shares: the loads, the sanitizing
 of non-finite keys, the cumulative log decay and its resets, the stabilizer, the combine, the
 stores."""
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..derive.plan import Plan
 from ..derive.stabilize import M_EMPTY
 from ..dsl import ir
 from .recurrent import I2, input_row, numel
+from .chunk_stage import ChunkStage
 from .recurrent_ir import base_env
 from .templating import macros
 from .triton_expr import Emitter, canon, expand
@@ -97,6 +100,10 @@ class ChunkCode:
         key, value = self.stab.key_value(st.name)
         pieces = replace(st.ir_pieces, key=key, value=value, log_decay=self.stab.log_decay)
         return replace(st, transition=classes.STABILIZED_CLASS, ir_pieces=pieces)
+
+    def builder(self, st: P.StatePlan) -> ChunkStage:
+        """A builder for one class stage of a state, in kernel IR (codegen/chunk_stage.py)."""
+        return ChunkStage(self, st)
 
     def macros(self, unit: classes.TransitionClass):
         """The unit's kernel macros (mixc/classes/<unit.template>) for this kernel's stage."""
@@ -529,8 +536,8 @@ class ChunkCode:
         """(lines, bq, bk, b0) of a scalar-decay readout: the query rows' and the key columns'
         log weights of the intra-chunk term, exp(bq_i - bk_j), and the query rows' log weight
         of the inter-chunk term S0 (stabilized: m subtracted per row, the gate on the keys).
-        bq and bk are names, or (hi, lo) pairs of names where b is compensated (scalar.j2's
-        pair_logs forms (hi_i - hi_j) + (lo_i - lo_j))."""
+        bq and bk are names, or (hi, lo) pairs of names where b is compensated (the scalar
+        decay's pair_logs forms (hi_i - hi_j) + (lo_i - lo_j): mixc/classes/scalar.py)."""
         pre, bq = self.query_decay(st, prev)
         b0 = self.query_b0(st, prev)
         if self.compensated(st):
@@ -543,15 +550,6 @@ class ChunkCode:
         m = "_mprow" if prev else "_mrow"
         return pre + [f"{I2}_bq = tl.where(_mask__T, {bq} - {m}, float('-inf'))", f"{I2}_bk = _b_{st.name} - _gi",
                       f"{I2}_b0 = tl.where(_mask__T, {b0} + _M0 - {m}, float('-inf'))"], "_bq", "_bk", "_b0"
-
-    def scalar_advance_logs(self, st: P.StatePlan) -> tuple[str, str]:
-        """(log weight of S0 in S_C, log weights of the chunk's keys in S_C)."""
-        bl0, kw = f"_bl0_{st.name}", f"_kw_{st.name}"
-        if not self.stabilized(st):
-            return bl0, kw
-        # padded rows weigh nothing: their kw + gi is 0, and 0 - m overflows exp once m < -88
-        # (their K rows are 0, and 0 * inf is NaN)
-        return f"({bl0} + _M0 - _mnew)", f"tl.where(_mask__T, {kw} + _gi - _mnew, float('-inf'))"
 
     def readout(self, st: P.StatePlan, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (or S_{t-1}) for the C query rows Q: the class's stage."""
@@ -581,12 +579,12 @@ class ChunkCode:
 
     def stage(self, st: P.StatePlan, name: str, lines: list[str]) -> list[str]:
         """A class stage's lines under a comment naming the state, its class, the stage and the
-        template of its macros (whose header gives the notation)."""
+        file of its stages (whose docstrings or template header give the notation)."""
         if not lines:
             return lines
         unit = classes.unit(st.transition)
         stab = " (stabilized)" if self.stabilized(st) else ""
-        return [f"{I2}# {st.name}: {unit.name}{stab}, {name} (mixc/classes/{unit.template})"] + lines
+        return [f"{I2}# {st.name}: {unit.name}{stab}, {name} (mixc/classes/{unit.stages_file})"] + lines
 
 
 def g_is_vector(st: P.StatePlan) -> bool:

@@ -176,7 +176,7 @@ def kernel_header(plan: Plan, form: str, stage: str | None = None) -> tuple[str,
         lines = [f"---- {stage_kernel_name(plan, form, stage)}: {what} ----", f"{io}; counterpart: {fla}"]
     for st in plan.states:
         unit = classes.unit(st.transition)
-        where = f" (its stages: mixc/classes/{unit.template})" if form.startswith("chunk") and unit.template else ""
+        where = f" (its stages: mixc/classes/{unit.stages_file})" if form.startswith("chunk") and unit.stages_file else ""
         lines.append(f"state {st.name}[{', '.join(st.shape)}]: {st.transition}{where}")
     lines.append(f"notation: {NOTATION[form.split('_')[0]]}")
     return tuple(lines)

@@ -14,6 +14,7 @@ from ..dsl import ir
 from ..standalone.kernel_args import ROLES
 from .kir import nodes as K
 from .kir import passes, printer
+from .kir.build import add, let, mul, name, num, op  # noqa: F401 (the small constructors, re-exported)
 from .triton_expr import Emitter, canon, mask_expr
 
 Var = tuple[str, tuple[str, ...]]
@@ -24,35 +25,9 @@ I64 = K.Const("tl.int64")
 
 # ---- small constructors ----
 
-def name(x: str, dims=()) -> K.Name:
-    return K.Name(x, tuple(dims))
-
-
 def arg(role: str, of: str | None = None) -> K.Name:
     """A kernel argument by its role: its name from the one definition (standalone/kernel_args.py)."""
     return name(ROLES[role].name.format(of))
-
-
-def num(v) -> K.Num:
-    return K.Num(v)
-
-
-def add(*xs: K.Expr) -> K.Expr:
-    out = xs[0]
-    for x in xs[1:]:
-        out = K.BinOp("+", out, x)
-    return out
-
-
-def mul(*xs: K.Expr) -> K.Expr:
-    out = xs[0]
-    for x in xs[1:]:
-        out = K.BinOp("*", out, x)
-    return out
-
-
-def op(o: str, a: K.Expr, b: K.Expr) -> K.BinOp:
-    return K.BinOp(o, a, b)
 
 
 def pid(axis: int) -> K.Expr:
@@ -65,10 +40,6 @@ def nprog(axis: int) -> K.Expr:
 
 def i64(x: K.Expr) -> K.Expr:
     return K.Cast(x, I64)
-
-
-def let(x: str, value: K.Expr, dtype: str = "f32", comment: str | None = None) -> K.Let:
-    return K.Let(x, value, value.dims, dtype, comment)
 
 
 def zeros(dims) -> K.Expr:

@@ -1,5 +1,6 @@
-"""The class macros: a transition class's kernel stages are Jinja macros that read as Triton,
-in mixc/classes/<unit.template>; `macros(unit)` hands them to the unit's `chunk_*` hooks
+"""The class macros: the kernel stages of the classes not yet built as kernel IR (key-diagonal,
+rank-1, rank-r: codegen/chunk_stage.py is how the others build theirs) are Jinja macros that
+read as Triton, in mixc/classes/<unit.template>; `macros(unit)` hands them to the unit's `chunk_*` hooks
 (codegen/chunk.py, chunk_bwd.py call the hooks). jinja2 loads with codegen, which the pipeline
 imports only to render: derive and `mixc check` never pay for it."""
 from __future__ import annotations

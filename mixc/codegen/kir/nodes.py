@@ -199,17 +199,48 @@ class Permute(Expr):
 
 @dataclass(frozen=True)
 class Reduce(Expr):
-    """tl.sum / tl.max / tl.min of x over one named dim."""
+    """tl.sum / tl.max / tl.min of x over one named dim (None: over all of them, a scalar)."""
     fn: str
     x: Expr
-    over: str
+    over: str | None
 
     def __post_init__(self):
         assert self.fn in ("tl.sum", "tl.max", "tl.min"), self.fn
 
     @property
     def dims(self) -> Dims:
-        return tuple(d for d in self.x.dims if d != self.over)
+        return () if self.over is None else tuple(d for d in self.x.dims if d != self.over)
+
+    def children(self):
+        return (self.x,)
+
+
+@dataclass(frozen=True)
+class Dot(Expr):
+    """The matrix product a @ b at the kernel's DOT precision, _mixc_dot(a, b, DOT) (the
+    chunked kernels' helper over tl.dot): a [m, c] and b [c, n] give [m, n]; c is contracted."""
+    a: Expr
+    b: Expr
+
+    @property
+    def dims(self) -> Dims:
+        return (self.a.dims[0], self.b.dims[-1]) if len(self.a.dims) == len(self.b.dims) == 2 else ()
+
+    def children(self):
+        return (self.a, self.b)
+
+    def uses(self):
+        return ("DOT",)
+
+
+@dataclass(frozen=True)
+class Trans(Expr):
+    """tl.trans(x): a matrix [m, n] as [n, m]."""
+    x: Expr
+
+    @property
+    def dims(self) -> Dims:
+        return tuple(reversed(self.x.dims))
 
     def children(self):
         return (self.x,)
@@ -470,7 +501,9 @@ def dtype_of(e: Expr, names) -> str | None:
         return "i32"
     if isinstance(e, (Zeros, Template)):
         return "f32"
-    if isinstance(e, (Neg, Broadcast, Permute, Reduce)):
+    if isinstance(e, Dot):
+        return "f32"
+    if isinstance(e, (Neg, Broadcast, Permute, Reduce, Trans)):
         return dtype_of(e.x, names)
     if isinstance(e, Cast):
         return _CASTS.get(e.to.text) if isinstance(e.to, Const) else None

@@ -19,6 +19,11 @@ def precedence(e: n.Expr) -> int:
         return UNARY
     if isinstance(e, n.Template):
         return 0            # registry text: parenthesized wherever it is an operand
+    # a broadcast to its own dims and a renaming print their operand alone: its binding
+    if isinstance(e, n.Broadcast) and (not e.x.dims or e.x.dims == e.to):
+        return precedence(e.x)
+    if isinstance(e, n.Permute) and e.frm == e.to:
+        return precedence(e.x)
     return ATOM
 
 
@@ -73,7 +78,13 @@ def expr(e: n.Expr) -> str:
             return expr(e.x)
         return f"tl.permute({expr(e.x)}, {tuple(e.frm.index(d) for d in e.to)})"
     if isinstance(e, n.Reduce):
+        if e.over is None:
+            return f"{e.fn}({expr(e.x)})"
         return f"{e.fn}({expr(e.x)}, axis={e.x.dims.index(e.over)})"
+    if isinstance(e, n.Dot):
+        return f"_mixc_dot({expr(e.a)}, {expr(e.b)}, DOT)"
+    if isinstance(e, n.Trans):
+        return f"tl.trans({expr(e.x)})"
     if isinstance(e, n.Cast):
         return f"{_paren(e.x, ATOM)}.to({expr(e.to)})"
     if isinstance(e, n.ElementType):

@@ -64,8 +64,15 @@ def _check_expr(e: n.Expr, scope: _Scope, where: str) -> None:
         elif isinstance(x, n.Permute) and (len(x.frm) != len(x.x.dims) or sorted(x.frm) != sorted(x.to)):
             raise KirError(f"{where}: renames [{', '.join(x.x.dims)}] to [{', '.join(x.frm)}] "
                            f"and permutes them to [{', '.join(x.to)}]")
-        elif isinstance(x, n.Reduce) and x.over not in x.x.dims:
+        elif isinstance(x, n.Reduce) and x.over is not None and x.over not in x.x.dims:
             raise KirError(f"{where}: reduces over {x.over}, not a dim of [{', '.join(x.x.dims)}]")
+        elif isinstance(x, n.Dot):
+            a, b = x.a.dims, x.b.dims
+            if len(a) != 2 or len(b) != 2 or a[1] != b[0] or a[0] == b[1]:
+                raise KirError(f"{where}: a matrix product of [{', '.join(a)}] and [{', '.join(b)}] "
+                               "(wants [m, c] @ [c, n], m and n apart)")
+        elif isinstance(x, n.Trans) and len(x.x.dims) != 2:
+            raise KirError(f"{where}: transposes [{', '.join(x.x.dims)}], not a matrix")
         elif isinstance(x, n.Load):
             _same(where, "a load's offsets and mask", tuple(m for m in (*x.offsets, x.mask) if m is not None))
 
