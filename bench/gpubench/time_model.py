@@ -94,7 +94,8 @@ def mixc_stage(kernel: str) -> tuple[str, str] | None:
         return None
     return m.group(1), m.group(2) or _PHASE_STAGES[m.group(1)][int(m.group(4))]
 # mixc's delta-rule walks: the state's correction is the WY form, solved per chunk inside the
-# walk unless the staged inverse is on (launch.STAGE_SOLVE: on by default since this model chose it)
+# walk unless the staged inverse is on (launch.STAGE_SOLVE: on by default since this model chose it;
+# the backward's walk reads it where its kernel is the _staged variant)
 SOLVE_IN_WALK = {"delta_rule", "gated_delta_rule", "kda", "rwkv7", "dplr"}
 
 
@@ -109,7 +110,9 @@ def chain_of(spec: str, impl: str, launch: dict, B: int, T: int, H: int, C: int 
              staged_solve: bool = False) -> Chain:
     """The dependent chain of one launch (module doc). staged_solve: the forward staged the
     inverse (an intra launch of a delta rule: launch.STAGE_SOLVE), so its walk takes U as one
-    more matmul; the backward's reverse walk solves per chunk either way."""
+    more matmul; the backward's reverse walk alike where its kernel is the _staged variant
+    (the intra kernel run again before it: dY = (I - M)^-T dU, on its dependent path, as one
+    more matmul), else it solves per chunk."""
     name, grid = launch["kernel"], launch.get("grid") or [1, 1, 1]
     if impl == "fla":
         if name in FLA_WALKS:
@@ -125,6 +128,8 @@ def chain_of(spec: str, impl: str, launch: dict, B: int, T: int, H: int, C: int 
     segments = launch.get("segments", 1) if stage == "walk" else 1
     if stage == "walk" and solve and staged_solve and direction == "fwd":
         return Chain(T / C / segments, 4)  # the staged inverse as one more matmul instead of the rows
+    if stage == "walk" and solve and direction == "bwd" and "_walk_staged" in name:
+        return Chain(T / C / segments, 4)  # dY = (I - M)^-T dU as one more matmul instead of the rows
     if stage == "walk":                     # the walk, forward or reverse
         return Chain(T / C / segments, 3 if solve else 1, solve)
     if stage in ("output", "refill") and direction == "fwd":

@@ -28,6 +28,10 @@ class ChunkBackward(ChunkCode):
     def hooks(self) -> dict:
         m, order = self.m, self.order
         self.values_apart = True
+        # the staged walk reads the inverses at their places in p_intra (the forward's order:
+        # ChunkCode.intra_slot); a key-diagonal readout's staged A is read by the forward's
+        # output kernel only, the backward's computes it (key_diag.j2 staged_pairs)
+        self.staged = self.reads_staged
         # the walk writes dL/dS only (and the initial states' gradients); the tiles kernel the
         # inputs' and params' gradients; the fused walk all of them
         walks = self.kernel_stage != "tiles"
@@ -304,9 +308,10 @@ class ChunkBackward(ChunkCode):
         return self.stage(st, "advance_backward", classes.unit(st.transition).chunk_advance_backward(self, st, parts, G))
 
 
-def chunk_bwd_hooks(plan: Plan, kernel_stage: str) -> dict:
-    """The texts of one stage's backward kernel that chunk_ir.backward_kernel places."""
-    return ChunkBackward(plan, kernel_stage).hooks()
+def chunk_bwd_hooks(plan: Plan, kernel_stage: str, reads_staged: bool = False) -> dict:
+    """The texts of one stage's backward kernel that chunk_ir.backward_kernel places (reads_staged:
+    the walk's variant that reads the rank-1 inverses the intra kernel staged)."""
+    return ChunkBackward(plan, kernel_stage, reads_staged).hooks()
 
 
 def split_backward(plan: Plan, source: str, kernel: str) -> tuple[str, str | None]:

@@ -245,7 +245,8 @@ def _variant_header(plan: Plan, form: str, stage: str, parts: tuple[str, ...]) -
     name = stage_kernel(kernel_name(plan, form), stage, parts)
     header[0] = header[0].replace(stage_kernel_name(plan, form, stage) + ":", name + ":", 1)
     if (form, stage) in STAGE_VARIANTS:
-        have = [v for s, v in forward_variants(plan) + [("tiles", ()), ("tiles", ("keyblocks",))] if s == stage]
+        have = [v for s, v in (forward_variants(plan) if form == "chunk_fwd" else
+                               backward_variants(plan) + [("tiles", ("keyblocks",))]) if s == stage]
         # the parts this spec's variants of the stage differ in (keyblocks: where the split may apply)
         what = [VARIANT_TEXT[p][0 if p in parts else 1] for p in STAGE_VARIANTS[form, stage]
                 if p == "keyblocks" or any(p in v for v in have)]
@@ -266,7 +267,7 @@ def chunk_kernel(plan: Plan, form: str, stage: str, parts: tuple[str, ...] = ())
         hooks = chunk_fwd_hooks(plan, stage, "staged" in parts)
         k = chunk_ir.forward_kernel(plan, name, header, stage, hooks, rewalk="rewalk" in parts)
     else:
-        k = chunk_ir.backward_kernel(plan, name, header, stage, chunk_bwd_hooks(plan, stage))
+        k = chunk_ir.backward_kernel(plan, name, header, stage, chunk_bwd_hooks(plan, stage, "staged" in parts))
     return passes.run(k, ())
 
 
@@ -283,12 +284,29 @@ def _keyed(plan: Plan, form: str, stage: str, parts: tuple[str, ...], source: st
     return "\n".join(f"# {h}" for h in _variant_header(plan, form, stage, parts)) + "\n" + body
 
 
+def stages_solve(plan: Plan) -> bool:
+    """A state's class stages its setup's inverse (the rank-1 (I - M)^-1): the walks' staged variants."""
+    return bool(plan.layout.intra_matrices) and any(classes.unit(st.transition).stages_solve for st in plan.states)
+
+
+def backward_variants(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
+    """(stage, parts) of the chunked backward's kernels but the keyblocks variants: the walk's
+    staged one where a class reads its staged inverse there (the intra kernel run again before
+    it: no triangular solve on the walk's dependent path)."""
+    out = []
+    for stage in chunk_stages(plan, "chunk_bwd"):
+        out.append((stage, ()))
+        if stage == "walk" and stages_solve(plan):
+            out.append((stage, ("staged",)))
+    return out
+
+
 def forward_variants(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
     """(stage, parts) of the chunked forward's kernels but the keyblocks variants: the walk's
     staged one where a class reads its staged inverse there (stages_solve), the output
     kernel's rewalk x staged (staged where the spec stages matrices)."""
     staged = bool(plan.layout.intra_matrices)
-    solve = staged and any(classes.unit(st.transition).stages_solve for st in plan.states)
+    solve = stages_solve(plan)
     out = []
     for stage in chunk_stages(plan, "chunk_fwd"):
         if stage == "walk":
@@ -329,8 +347,8 @@ def backward_kernels(plan: Plan) -> list[str]:
     """The chunked backward's kernels, one per stage, the tiles kernel's tile loop split
     (codegen/tile_split.py), and its keyblocks variant where the key split applies after it."""
     out = []
-    for stage in chunk_stages(plan, "chunk_bwd"):
-        source = _render_kernel(plan, "chunk_bwd", stage)
+    for stage, parts in backward_variants(plan):
+        source = _render_kernel(plan, "chunk_bwd", stage, parts)
         keyed = None
         if stage == "tiles":
             source, keyed = split_backward(plan, source, stage_kernel_name(plan, "chunk_bwd", stage))

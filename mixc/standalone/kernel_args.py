@@ -42,12 +42,14 @@ CHUNK_STAGES = {"chunk_fwd": ("fused", "walk", "output", "refill", "intra"),
 # <spec>_<form>_<stage>[_rewalk][_staged][_keyblocks] (the parts in this order; none: the
 # stage's plain kernel): rewalk, the output kernel walking CKPT_EVERY > 1 chunks from one
 # checkpoint (else one chunk a program); staged, the walk or output kernel reading the intra
-# kernel's matrices (else computing them); keyblocks, the chunk over the key dim in blocks of
+# kernel's matrices (else computing them; the backward's walk: the rank-1 inverse the intra
+# kernel stages again before it); keyblocks, the chunk over the key dim in blocks of
 # KEY_BLOCK (else the whole dim). codegen/chunk_kernels.py generates them (a keyblocks variant
 # only where its split applies), Launcher.kernel picks one per launch.
 VARIANT_PARTS = ("rewalk", "staged", "keyblocks")
 STAGE_VARIANTS = {("chunk_fwd", "walk"): ("staged",), ("chunk_fwd", "output"): VARIANT_PARTS,
-                  ("chunk_fwd", "intra"): ("keyblocks",), ("chunk_bwd", "tiles"): ("keyblocks",)}
+                  ("chunk_fwd", "intra"): ("keyblocks",), ("chunk_bwd", "walk"): ("staged",),
+                  ("chunk_bwd", "tiles"): ("keyblocks",)}
 
 
 def stage_kernel(stem: str, stage: str, parts: tuple[str, ...] = ()) -> str:
@@ -304,6 +306,8 @@ def _chunk_bwd(inputs, params, options, states, dims) -> list[Line]:
         *_comment("the segmented walk (SEGMENTED): dL/dS at each segment's end [segments, H, *dims] and per chunk",
                   "each key row's log decay from the chunk's end to its segment's end [slots, H, key rows]"),
         *_each(states, "seg_start", "seg_decay"),
+        *_one("intra", "the rank-1 walk's staged inverses [rows, H, n, C] (the forward's intra kernel, run again "
+                       "before the walk: its _staged variant reads them)"),
         *_comment("the output's gradient in; the inputs' gradients out, the params' per (sequence, head)"),
         *_one("do"), *_each(inputs, "dinput"), *_each(params, "dparam"),
         *_one("cu_seqlens"),

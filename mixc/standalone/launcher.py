@@ -427,13 +427,14 @@ class Launcher:
 
     def backward(self, b, form: str, per_state, do: torch.Tensor, dfinal: dict | None, *, launch: dict,
                  write=("inputs", "params", "dinit"), grid0: int | None = None, param_rows: int | None = None,
-                 tile_programs: int | None = None):
+                 tile_programs: int | None = None, intra: torch.Tensor | None = None):
         """Launch a backward kernel: per_state(name, shape, dfin, dinit, device) a state's
         buffers by role, `launch` as forward's; returns the gradients of the inputs, the params
         (summed over sequences) and the initial states, None for what this launch does not
         `write`. grid0: programs along axis 0 (default: sequences x heads); param_rows: the
         params' partial rows per tile block (default: one per sequence); tile_programs: programs
-        along axis 1 (default: one per block of the tile dim; the chunked tiles kernel takes 1)."""
+        along axis 1 (default: one per block of the tile dim; the chunked tiles kernel takes 1);
+        intra: the rank-1 inverses the intra kernel staged (the walk's staged variant reads them)."""
         lp = self.lp
         device, n, H = next(iter(b.inputs.values())).device, b.n_seqs, b.H
         # what lacks the tile (split) dim gets one gradient partial per tile (split) block, summed below
@@ -463,6 +464,7 @@ class Launcher:
         dparams = {k: empty((parts(dims) * (param_rows or n),) + tuple(b.params[k].shape), torch.float32, device)
                    if "params" in write else do for k, dims in lp.params}
         v["do"] = do.contiguous()
+        v["intra"], v["staged_intra"] = (intra if intra is not None else v["do"]), intra is not None
         _unsegmented(v, lp.states, v["do"])
         v.update({("dinput", k): x for k, x in dinputs.items()})
         v.update({("dparam", k): x for k, x in dparams.items()})
@@ -556,6 +558,20 @@ class Launcher:
             return o, finals, (ckpts if checkpoints else None)
         return run(self.tuned(b, "chunk_fwd", run, C))
 
+    def staged_inverses(self, b, C: int, launch: dict) -> torch.Tensor:
+        """The forward's intra kernel run again for the backward's walk: each chunk's staged
+        matrices [rows, H, n, C] (the rank-1 inverses among them) in the matmuls' dtype, one
+        program per chunk (no state: every chunk at once)."""
+        x0 = next(iter(b.inputs.values()))
+        programs, common = self.chunk_launch(b, C)
+        dot_dtype = {1: torch.bfloat16, 2: torch.float16}.get(launch["dot"], torch.float32)
+        intra = empty((x0.shape[0] * x0.shape[1], b.H, self.lp.intra_matrices, C), dot_dtype, x0.device)
+        self.forward(b, "chunk_fwd", output_final_state=False, checkpoints=False, chunk_tokens=C, ckpts_in={},
+                     write_out=False, grid0=programs * b.H, tiles=1, intra=intra,
+                     launch=_one_stage(common | {k: launch[k] for k in ("dot", "num_warps", "num_stages") if k in launch})
+                     | {"stage": "intra"})
+        return intra
+
     def chunk_states(self, b, ckpts: dict, C: int) -> dict:
         """The state at every chunk start (what the chunked backward reads) from the forward's
         checkpoints at every checkpoint_every-th: the refill kernel, one program per checkpoint walking
@@ -610,8 +626,11 @@ class Launcher:
                 # dL/dS at chunk ends in the checkpoints' dtype (bf16 for bf16 inputs)
                 dh[name] = empty((slots * parts, H) + shape, self.checkpoint_dtype(True, x0.dtype, name), device)
                 return dict(ckpt=ckpts[name], dfinal=dfin if dfin is not None else dinit, dinit=dinit, dh=dh[name])
+            # the rank-1 inverses, staged again (the intra kernel: every chunk at once), so that the
+            # walk takes them as matmuls (its _staged variant), no triangular solve on its dependent path
+            intra = self.staged_inverses(b, C, common) if self.lp.stages_solve and self.stages() else None
             # the walk writes dh and the initial states' gradients; the tiles kernel (same buffers) the rest
-            _, _, dinit = self.backward(b, "chunk_bwd", per_state, do, dfinal, write=("dinit",),
+            _, _, dinit = self.backward(b, "chunk_bwd", per_state, do, dfinal, write=("dinit",), intra=intra,
                                         launch=common | {"stage": "walk"})
             dinputs, dparams, _ = self.backward(
                 b, "chunk_bwd", lambda name, *a: dict(ckpt=ckpts[name], dfinal=do, dinit=do, dh=dh[name]),

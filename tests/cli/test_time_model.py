@@ -62,6 +62,9 @@ def test_a_walk_waits_its_chain_per_wave_and_the_solve_lengthens_each_step():
     ("gla", "mixc", "gla_chunk_fwd_output_rewalk_staged_keyblocks", [512, 2, 1], tm.Chain(4)),
     ("gla", "mixc", "gla_chunk_bwd_tiles_keyblocks", [2048, 1, 1], tm.Chain(1)),
     ("delta_rule", "mixc", "delta_rule_chunk_fwd_walk_staged", [16, 2, 1], tm.Chain(128, 3, 63)),
+    # the backward's walk reading the staged inverse: dY as a matmul, no substitution
+    ("delta_rule", "mixc", "delta_rule_chunk_bwd_walk_staged", [16, 2, 1], tm.Chain(128, 4)),
+    ("delta_rule", "mixc", "delta_rule_chunk_bwd_walk", [16, 2, 1], tm.Chain(128, 3, 63)),
     # the names of the reports committed before one kernel per stage: by PHASE
     ("gla", "mixc", "gla_chunk_fwd[1]", [16, 2, 1], tm.Chain(128)),
     ("gla", "mixc", "gla_chunk_fwd[2]", [512, 2, 1], tm.Chain(4)),

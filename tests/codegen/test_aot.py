@@ -136,16 +136,18 @@ def test_the_staged_rank1_inverse_compiles(tmp_path):
     """launch.STAGE_SOLVE's path (on by default at run time; the other compiles take the solve in
     the walk, so both paths compile):
     the intra kernel storing each chunk's inverse, the walk and the output kernel (its key loop:
-    KEY_BLOCK 16 of 64) taking U by one matmul with it, for sm_90 with the real compiler, on
+    KEY_BLOCK 16 of 64) taking U by one matmul with it, and the backward's walk taking U and
+    dY = (I - M)^-T dU by matmuls with it (its _staged variant), for sm_90 with the real compiler, on
     tensor cores; the per-key decay's intra kernel (KDA) has no matmul."""
     env = dict(os.environ, TRITON_INTERPRET="0", MIXC_CACHE_DIR=str(tmp_path))
     p = subprocess.run([sys.executable, "-W", "ignore", "-m", "mixc.tools.aot", "--arch", "90", "--size", "64",
-                        "--forms", "chunk_fwd", "--stages", "walk,output,intra", "--key-block", "16", "--stage-solve",
-                        "gated_delta_rule", "kda"], capture_output=True, text=True, env=env, timeout=900)
+                        "--forms", "chunk_fwd,chunk_bwd", "--stages", "walk,output,intra", "--key-block", "16",
+                        "--stage-solve", "gated_delta_rule", "kda"], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     reports = json.loads(p.stdout)
     assert {(r["spec"], r["kernel"]) for r in reports} == {
-        (n, f"chunk_fwd_{s}") for n in ("gated_delta_rule", "kda") for s in ("walk", "output", "intra")}
+        (n, f"chunk_fwd_{s}") for n in ("gated_delta_rule", "kda") for s in ("walk", "output", "intra")} | {
+        (n, "chunk_bwd_walk") for n in ("gated_delta_rule", "kda")}
     for r in reports:
         assert r["cubin_bytes"] > 0 and r["shared_bytes"] <= 227 * 1024, r
         assert r["tensor_cores"] in ("wgmma", "mma.sync") or (r["spec"], r["kernel"]) == ("kda", "chunk_fwd_intra"), r

@@ -60,22 +60,35 @@ def test_a_left_that_is_no_scaled_key_with_a_scalar_decay_matches_float64(phases
     check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
 
 
-@pytest.mark.parametrize("name", ["delta_rule", pytest.param("rwkv7", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["delta_rule", "gated_delta_rule", pytest.param("kda", marks=pytest.mark.slow),
+                                  pytest.param("rwkv7", marks=pytest.mark.slow)])
 def test_the_staged_inverse_matches_float64(name, monkeypatch):
     """launch.STAGE_SOLVE: the intra kernel stores each chunk's (I - M)^-1, the walk and the output kernel take
-    U as one matmul with it (launches 4, 1, 2). Against float64, forward and every gradient; an
+    U as one matmul with it (launches 4, 1, 2); the backward runs the intra kernel again and its walk
+    takes U and dY = (I - M)^-T dU as matmuls with it (its _staged variant: no substitution on the
+    reverse walk's dependent path). Against float64, forward and every gradient; an
     inf in one value: the outputs before its token as the computing forward's, NaN from it on in
     both (the intra kernel zeroes no row for a value, the walk and the output kernel do: rank1.j2's setup)."""
     import mixc.runtime.launch as launch
+    from mixc.standalone.launcher import Launcher
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)
     monkeypatch.setattr(launch, "STAGE_SOLVE", True)
     op = mixc.load(name)
     phases = record_phases(monkeypatch)
+    kernels, real_kernel = [], Launcher.kernel
+
+    def spy(self, form, device, stage=None, v=None):
+        name_fn = real_kernel(self, form, device, stage, v)
+        kernels.append(name_fn[0])
+        return name_fn
+    monkeypatch.setattr(Launcher, "kernel", spy)
     args, sizes = random_args(op.ir, B=2, T=20, H=2, sizes={"K": 8, "V": 16}, dtype=torch.float32,
                               requires_grad=True, seed=3)
     st = random_state(op.ir, 2, 2, sizes, requires_grad=True)
     check_against_reference(op, {}, args, st, torch.float32, mode="chunk", chunk=16)
     assert phases[:3] == ["intra", "walk", "output"]
+    assert phases[3:] == ["intra"] and f"{name}_chunk_bwd_walk_staged" in kernels, (phases, kernels)
+    assert f"{name}_chunk_bwd_walk" not in kernels
     bad = {k: v.detach().clone() for k, v in args.items()}
     bad["v"][1, 18, 0, 3] = float("inf")
     outs = {}
