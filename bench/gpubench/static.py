@@ -59,6 +59,8 @@ def setup(spec: str, impl: str, D: int, T: int, H: int, dtype_name: str = "bfloa
     from mixc.runtime.cache import load_module
     if os.environ.get("GPUBENCH_STAGE_SOLVE") in ("0", "1"):      # the reports' --stage-solve on/off
         launch.STAGE_SOLVE = os.environ["GPUBENCH_STAGE_SOLVE"] == "1"
+    if os.environ.get("GPUBENCH_CKPT_EVERY", "").isdigit():         # the reports' --ckpt-every R
+        launch.CHECKPOINT_EVERY = int(os.environ["GPUBENCH_CKPT_EVERY"])
     launch.module_for = lambda plan, device: load_module(plan)
     launch._refuse = lambda device: None        # the launcher's device check: CPU tensors stand in for CUDA
     launch._tuned = lambda plan, bound, form, run, C=None: forced.get(form)
