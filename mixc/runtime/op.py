@@ -37,6 +37,7 @@ from .conv_form import conv_forward
 from .custom_op import kernel_ops
 from .inputs import RANGE_CHECKED_MODES, check_ranges
 from .decode import step_inplace
+from .decoder import Decoder
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
 from .system_chunk import SYSTEM_CHUNK, system_chunked
@@ -246,6 +247,14 @@ class MixerOp(HeldBySpec):
         carry = StepCarry(self.ir, kwargs, state, inplace, state_indices)
         o, st = self._step(state=carry.state, mode=mode, inplace=inplace, state_indices=state_indices, **carry.kwargs)
         return o, carry.new_state(st)
+
+    def decoder(self, state, *, mode: str = "auto", state_indices=None, check_ranges: bool = True, **bound):
+        """A decode loop bound once (runtime/decoder.py): dec = op.decoder(state, <params>,
+        <options>, mode=...); o = dec.step(<one token of each input>) updates the state buffers
+        in place as op.step(..., inplace=True) does, binding the token's look once."""
+        if type(mode) is not str or mode not in MODES:
+            raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        return Decoder(self, state, mode=mode, state_indices=state_indices, check_ranges=check_ranges, **bound)
 
     def _step(self, *, state, mode: str = "auto", inplace: bool = False, state_indices=None, **kwargs):
         """One token per sequence: inputs [B, H, *dims] (a scalar per head [B, H]), params as

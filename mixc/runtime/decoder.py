@@ -1,0 +1,146 @@
+"""A decode loop bound once: op.decoder(state, <params>, <options>) (issue 33).
+
+    dec = op.decoder(state, u=u, mode="torch")      # state: the buffers, updated in place
+    for token in ...:
+        o = dec.step(r, k, v, w)                    # the spec's inputs, in order or by name
+
+As FlashInfer's decode wrappers plan once and then run per token, a Decoder binds what stays
+fixed over a decode loop (the state buffers, the params, options and flags, the mode) and the
+first step binds the token's look (shapes, dtypes, devices) through op.step(..., inplace=True)
+with every check op.step makes. Each later token whose inputs look the same runs the generated
+in-place step directly (mode "torch": runtime/torch_step.py's torch_step_): per token only the
+look of its inputs is compared with the first's, and the declared ranges of its inputs are
+checked (`input w[K] in [-inf, 0]`: the same check and the same ArgumentError as op.step's;
+check_ranges=False skips it, for a loop whose gates come from the model's own logsigmoid).
+op.step's own replay pays a key of every argument, a dict look-up and its dispatch per token
+(~5-10 us of a ~80 us step at B = 1, H = 16, K = V = 128: bench/decode_cpu).
+
+Anything else takes op.step as it is (its errors name the argument): a token that looks
+different (it is bound again), the kernel modes (op.step replays their launch), cache slots
+(state_indices), prev(x) inputs, inputs that are not float32, gradients wanted (op.step refuses
+them by name: the state is written outside autograd), torch.compile tracing."""
+from __future__ import annotations
+
+import torch
+
+from ..standalone.errors import ArgumentError
+from . import fastpath
+from .torch_step import TorchStep
+
+_Tensor, _strided = torch.Tensor, torch.strided
+
+
+class Decoder:
+    """op.decoder(state, ...): dec.step(<one token of each input>) -> o [B, H, *out dims],
+    the state buffers (dec.state) updated in place. See the module docstring."""
+
+    def __init__(self, op, state, *, mode: str = "auto", state_indices=None, check_ranges: bool = True,
+                 **bound):
+        m = op.ir               # (mode: checked by op.decoder, op.py's MODES)
+        if not isinstance(check_ranges, bool):
+            raise ArgumentError(f"check_ranges: expected True or False, got {check_ranges!r}")
+        if not isinstance(state, (dict, torch.Tensor)):
+            raise ArgumentError(f"state: expected the state buffers (a dict keyed by state name, or a tensor for a "
+                                f"single state) that op.decoder updates in place, got {type(state).__name__}")
+        inputs = [d.name for d in m.given_inputs]
+        fixed = {d.name for d in (*m.params, *m.options, *m.flags)}
+        for name in bound:
+            if name in inputs:
+                raise ArgumentError(f"{name}: an input of '{m.name}' (one token per step): pass it to dec.step(), "
+                                    f"not op.decoder(); op.decoder() binds the params, options and flags")
+            if name in ("initial_state", "inplace"):
+                raise ArgumentError(f"{name}: op.decoder() takes the state buffers as its first argument and always "
+                                    "updates them in place")
+            if name not in fixed:
+                known = ", ".join(sorted(fixed)) or "none"
+                raise ArgumentError(f"{name}: not a param, option or flag of '{m.name}' (it has: {known})")
+        self.op, self.mode, self.check_ranges = op, mode, check_ranges
+        self.inputs = tuple(inputs)
+        self._state, self._indices, self._bound = state, state_indices, dict(bound)
+        self._run = None            # the bound token (_bind_tokens), once a step has run
+        self._tried = False         # whether a token was bound (op.step for every token where none can be)
+
+    @property
+    def state(self):
+        """The state buffers, as given (updated in place by each step)."""
+        return self._state
+
+    def __repr__(self) -> str:
+        how = "bound" if self._run is not None else "through op.step"
+        return f"<mixc decoder of '{self.op.name}', mode {self.mode!r}, {how}>"
+
+    def step(self, *args, **inputs):
+        """One token of each input ([B, H, *dims]; a scalar per head [B, H]), by position in
+        the spec's order or by name: returns o [B, H, *out dims]; dec.state is updated."""
+        if args:
+            inputs = self._by_name(args, inputs)
+        run = self._run
+        if run is not None:
+            o = run(inputs)
+            if o is not None:
+                return o
+        o, _ = self.op.step(**inputs, **self._bound, state=self._state, mode=self.mode, inplace=True,
+                            state_indices=self._indices)
+        if run is not None or not self._tried:     # the first token, or one that looks new: bound now
+            self._tried = True
+            self._run = self._bind_tokens(inputs)
+        return o
+
+    def _by_name(self, args: tuple, inputs: dict) -> dict:
+        if len(args) > len(self.inputs):
+            raise ArgumentError(f"dec.step(): '{self.op.name}' takes {len(self.inputs)} inputs "
+                                f"({', '.join(self.inputs)}), got {len(args)} positional arguments")
+        named = dict(zip(self.inputs, args))
+        for k in inputs:
+            if k in named:
+                raise ArgumentError(f"{k}: given by position and by name")
+        return named | inputs
+
+    def _bind_tokens(self, inputs: dict):
+        """After a step through op.step: the direct in-place step for tokens that look like this
+        one, or None (op.step for every token: the module docstring's cases)."""
+        if self._indices is not None or self.op.ir.shifted or torch.compiler.is_compiling():
+            return None
+        kwargs = {**inputs, **self._bound}
+        key = fastpath.step_key(("inplace", self.mode), kwargs, self._state)
+        recipe = self.op._fast.get(key) if key is not None else None
+        if not isinstance(recipe, TorchStep) or recipe.replay is None:
+            return None         # a kernel launch (op.step replays it), or no direct in-place step
+        params = {k: self._bound[k] for k in recipe.params if k in self._bound}
+        if len(params) != len(recipe.params):
+            return None         # a param bind filled in (not the decoder's to hold)
+        return bound_token(recipe, inputs, params, self._state, self.check_ranges)
+
+
+def bound_token(r: TorchStep, first: dict, params: dict, state, check_ranges: bool):
+    """The in-place step of tokens that look like `first` (its inputs' names, shapes, dtypes,
+    devices): (inputs) -> o, or None where a token looks otherwise (op.step then binds it).
+    The buffers and params are the decoder's; their shapes are compared too (resize_ between
+    steps would change them)."""
+    step, guard = r.mod.torch_step_, (r.guard if check_ranges else None)
+    opt, sizes, B, H, out = r.opt, r.sizes, r.B, r.H, r.out_dtype
+    buffers = {r.first_state: state} if isinstance(state, torch.Tensor) else state
+    looks = tuple((k, t.shape, t.dtype, t.device) for k, t in first.items())
+    held = tuple((t, t.shape) for t in (*buffers.values(), *params.values()))
+    n, grads = len(looks), (*params.values(), *buffers.values())
+
+    def run(x: dict):
+        if len(x) != n:
+            return None
+        for name, shape, dtype, device in looks:
+            t = x.get(name)
+            if (type(t) is not _Tensor or t.shape != shape or t.dtype is not dtype or t.device != device
+                    or t.layout is not _strided):
+                return None
+        for t, shape in held:
+            if t.shape != shape or not t.is_contiguous():
+                return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*x.values(), *grads)):
+            return None             # op.step names what requires grad
+        if torch.compiler.is_compiling():
+            return None
+        if guard is not None:
+            guard(x)
+        o = step(x, params, opt, sizes, B, H, buffers)
+        return o if o.dtype is out else o.to(out)
+    return run
