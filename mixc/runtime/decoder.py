@@ -71,19 +71,23 @@ class Decoder:
 
     def step(self, *args, **inputs):
         """One token of each input ([B, H, *dims]; a scalar per head [B, H]), by position in
-        the spec's order or by name: returns o [B, H, *out dims]; dec.state is updated."""
+        the spec's order or by name: returns o [B, H, *out dims]; dec.state is updated. Once a
+        token is bound, the instance's step is the bound one (bound_token), which comes back
+        here through _through_op_step for a token it cannot run."""
         if args:
             inputs = self._by_name(args, inputs)
-        run = self._run
-        if run is not None:
-            o = run(inputs)
-            if o is not None:
-                return o
+        return self._through_op_step(inputs)
+
+    def _through_op_step(self, inputs: dict):
         o, _ = self.op.step(**inputs, **self._bound, state=self._state, mode=self.mode, inplace=True,
                             state_indices=self._indices)
-        if run is not None or not self._tried:     # the first token, or one that looks new: bound now
+        if self._run is not None or not self._tried:     # the first token, or one that looks new: bound now
             self._tried = True
             self._run = self._bind_tokens(inputs)
+            if self._run is not None:
+                self.step = self._run           # (one Python frame less per token than a method)
+            else:
+                self.__dict__.pop("step", None)
         return o
 
     def _by_name(self, args: tuple, inputs: dict) -> dict:
@@ -109,38 +113,43 @@ class Decoder:
         params = {k: self._bound[k] for k in recipe.params if k in self._bound}
         if len(params) != len(recipe.params):
             return None         # a param bind filled in (not the decoder's to hold)
-        return bound_token(recipe, inputs, params, self._state, self.check_ranges)
+        return bound_token(recipe, inputs, params, self._state, self.check_ranges, self._by_name,
+                           self._through_op_step)
 
 
-def bound_token(r: TorchStep, first: dict, params: dict, state, check_ranges: bool):
-    """The in-place step of tokens that look like `first` (its inputs' names, shapes, dtypes,
-    devices): (inputs) -> o, or None where a token looks otherwise (op.step then binds it).
-    The buffers and params are the decoder's; their shapes are compared too (resize_ between
-    steps would change them)."""
-    step, guard = r.mod.torch_step_, (r.guard if check_ranges else None)
+def bound_token(r: TorchStep, first: dict, params: dict, state, check_ranges: bool, by_name, fallback):
+    """dec.step for tokens that look like `first` (its inputs' names, shapes, dtypes, devices):
+    the generated in-place step on the decoder's buffers and params, or fallback(inputs)
+    (op.step, which binds again or names what is wrong) for a token that looks otherwise. The
+    buffers are checked to be the ones bound (a dict entry replaced is bound again) with their
+    shapes, and the params' shapes (resize_ between steps would change them)."""
+    step_, guard = r.mod.torch_step_, (r.guard if check_ranges else None)
     opt, sizes, B, H, out = r.opt, r.sizes, r.B, r.H, r.out_dtype
     buffers = {r.first_state: state} if isinstance(state, torch.Tensor) else state
     looks = tuple((k, t.shape, t.dtype, t.device) for k, t in first.items())
-    held = tuple((t, t.shape) for t in (*buffers.values(), *params.values()))
+    held = tuple((buffers, k, t, t.shape) for k, t in buffers.items()) + tuple(
+        (params, k, t, t.shape) for k, t in params.items())
     n, grads = len(looks), (*params.values(), *buffers.values())
 
-    def run(x: dict):
+    def step(*args, **x):
+        if args:
+            x = by_name(args, x)
         if len(x) != n:
-            return None
+            return fallback(x)
         for name, shape, dtype, device in looks:
             t = x.get(name)
             if (type(t) is not _Tensor or t.shape != shape or t.dtype is not dtype or t.device != device
                     or t.layout is not _strided):
-                return None
-        for t, shape in held:
-            if t.shape != shape or not t.is_contiguous():
-                return None
+                return fallback(x)
+        for where, name, t, shape in held:
+            if where.get(name) is not t or t.shape != shape or not t.is_contiguous():
+                return fallback(x)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*x.values(), *grads)):
-            return None             # op.step names what requires grad
+            return fallback(x)          # op.step names what requires grad
         if torch.compiler.is_compiling():
-            return None
+            return fallback(x)
         if guard is not None:
             guard(x)
-        o = step(x, params, opt, sizes, B, H, buffers)
+        o = step_(x, params, opt, sizes, B, H, buffers)
         return o if o.dtype is out else o.to(out)
-    return run
+    return step
