@@ -197,3 +197,27 @@ def test_a_kernel_mode_takes_op_step():
             torch.testing.assert_close(o, want)
     assert dec._run is None
     torch.testing.assert_close(mine["S"], theirs["S"])
+
+
+def test_a_replaced_state_entry_is_the_one_updated():
+    """dec.state is the caller's dict: an entry replaced between steps is bound again (the
+    bound step checks that the buffers are the ones it bound)."""
+    op, tokens, params, state = _case("gla", seed=19)
+    theirs = {k: v.clone() for k, v in state.items()}
+    dec = op.decoder(state, mode="torch", **params)
+    with torch.no_grad():
+        dec.step(**tokens[0])
+        op.step(**tokens[0], **params, state=theirs, mode="torch", inplace=True)
+        old = state["S"]
+        state["S"] = old.clone()
+        kept = old.clone()
+        o = dec.step(**tokens[1])
+        want, _ = op.step(**tokens[1], **params, state=theirs, mode="torch", inplace=True)
+    assert torch.equal(o, want)
+    assert torch.equal(state["S"], theirs["S"])
+    assert torch.equal(old, kept)                   # the entry no longer in the dict is left alone
+    assert dec._run is not None
+    # an entry replaced by a buffer op.step refuses: refused by name, not run
+    state["S"] = state["S"].double()
+    with torch.no_grad(), pytest.raises(ArgumentError, match=r"state\['S'\]: inplace=True writes the state"):
+        dec.step(**tokens[2])
