@@ -3,6 +3,7 @@
     o, state = op(q=..., k=..., ..., initial_state=None, output_final_state=False,
                   cu_seqlens=None, mode="auto", cp_group=None)
     o, state = op.step(q=..., ..., state=state)          # one token per sequence
+    dec = op.decoder(state, <params>); o = dec.step(q, ...)   # a decode loop bound once (decoder.py)
 
 cp_group: a torch.distributed group whose ranks each hold a contiguous shard of the sequence
 (context parallelism, runtime/context_parallel.py, docs/distributed.md).
