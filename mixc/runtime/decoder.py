@@ -21,6 +21,8 @@ different (it is bound again), the kernel modes (op.step replays their launch), 
 them by name: the state is written outside autograd), torch.compile tracing."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..standalone.errors import ArgumentError
@@ -153,3 +155,56 @@ def bound_token(r: TorchStep, first: dict, params: dict, state, check_ranges: bo
         o = step_(x, params, opt, sizes, B, H, buffers)
         return o if o.dtype is out else o.to(out)
     return step
+
+
+_MISSING = object()
+
+
+def op_step_token(r: TorchStep, first: dict, state):
+    """op.step(..., mode="torch", inplace=True) bound for one state (op.py keeps one per state
+    it has stepped, by id): (kwargs, state) -> (o, state), or None where a call looks otherwise
+    than `first` and `state` did (its arguments' names, shapes, dtypes, devices, numbers; the
+    same buffers, by identity), and op.step then takes its key. What it saves against the key:
+    building and hashing a tuple of every argument's look per token. The buffers are held by
+    weak references: a state its caller drops is not kept alive here."""
+    step_, guard = r.mod.torch_step_, r.guard
+    opt, sizes, B, H, out, name0 = r.opt, r.sizes, r.B, r.H, r.out_dtype, r.first_state
+    tensors = tuple((k, t.shape, t.dtype, t.device) for k, t in first.items() if isinstance(t, _Tensor))
+    numbers = tuple((k, type(v), v) for k, v in first.items() if not isinstance(v, _Tensor))
+    n, single = len(first), isinstance(state, _Tensor)
+    entries = ((name0, weakref.ref(state), state.shape),) if single else tuple(
+        (k, weakref.ref(t), t.shape) for k, t in state.items())
+
+    def token(kw: dict, st):
+        if len(kw) != n or torch.compiler.is_compiling():
+            return None
+        for name, shape, dtype, device in tensors:
+            t = kw.get(name)
+            if (not isinstance(t, _Tensor) or t.shape != shape or t.dtype is not dtype or t.device != device
+                    or t.layout is not _strided):
+                return None
+        for name, kind, value in numbers:
+            v = kw.get(name, _MISSING)
+            if type(v) is not kind or v != value:
+                return None
+        if single:
+            name, ref, shape = entries[0]
+            if st is not ref() or st.shape != shape or not st.is_contiguous():
+                return None
+            buffers = {name: st}
+        else:
+            if type(st) is not dict or len(st) != len(entries):
+                return None
+            for name, ref, shape in entries:
+                t = st.get(name)
+                if t is None or t is not ref() or t.shape != shape or not t.is_contiguous():
+                    return None
+            buffers = st
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*kw.values(), *buffers.values())
+                                           if isinstance(t, _Tensor)):
+            return None             # op.step names what requires grad
+        if guard is not None:
+            guard(kw)
+        o = step_(kw, kw, opt, sizes, B, H, buffers)
+        return (o if o.dtype is out else o.to(out)), st
+    return token

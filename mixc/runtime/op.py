@@ -38,7 +38,7 @@ from .conv_form import conv_forward
 from .custom_op import kernel_ops
 from .inputs import RANGE_CHECKED_MODES, check_ranges
 from .decode import step_inplace
-from .decoder import Decoder
+from .decoder import Decoder, op_step_token
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
 from .system_chunk import SYSTEM_CHUNK, system_chunked
@@ -62,6 +62,7 @@ class MixerOp(HeldBySpec):
         self._plans: dict[tuple, Plan] = {}
         self._ops: dict[tuple, tuple] = {}
         self._fast: dict[tuple, fastpath.StepRecipe] = {}     # replayable launches of op(), step() by argument look
+        self._tokens: dict[int, object] = {}      # op.step(inplace=True, mode="torch") bound per state, by id
         # what inspect.signature(op) and help(op) show: the spec's arguments (runtime/op_doc.py)
         self.__signature__ = call_signature(mixer)
         self.__doc__ = call_doc(mixer)
@@ -232,12 +233,22 @@ class MixerOp(HeldBySpec):
         return self._plans[key]
 
     def step(self, *, state, mode: str = "auto", inplace: bool = False, state_indices=None, **kwargs):
-        if inplace is True and mode == "torch" and state_indices is None and not self.ir.shifted:
-            # a decode loop's hot path, the torch backend's in-place step replayed (runtime/decode.py
-            # keeps it under this key): tested here, not after another call with **kwargs (~3 us
-            # of a ~70 us step at B = 1, where issue 33 allows 1.25x a hand-written update)
+        if (inplace is True and mode == "torch" and state_indices is None and not self.ir.shifted
+                and not torch.compiler.is_compiling()):
+            # a decode loop's hot path, the torch backend's in-place step replayed: first the step
+            # bound to this state (runtime/decoder.py's op_step_token: the call's look compared,
+            # no key built), then the key (runtime/decode.py keeps the recipe under it), tested
+            # here, not after another call with **kwargs (~3 us of a ~70 us step at B = 1, where
+            # issue 33 allows 1.25x a hand-written update)
+            token = self._tokens.get(id(state))
+            if token is not None and (done := token(kwargs, state)) is not None:
+                return done
             recipe = self._fast.get(fastpath.step_key(TORCH_INPLACE, kwargs, state, launches=False))
-            if recipe is not None and not torch.compiler.is_compiling():
+            if recipe is not None:
+                if recipe.replay is not None:
+                    if len(self._tokens) >= fastpath.MAX_RECIPES:
+                        self._tokens.clear()
+                    self._tokens[id(state)] = op_step_token(recipe, kwargs, state)
                 return run_recipe(recipe, kwargs, state)
         if not self.ir.shifted:
             return self._step(state=state, mode=mode, inplace=inplace, state_indices=state_indices, **kwargs)

@@ -221,3 +221,52 @@ def test_a_replaced_state_entry_is_the_one_updated():
     state["S"] = state["S"].double()
     with torch.no_grad(), pytest.raises(ArgumentError, match=r"state\['S'\]: inplace=True writes the state"):
         dec.step(**tokens[2])
+
+
+# ---- op.step(..., mode="torch", inplace=True) bound per state (decoder.op_step_token) ----
+
+def test_op_step_in_place_binds_per_state_and_checks_each_call(monkeypatch):
+    """After a call through its key, op.step keeps the step bound to that state: later calls
+    equal the float64 reference; a number option, a param of another shape, a bad gate, a
+    replaced buffer each leave the bound step (a new scale is computed with, the rest refused
+    by name with the state untouched); a dropped state is not kept alive."""
+    import gc
+    import weakref
+    op, tokens, params, state = _case("rwkv6", seed=21, n=5)
+    ref_state = {k: v.double() for k, v in state.items()}
+    with torch.no_grad():
+        for t, x in enumerate(tokens[:3]):
+            o, same = op.step(**x, **params, state=state, mode="torch", inplace=True)
+            ref_o, ref_state = op.reference_step(**{k: v.double() for k, v in {**x, **params}.items()},
+                                                 state=ref_state)
+            assert same is state
+            _close(o, ref_o, f"token {t} output")
+            _close(state["S"], ref_state["S"], f"token {t} state")
+        assert id(state) in op._tokens
+        # a number option not in the bound call: computed with (equal to the reference's)
+        x = tokens[3]
+        o, _ = op.step(**x, **params, scale=0.5, state=state, mode="torch", inplace=True)
+        ref_o, ref_state = op.reference_step(**{k: v.double() for k, v in {**x, **params}.items()}, scale=0.5,
+                                             state=ref_state)
+        _close(o, ref_o, "scale 0.5 output")
+        _close(state["S"], ref_state["S"], "scale 0.5 state")
+        before = state["S"].clone()
+        bad = dict(tokens[4], w=tokens[4]["w"].clone())
+        bad["w"][0, 1, 2] = 0.25
+        with pytest.raises(ArgumentError, match=r"w: expected values in \[-inf, 0\].*w\[0, 1, 2\] = 0.25"):
+            op.step(**bad, **params, state=state, mode="torch", inplace=True)
+        with pytest.raises(ArgumentError, match=r"^u: "):
+            op.step(**tokens[4], u=params["u"][..., :3], state=state, mode="torch", inplace=True)
+        assert torch.equal(state["S"], before)
+        state["S"] = state["S"].double()
+        with pytest.raises(ArgumentError, match=r"state\['S'\]: inplace=True writes the state"):
+            op.step(**tokens[4], **params, state=state, mode="torch", inplace=True)
+        # a tensor state, bound, then dropped by its caller: not kept alive by the op
+        S = before.clone()
+        for x in tokens[:2]:
+            op.step(**x, **params, state=S, mode="torch", inplace=True)
+        assert id(S) in op._tokens
+        gone = weakref.ref(S)
+        del S
+        gc.collect()
+        assert gone() is None
