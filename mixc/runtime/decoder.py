@@ -12,8 +12,10 @@ in-place step directly (mode "torch": runtime/torch_step.py's torch_step_): per 
 look of its inputs is compared with the first's, and the declared ranges of its inputs are
 checked (`input w[K] in [-inf, 0]`: the same check and the same ArgumentError as op.step's;
 check_ranges=False skips it, for a loop whose gates come from the model's own logsigmoid).
-op.step's own replay pays a key of every argument, a dict look-up and its dispatch per token
-(~5-10 us of a ~80 us step at B = 1, H = 16, K = V = 128: bench/decode_cpu).
+op.step(inplace=True) pays besides the look of every argument (params, numbers, the state's
+buffers) and its own dispatch per token (op_step_token below; before it is bound, a key of
+every argument and its hash): ~5-10 us of a ~80 us step at B = 1, H = 16, K = V = 128
+(bench/decode_cpu).
 
 Anything else takes op.step as it is (its errors name the argument): a token that looks
 different (it is bound again), the kernel modes (op.step replays their launch), cache slots
