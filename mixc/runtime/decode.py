@@ -21,7 +21,10 @@ On the torch backend the generated in-place step (codegen/torch_step.py: mul_, a
 buffers) updates them. Where the kernel cannot write the spec's state (a stabilized spec keeps S
 exp(-m) in the kernel), with state_indices on the torch backend, and on the reference backend
 the step is computed functionally and copied into the buffers (index_copy_ per slot), which is
-graph-safe too."""
+graph-safe too.
+
+A decode loop that binds once (the buffers, params and options fixed; per token only the
+token's look and its declared ranges checked): op.decoder(state, ...), runtime/decoder.py."""
 from __future__ import annotations
 
 import dataclasses

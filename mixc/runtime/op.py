@@ -3,6 +3,7 @@
     o, state = op(q=..., k=..., ..., initial_state=None, output_final_state=False,
                   cu_seqlens=None, mode="auto", cp_group=None)
     o, state = op.step(q=..., ..., state=state)          # one token per sequence
+    dec = op.decoder(state, <params>); o = dec.step(q, ...)   # a decode loop bound once (decoder.py)
 
 cp_group: a torch.distributed group whose ranks each hold a contiguous shard of the sequence
 (context parallelism, runtime/context_parallel.py, docs/distributed.md).
@@ -37,6 +38,7 @@ from .conv_form import conv_forward
 from .custom_op import kernel_ops
 from .inputs import RANGE_CHECKED_MODES, check_ranges
 from .decode import step_inplace
+from .decoder import Decoder, op_step_token
 from .sequence import SequenceOp
 from .torch_chunk import torch_chunked
 from .system_chunk import SYSTEM_CHUNK, system_chunked
@@ -60,6 +62,7 @@ class MixerOp(HeldBySpec):
         self._plans: dict[tuple, Plan] = {}
         self._ops: dict[tuple, tuple] = {}
         self._fast: dict[tuple, fastpath.StepRecipe] = {}     # replayable launches of op(), step() by argument look
+        self._tokens: dict[int, object] = {}      # op.step(inplace=True, mode="torch") bound per state, by id
         # what inspect.signature(op) and help(op) show: the spec's arguments (runtime/op_doc.py)
         self.__signature__ = call_signature(mixer)
         self.__doc__ = call_doc(mixer)
@@ -230,12 +233,22 @@ class MixerOp(HeldBySpec):
         return self._plans[key]
 
     def step(self, *, state, mode: str = "auto", inplace: bool = False, state_indices=None, **kwargs):
-        if inplace is True and mode == "torch" and state_indices is None and not self.ir.shifted:
-            # a decode loop's hot path, the torch backend's in-place step replayed (runtime/decode.py
-            # keeps it under this key): tested here, not after another call with **kwargs (~3 us
-            # of a ~70 us step at B = 1, where issue 33 allows 1.25x a hand-written update)
+        if (inplace is True and mode == "torch" and state_indices is None and not self.ir.shifted
+                and not torch.compiler.is_compiling()):
+            # a decode loop's hot path, the torch backend's in-place step replayed: first the step
+            # bound to this state (runtime/decoder.py's op_step_token: the call's look compared,
+            # no key built), then the key (runtime/decode.py keeps the recipe under it), tested
+            # here, not after another call with **kwargs (~3 us of a ~70 us step at B = 1, where
+            # issue 33 allows 1.25x a hand-written update)
+            token = self._tokens.get(id(state))
+            if token is not None and (done := token(kwargs, state)) is not None:
+                return done
             recipe = self._fast.get(fastpath.step_key(TORCH_INPLACE, kwargs, state, launches=False))
-            if recipe is not None and not torch.compiler.is_compiling():
+            if recipe is not None:
+                if recipe.replay is not None:
+                    if len(self._tokens) >= fastpath.MAX_RECIPES:
+                        self._tokens.clear()
+                    self._tokens[id(state)] = op_step_token(recipe, kwargs, state)
                 return run_recipe(recipe, kwargs, state)
         if not self.ir.shifted:
             return self._step(state=state, mode=mode, inplace=inplace, state_indices=state_indices, **kwargs)
@@ -246,6 +259,14 @@ class MixerOp(HeldBySpec):
         carry = StepCarry(self.ir, kwargs, state, inplace, state_indices)
         o, st = self._step(state=carry.state, mode=mode, inplace=inplace, state_indices=state_indices, **carry.kwargs)
         return o, carry.new_state(st)
+
+    def decoder(self, state, *, mode: str = "auto", state_indices=None, check_ranges: bool = True, **bound):
+        """A decode loop bound once (runtime/decoder.py): dec = op.decoder(state, <params>,
+        <options>, mode=...); o = dec.step(<one token of each input>) updates the state buffers
+        in place as op.step(..., inplace=True) does, binding the token's look once."""
+        if type(mode) is not str or mode not in MODES:
+            raise ArgumentError(f"mode: expected one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        return Decoder(self, state, mode=mode, state_indices=state_indices, check_ranges=check_ranges, **bound)
 
     def _step(self, *, state, mode: str = "auto", inplace: bool = False, state_indices=None, **kwargs):
         """One token per sequence: inputs [B, H, *dims] (a scalar per head [B, H]), params as

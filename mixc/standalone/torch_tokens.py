@@ -18,6 +18,7 @@ import types
 import torch
 
 from .binding import expand_heads
+from .buffers import empty
 
 
 def _enter(mod, states: dict, B: int, H: int, dtype, device, given: bool) -> dict:
@@ -62,10 +63,19 @@ def step_inplace(mod, x: dict, p: dict, opt: dict, sizes: dict, B: int, H: int, 
     return o
 
 
+# The prefill's tokens per call of the generated torch_tokens: what it computes before its loop
+# (the state-free values) is [B, TOKEN_BLOCK, H, ...] per block, not [B, T, H, ...]: fresh memory
+# the size of the inputs, out of cache when the loop reads it back, cost more than a block's few
+# extra calls (RWKV-4, C = 768, T = 1024, 1 thread: at B = 8 a block of 32-64 tokens 0.93x the
+# whole sequence at once, 8 tokens 0.97x; at B = 1 0.96-0.98x; bench/decode_cpu)
+TOKEN_BLOCK = 64
+
+
 def tokens(mod, x: dict, p: dict, opt: dict, sizes: dict, B: int, T: int, H: int, *, initial_state=None,
            cu_seqlens=None, output_final_state: bool = False):
-    """T tokens in order (each packed sequence of cu_seqlens on its own): (o [B, T, H, *out
-    dims], final states {name: [N, H, *dims]} or None), in the inputs' dtype."""
+    """T tokens in order (each packed sequence of cu_seqlens on its own, in blocks of
+    TOKEN_BLOCK tokens): (o [B, T, H, *out dims], final states {name: [N, H, *dims]} or None),
+    in the inputs' dtype. Without autograd the outputs are written into one buffer."""
     x0 = next(iter(x.values()))
     dtype, device = x0.dtype, x0.device
     if cu_seqlens is None:
@@ -73,9 +83,14 @@ def tokens(mod, x: dict, p: dict, opt: dict, sizes: dict, B: int, T: int, H: int
     else:
         bounds = cu_seqlens.tolist()
         segments, rows = list(zip(bounds[:-1], bounds[1:])), 1
+    graph = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*x.values(), *p.values(), *(initial_state or {}).values()))
+    out = None
+    if not graph:
+        out_dims = tuple(sizes[d] for d in mod.METADATA["output"]["shape"])
+        out = empty((B, T, H) + out_dims, dtype, device)      # (NaN under MIXC_POISON: a row not written shows)
     outs, finals = [], []
     for i, (start, end) in enumerate(segments):
-        xs = x if cu_seqlens is None else {k: v[:, start:end] for k, v in x.items()}
         given = initial_state is not None
         if given:
             s = {k: (v if cu_seqlens is None else v[i:i + 1]).to(dtype) for k, v in initial_state.items()}
@@ -83,10 +98,17 @@ def tokens(mod, x: dict, p: dict, opt: dict, sizes: dict, B: int, T: int, H: int
             s = {name: torch.zeros((rows, H) + tuple(sizes[d] for d in dims), dtype=dtype, device=device)
                  for name, dims in mod.METADATA["states"].items()}
         s = _enter(mod, s, rows, H, dtype, device, given)
-        o, final = mod.torch_tokens(xs, p, opt, sizes, rows, end - start, H, s)
-        outs.append(o)
-        finals.append(_leave(mod, final))
-    o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        for b0 in range(start, end, TOKEN_BLOCK) if end > start else [start]:   # (no token: one empty call)
+            b1 = min(b0 + TOKEN_BLOCK, end)
+            xs = x if (b0, b1) == (0, T) else {k: v[:, b0:b1] for k, v in x.items()}
+            o, s = mod.torch_tokens(xs, p, opt, sizes, rows, b1 - b0, H, s,
+                                    None if out is None else out[:, b0:b1])
+            outs.append(o)
+        finals.append(_leave(mod, s))
+    if out is not None:
+        o = out
+    else:
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     if not output_final_state:
         return o, None
     return o, {k: torch.cat([f[k] for f in finals], 0) for k in finals[0]}

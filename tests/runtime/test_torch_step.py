@@ -15,6 +15,7 @@ from mixc.standalone.shift import Carry
 from mixc.runtime import torch_step as torch_step_rt
 from mixc.runtime.cache import load_module
 from mixc.runtime.signature import bind
+from mixc.standalone import torch_tokens as torch_tokens_driver
 
 from helpers import case_id, random_args, random_state
 
@@ -109,9 +110,11 @@ def _gradients_agree(got, want, leaves, name: str, seed: int) -> None:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "cu_seqlens"])
 @pytest.mark.parametrize("name", SPECS, ids=[f"{n}-{ID}-T{T}" for n in SPECS])
-def test_token_loop_equals_the_reference_with_gradients(name, packed):
+def test_token_loop_equals_the_reference_with_gradients(name, packed, monkeypatch):
     """The prefill's token loop (every spec: the runtime takes it for some, mode 'torch'):
-    outputs, final states and the gradients of inputs, params and the initial state."""
+    outputs, final states and the gradients of inputs, params and the initial state; in blocks
+    of 4 tokens (the state carried from block to block, a packed sequence split across two)."""
+    monkeypatch.setattr(torch_tokens_driver, "TOKEN_BLOCK", 4)
     op = mixc.load(name)
     args, _, sizes = _tokens(op, seed=8, n=6)
     n_seq = B
@@ -134,6 +137,35 @@ def test_token_loop_equals_the_reference_with_gradients(name, packed):
     for k in rst:
         _close(st[k], rst[k], f"{name} final {k}")
     _gradients_agree((o, st), (ro, rst), [("d", args, ref_args), ("dinit", init, ref_init)], name, seed=10)
+
+
+@pytest.mark.parametrize("block", [4, 64], ids=["blocks-of-4", "one-block"])
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "cu_seqlens"])
+@pytest.mark.parametrize("name", SPECS, ids=[f"{n}-{ID}-T7" for n in SPECS])
+def test_token_loop_without_gradients_writes_every_output_row(name, packed, block, monkeypatch):
+    """Without autograd the token loop copies each token's output into one buffer (NaN under
+    MIXC_POISON until written): equal to the float64 reference, in blocks of 4 tokens (packed:
+    sequences of 5 and 2 tokens, the first split across blocks) and in one block."""
+    monkeypatch.setattr(torch_tokens_driver, "TOKEN_BLOCK", block)
+    op = mixc.load(name)
+    args, _, sizes = _tokens(op, seed=12, n=7)
+    cu, n_seq = None, B
+    if packed:
+        names = {d.name for d in op.ir.inputs}
+        args = {k: (v[:1] if k in names else v) for k, v in args.items()}
+        cu = torch.tensor([0, 5, 7])
+    args = {k: v.float() for k, v in args.items()}
+    init = {k: v.float() for k, v in random_state(op.ir, n_seq, H, sizes, seed=13).items()}
+    carry = Carry(op.ir, args, init, cu)
+    bound = bind(op.ir, dict(carry.kwargs, initial_state=carry.state, cu_seqlens=cu)).expanded()
+    with torch.no_grad():
+        o, st = torch_step_rt.torch_tokens(op.plan(), bound, output_final_state=True, dtype=torch.float32)
+    st = carry.final(st)
+    ro, rst = op(**{k: v.double() for k, v in args.items()}, initial_state={k: v.double() for k, v in init.items()},
+                 output_final_state=True, cu_seqlens=cu, mode="reference")
+    _close(o, ro, f"{name} output")
+    for k in rst:
+        _close(st[k], rst[k], f"{name} final {k}")
 
 
 @pytest.mark.parametrize("name,loop", [("rwkv4", True), ("hgrn", True), ("mamba", True), ("mlstm", False),
