@@ -249,3 +249,24 @@ def test_a_sequence_mixer_reads_a_const():
     want = 0.75 * base(**args, mode="reference")[0]
     for mode in ("reference", "torch"):
         assert_close(scaled(**args, mode=mode)[0], want, f"gmlp scaled by a const, {mode}", 1e-10)
+
+
+def test_fullgraph_compile_traces_the_consts(op):
+    """torch.compile(fullgraph=True): the binder's const tensors trace as constants (no graph
+    break), forward and the inputs' gradients equal eager."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(8, 2 * 10)
+
+    def model(x):
+        q, k, v, g = proj(x).view(2, 5, 2, -1).split([3, 3, 3, 1], -1)
+        o, _ = op(q=q, k=k, v=v, g=torch.nn.functional.logsigmoid(g[..., 0]), mode="recurrent")
+        return o
+    x = torch.randn(2, 5, 8)
+    want = model(x)
+    want_g = torch.autograd.grad(want.pow(2).sum(), list(proj.parameters()))
+    torch._dynamo.reset()
+    got = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    got_g = torch.autograd.grad(got.pow(2).sum(), list(proj.parameters()))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b)
