@@ -124,7 +124,7 @@ def _memory_needed(op, B: int, T: int, H: int, sizes: dict[str, int]) -> int:
         for d in shape:
             n *= T if d == "T" else sizes[op.ir.root_dim(d)] if d in op.ir.dim_names else 1
         return n
-    tensors = sum(B * T * H * count(d.shape) for d in op.ir.inputs) + sum(H * count(d.shape) for d in op.ir.params)
+    tensors = sum(B * T * H * count(d.shape) for d in op.ir.inputs) + sum(H * count(d.shape) for d in op.ir.given_params)
     steps = sum(B * H * count(s.shape) for s in op.ir.states) * (T + 1)
     scores = B * H * T * T if op.is_sequence else 0
     return 8 * (4 * tensors + 3 * steps + 3 * scores)

@@ -56,6 +56,8 @@ def metadata(plan: Plan) -> dict:
         # prev(x) of inputs: derived input -> the input it shifts (standalone/shift.py computes it)
         "shifted": {s.name: s.source for s in m.shifted},
         "params": {d.name: list(d.shape) for d in m.params},
+        # const W[E] = [...]: params whose values the spec fixes (numbers only); the binder supplies them
+        "consts": {c.name: {"shape": list(c.shape), "values": list(c.values)} for c in m.consts},
         "options": [o.name for o in m.options if o.kind == "float"],
         "states": {s.name: list(s.shape) for s in m.states},
         "output": {"name": m.output.name, "shape": list(m.output.expr.shape)},

@@ -26,6 +26,8 @@ def metadata(plan: Plan) -> dict:
         "dims": list(m.dim_names),
         "inputs": {d.name: list(d.shape) for d in m.inputs},
         "params": {d.name: list(d.shape) for d in m.params},
+        # const W[E] = [...]: params whose values the spec fixes (numbers only); the binder supplies them
+        "consts": {c.name: {"shape": list(c.shape), "values": list(c.values)} for c in m.consts},
         "options": [o.name for o in m.options if o.kind == "float"],
         "states": {},
         "cache": list(seq.cache_keys) if seq.no_step is None else [],

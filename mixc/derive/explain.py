@@ -7,7 +7,7 @@ import json
 import sympy as sp
 
 from .. import classes
-from ..dsl.unparse import dim_text, expr_text
+from ..dsl.unparse import const_values_text, dim_text, expr_text
 from . import plan as P
 from .convform import conv_form_lines
 from .sequence import explain_sequence
@@ -204,13 +204,17 @@ def _explain(plan: P.Plan) -> str:
     out.append("")
     out.append("shapes (per call; dims bind from the tensors)")
     out.append("  dims     " + ", ".join(dim_text(d) for d in m.dims))
-    for kind, decls in (("input", m.inputs), ("param", m.params)):
+    for kind, decls in (("input", m.inputs), ("param", m.given_params)):
         for d in decls:
             promised = f" in {d.range.text()}" if d.range is not None else ""
             sh = m.shift_of(d.name) if kind == "input" else None
             carried = (f" = prev({sh.source}): {sh.source} one token back (0 at a sequence's start), computed by the "
                        f"op; the state carries {sh.source}'s last token as '{d.name}'") if sh is not None else ""
             out.append(f"  {kind:8} {d.name}[{_lead(kind)}{''.join(', ' + x for x in d.shape)}]{promised}{carried}")
+    for c in m.consts:        # the spec's values, the same for every head: no argument
+        values = const_values_text(c, tuple(m.fixed_size(d) for d in c.shape))
+        values = values if len(values) <= 80 else values[:76] + " ..."
+        out.append(f"  const    {c.name}[{', '.join(c.shape)}] = {values}  (fixed by the spec; not an argument)")
     for o in m.options:
         default = str(o.default).lower() if o.kind == "bool" else expr_text(o.default)
         out.append(f"  option   {o.name} = {default}")

@@ -15,6 +15,7 @@ from .functions import FUNCTIONS
 from .errors import SpecError, Span, did_you_mean
 from .parser import (KEYWORDS, BinNode, BoolNode, CallNode, CondNode, DimMapNode, KwargNode, NameNode,
                      Node, NumNode, SpecTree, Statement, UnaryNode)
+from .const_check import ConstChecks
 from .prev_check import PrevChecks
 from .range_check import RangeChecks
 from .sequence_check import SEQUENCE_FNS, SequenceChecks
@@ -131,6 +132,7 @@ class Checker:
         self.seq = SequenceChecks(self)                         # conv, mix, attend (sequence_check.py)
         self.ranges = RangeChecks(self)                         # `input beta[] in (0, 2)` (range_check.py)
         self.prev = PrevChecks(self)                            # prev(S), prev(x) of inputs (prev_check.py)
+        self.consts = ConstChecks(self)                         # const W[E] = [...] (const_check.py)
 
     def error(self, msg: str, span: Span | None, notes=()) -> SpecError:
         return SpecError(msg, self.source, span, notes)
@@ -205,10 +207,11 @@ class Checker:
         return ir.MixerIR(
             name=mixer.name, dims=tuple(self.dims.values()),
             inputs=tuple(self.inputs.values()) + self.prev.derived_inputs(),
-            params=tuple(self.params.values()), options=tuple(self.options.values()),
+            # the consts last (as the derived inputs are): params in the order a caller passes them
+            params=tuple(sorted(self.params.values(), key=lambda p: p.name in self.consts.consts)), options=tuple(self.options.values()),
             lets=tuple(self.lets.values()), states=tuple(self.states.values()),
             updates=tuple(self.updates[s] for s in self.states), output=self.output,
-            source=self.source, shifted=self.prev.shifted_inputs())
+            source=self.source, shifted=self.prev.shifted_inputs(), consts=tuple(self.consts.consts.values()))
 
     def check_kernel_arguments(self) -> None:
         """No two kernel arguments of generated code get the same name (see KERNEL_ARGUMENTS)."""
@@ -302,6 +305,12 @@ class Checker:
     def stmt_param(self, st):
         self._tensors(st, self.params, "param")
 
+    def stmt_const(self, st: Statement) -> None:
+        # a const is a param whose values the spec fixes (const_check.py): read as a param,
+        # its kernel arguments (p_W, p_dp_W) taken as a param's
+        for item in st.items:
+            self.params[item.name.name] = self.consts.declare(item)
+
     def stmt_state(self, st):
         self._tensors(st, self.states, "state")
 
@@ -349,6 +358,7 @@ class Checker:
     def stmt_update(self, st: Statement) -> None:
         (b,) = st.items
         name = b.name.name
+        self.consts.refuse_update(name, b.name.span)
         if name not in self.states:
             raise self.error(f"'{name}' is not a state{did_you_mean(name, self.states)}; declare it with "
                              f"`state {name}[...]` before its update", b.name.span)

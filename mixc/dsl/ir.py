@@ -166,6 +166,19 @@ class TensorDecl:
 
 
 @dataclass(frozen=True)
+class Const:
+    """`const W[E] = [0.5, 1.0]`: a param whose values the spec fixes (dims of fixed size only).
+    It is also an entry of MixerIR.params (every stage reads it as a param, [H, *shape], the same
+    for every head); the runtime's binder supplies its tensor (standalone/binding.py) and no call
+    passes it. values: row-major over shape, numbers the checker evaluated."""
+
+    name: str
+    shape: Shape
+    values: tuple[float, ...]
+    span: Span | None = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class Option:
     """A call-time scalar (kind 'float', default an expression of dims and earlier
     options) or a flag (kind 'bool', default True/False) that specializes the spec."""
@@ -223,6 +236,8 @@ class MixerIR:
     source: Source = field(compare=False, repr=False)
     # prev(x) of inputs: derived inputs, the last entries of `inputs` (given_inputs are the caller's)
     shifted: tuple[Shifted, ...] = ()
+    # const W[E] = [...]: params the spec fixes, also entries of `params` (given_params are the caller's)
+    consts: tuple[Const, ...] = ()
 
     @property
     def dim_names(self) -> Shape:
@@ -249,6 +264,16 @@ class MixerIR:
     def shift_of(self, name: str) -> Shifted | None:
         """The prev(x) that derived input `name` carries, or None for a given input."""
         return next((s for s in self.shifted if s.name == name), None)
+
+    @property
+    def given_params(self) -> tuple[TensorDecl, ...]:
+        """The params a caller passes: all but the consts."""
+        fixed = {c.name for c in self.consts}
+        return tuple(p for p in self.params if p.name not in fixed)
+
+    def const(self, name: str) -> Const | None:
+        """The const `name`, or None for a param the caller passes."""
+        return next((c for c in self.consts if c.name == name), None)
 
     def input(self, name: str) -> TensorDecl:
         return next(x for x in self.inputs if x.name == name)

@@ -17,7 +17,7 @@ MAX_SPEC_CHARS = 100_000
 MAX_DEPTH = 64          # nesting of expressions; deeper specs are refused, not recursed into
 MAX_NAME = 64
 
-KEYWORDS = ("mixer", "dims", "input", "param", "option", "let", "state", "update",
+KEYWORDS = ("mixer", "dims", "input", "param", "const", "option", "let", "state", "update",
             "output", "if", "then", "else", "true", "false", "in")
 
 
@@ -124,6 +124,23 @@ class TensorDeclNode:
 
 
 @dataclass(frozen=True)
+class ListNode(Node):
+    """`[a, b, ...]`: the values of a const along one dim (only in a const's value)."""
+
+    items: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class ConstDeclNode:
+    """`const W[E] = [0.5, 1.0]`: value is a ListNode per dim (an expression for a scalar)."""
+
+    name: Named
+    dims: tuple[Named, ...]
+    value: Node
+    span: Span
+
+
+@dataclass(frozen=True)
 class Binding:
     name: Named
     expr: Node
@@ -133,8 +150,8 @@ class Binding:
 
 @dataclass(frozen=True)
 class Statement:
-    kind: str          # dims input param option let state update output
-    items: tuple       # DimDecl / TensorDeclNode / Binding
+    kind: str          # dims input param const option let state update output
+    items: tuple       # DimDecl / TensorDeclNode / ConstDeclNode / Binding
     span: Span
 
 
@@ -184,7 +201,7 @@ def _tree_span(tree: Tree) -> Span:
     return Span(m.line, m.column, m.end_line, m.end_column)
 
 
-STATEMENT_KEYWORDS = ("dims", "input", "param", "option", "let", "state", "update", "output")
+STATEMENT_KEYWORDS = ("dims", "input", "param", "const", "option", "let", "state", "update", "output")
 _OPERATORS = ("+", "-", "*", "/", "@", "**")
 _EXPR_START = {"a name", "a number", "'('", "'-'"}
 
@@ -384,6 +401,8 @@ class _Builder:
             items = tuple(self.dim_decl(d) for d in t.children)
         elif kind in ("input", "param", "state"):
             items = tuple(self.tensor_decl(d) for d in t.children)
+        elif kind == "const":
+            items = tuple(self.const_decl(d) for d in t.children)
         elif kind in ("option", "let"):
             items = tuple(Binding(self.named(b.children[0]), self.expr(b.children[1]), _tree_span(b),
                                   self.value_range(b.children[2]) if len(b.children) > 2 else None)
@@ -400,6 +419,29 @@ class _Builder:
         if rest[0].type == "NUMBER":
             return DimDecl(self.named(name), None, NumNode(_tok_span(rest[0]), float(rest[0]), str(rest[0])))
         return DimDecl(self.named(name), self.named(rest[0]))
+
+    def const_decl(self, t: Tree) -> ConstDeclNode:
+        name_tok, dim_list, value = t.children
+        return ConstDeclNode(self.named(name_tok), tuple(self.named(d) for d in dim_list.children),
+                             self.const_value(value), _tree_span(t))
+
+    def const_value(self, t) -> Node:
+        """A const's value: nested lists of expressions. Nesting is bounded by the checker (a
+        list per dim, at most MAX_RANK), but a hostile spec may nest lists deeper: walked
+        without recursion, as expressions are."""
+        done: dict[int, Node] = {}
+        stack = [(t, False)]
+        while stack:
+            node, visited = stack.pop()
+            if node.data != "const_list":
+                done[id(node)] = self.expr(node)
+            elif not visited:
+                stack.append((node, True))
+                stack.extend((c, False) for c in node.children if c is not None)
+            else:
+                done[id(node)] = ListNode(_tree_span(node), tuple(done[id(c)] for c in node.children
+                                                                  if c is not None))
+        return done[id(t)]
 
     def tensor_decl(self, t: Tree) -> TensorDeclNode:
         name_tok, dim_list, *value_range = t.children

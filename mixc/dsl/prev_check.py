@@ -44,7 +44,8 @@ class PrevChecks:
             return self.shift(name, n.span)
         if name not in c.states:
             if name in c.params:
-                raise c.error(f"prev() of param '{name}': a param has the same value at every token (prev({name}) "
+                kind = "const" if name in c.consts.consts else "param"
+                raise c.error(f"prev() of {kind} '{name}': a {kind} has the same value at every token (prev({name}) "
                               f"would be {name}); prev() takes a state or an input", at)
             if name in c.lets:
                 raise c.error(f"prev() of let '{name}': write the let's previous value with prev() of the inputs "

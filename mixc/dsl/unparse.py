@@ -82,14 +82,26 @@ def decl_text(d: ir.TensorDecl) -> str:
     return d.name + _shape(d.shape) + (f" in {d.range.text()}" if d.range is not None else "")
 
 
+def const_values_text(c: ir.Const, sizes: tuple[int, ...]) -> str:
+    """A const's values as nested lists, one per dim (sizes: its dims' sizes): [[1, 0], [0, 1]];
+    a scalar const's is its number."""
+    groups = [_num(v) for v in c.values]
+    for size in reversed(sizes):      # the innermost dim first: its runs of values become lists
+        groups = ["[" + ", ".join(groups[i:i + size]) + "]" for i in range(0, len(groups), size)]
+    return groups[0]
+
+
 def spec_text(m: ir.MixerIR) -> str:
     """The checked spec, one declaration per line, with inferred shapes as comments."""
     out = [f"mixer {m.name}"]
     out.append("  dims   " + ", ".join(dim_text(d) for d in m.dims))
     sh = {x.name: x.source for x in m.shifted}
-    for kw, decls in (("input", m.given_inputs), ("param", m.params)):
+    for kw, decls in (("input", m.given_inputs), ("param", m.given_params)):
         if decls:
             out.append(f"  {kw:6} " + ", ".join(decl_text(d) for d in decls))
+    for c in m.consts:
+        out.append(f"  const  {c.name}{_shape(c.shape)} = "
+                   + const_values_text(c, tuple(m.fixed_size(d) for d in c.shape)))
     for o in m.options:
         default = str(o.default).lower() if o.kind == "bool" else expr_text(o.default)
         out.append(f"  option {o.name} = {default}")

@@ -94,7 +94,7 @@ class MixerLayer(nn.Module):
         self.apply_order = _needs_order(order, self.roles)
 
         self.param_roles = {}
-        for d in ir.params:
+        for d in ir.given_params:       # a const's values are the spec's: no parameter
             role = param_role(self.spec, d.name)
             shape = tuple(self.sizes[n] for n in d.shape)
             self.param_roles[d.name] = role

@@ -154,6 +154,7 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
     # a buffer passed again (the walk's checkpoints in the output kernel, the output as an unused pointer's
     # dummy) is the same source; a tensor of no known role is not replayed
     sources, seen = [], {}
+    fixed = {c.name for c in getattr(m, "consts", ())}     # const W[E] = [...]: no argument; kept here
 
     def source(t, what, unique=False) -> int:
         if id(t) not in seen:
@@ -176,6 +177,8 @@ def recipe_from(log: list, m, kwargs: dict, unstabilize, state_indices=None, row
             role, of = (k[0], k[1]) if isinstance(k, tuple) else (k, None)
             if id(t) in seen:
                 return seen[id(t)]
+            if role == "param" and of in fixed:       # the const's tensor the launch read (its values)
+                return source(t, ("fixed", of, t), unique=True)
             if role in ("input", "param"):
                 return source(t, ("kw", of))
             if role == "init" and values["use_initial"] and kinds.get(of) == "given":
@@ -260,6 +263,8 @@ def run_step(r: StepRecipe, kwargs: dict, state, state_indices=None, cu_seqlens=
             t = given.to(_F32).contiguous() if given is not None else torch.zeros(s[2], dtype=_F32, device=device)
         elif kind == "x0":
             t = kwargs[r.first_input]
+        elif kind == "fixed":               # a const: the spec's values, as the recorded launch read them
+            t = s[2]
         elif kind == "indices":
             t = state_indices
         elif kind == "cu":

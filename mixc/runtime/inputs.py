@@ -30,7 +30,7 @@ def check_ranges(mixer: ir.MixerIR, bound) -> None:
     for kind, decls, given in (("input", mixer.inputs, bound.inputs), ("param", mixer.params, bound.params)):
         for decl in decls:
             r, x = decl.range, given.get(decl.name)
-            if r is None or x is None or x.device.type == "meta":
+            if r is None or x is None or x.device.type == "meta" or mixer.const(decl.name) is not None:
                 continue
             x = x.detach()
             if _all_inside(r, x):
@@ -53,7 +53,7 @@ def range_guard(mixer: ir.MixerIR, names) -> Callable[[dict], None] | None:
     loops over every declaration cost ~4 us of it). None where none of them declares a range.
     A failing value raises check_ranges' own error."""
     ends = tuple((decl.name, decl.range, _finite_ends(decl.range))
-                 for decl in (*mixer.inputs, *mixer.params) if decl.range is not None and decl.name in names)
+                 for decl in (*mixer.inputs, *mixer.given_params) if decl.range is not None and decl.name in names)
     if not ends:
         return None
 
@@ -211,7 +211,7 @@ def random_args(mixer: ir.MixerIR, *, B=2, T=8, H=2, sizes=None, seed=0, dtype=t
     table = dict(ROLES) | (BOUNDED_ROLES if bounded else {})
     table.update(roles or {})
     out, drawn = {}, {}
-    for decl, lead in [(d, (B, T, H)) for d in mixer.given_inputs] + [(d, (H,)) for d in mixer.params]:
+    for decl, lead in [(d, (B, T, H)) for d in mixer.given_inputs] + [(d, (H,)) for d in mixer.given_params]:
         shape = lead + tuple(T if d == "T" else sizes[d] for d in decl.shape)    # [T, ...]: per position
         fn = table.get((mixer.name, decl.name)) or table.get(decl.name) or _normal
         if decl.range is not None and not isinstance(fn, Tied) and decl.name not in (roles or {}):

@@ -63,7 +63,7 @@ def _call_arguments(mixer: ir.MixerIR):
 
 def call_signature(mixer: ir.MixerIR) -> inspect.Signature:
     """op(*, <inputs>, <params>, <options>, initial_state=None, output_final_state=False, ...)."""
-    params = [inspect.Parameter(d.name, KW, annotation=torch.Tensor) for d in (*mixer.given_inputs, *mixer.params)]
+    params = [inspect.Parameter(d.name, KW, annotation=torch.Tensor) for d in (*mixer.given_inputs, *mixer.given_params)]
     params += [inspect.Parameter(o.name, KW, default=option_default(o), annotation=_option_type(o))
                for o in mixer.options]
     params += [inspect.Parameter(name, KW, default=default, annotation=note)
@@ -78,9 +78,12 @@ def call_doc(mixer: ir.MixerIR) -> str:
     lines = [head, "", f"The op of mixer '{mixer.name}' ({mixer.source.filename}), from mixc.load."]
     lines += ["", "Inputs, one per token (a scalar per head is [B, T, H]):"]
     lines += [f"    {d.name}: {_shape(('B', 'T', 'H'), d.shape)}" for d in mixer.given_inputs]
-    if mixer.params:
+    if mixer.given_params:
         lines += ["Params, one per head:"]
-        lines += [f"    {d.name}: {_shape(('H',), d.shape)}" for d in mixer.params]
+        lines += [f"    {d.name}: {_shape(('H',), d.shape)}" for d in mixer.given_params]
+    if mixer.consts:
+        lines += ["Consts, fixed by the spec (not arguments):"]
+        lines += [f"    {c.name}: {_shape((), c.shape)}" for c in mixer.consts]
     if mixer.options:
         lines += ["Options:"]
         for o in mixer.options:

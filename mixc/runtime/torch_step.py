@@ -96,6 +96,7 @@ class TorchStep(NamedTuple):
     guard: object = None      # the declared ranges of the inputs, checked on every replay
                               # (inputs.range_guard), or None
     replay: object = None     # the in-place, direct case as one closure (_inplace_replay), or None
+    consts: dict | None = None  # const W[E] = [...]: their tensors as the bound call had them (no kwargs)
 
 
 def step_recipe(plan: Plan, bound: Bound, inplace: bool, kwargs: dict) -> TorchStep | None:
@@ -108,10 +109,12 @@ def step_recipe(plan: Plan, bound: Bound, inplace: bool, kwargs: dict) -> TorchS
     dtype = torch.float32 if inplace else _compute_dtype(bound)
     # the key holds every tensor's dtype: what needs no conversion now needs none on replay
     direct = all(t.dtype == dtype for t in (*bound.inputs.values(), *bound.params.values()))
+    consts = {c.name: bound.params[c.name] for c in plan.ir.consts} or None
     r = TorchStep(load_module(plan), tuple(bound.inputs), tuple(bound.params), option_values(plan.ir, bound),
                   dict(bound.sizes), bound.B, bound.H, dtype, x0.dtype, plan.ir.states[0].name, inplace, direct,
-                  range_guard(plan.ir, bound.inputs))
-    return r._replace(replay=_inplace_replay(r)) if inplace and direct and r.mod.torch_step_ is not None else r
+                  range_guard(plan.ir, bound.inputs), consts=consts)
+    replayable = inplace and direct and r.mod.torch_step_ is not None and consts is None
+    return r._replace(replay=_inplace_replay(r)) if replayable else r
 
 
 def _inplace_replay(r: TorchStep):
@@ -139,10 +142,11 @@ def run_recipe(r: TorchStep, kwargs: dict, state):
         # seen again, a per-token check of each costs ~1-2 us against a ~60 us step)
         r.guard(kwargs)
     if r.direct:            # the generated functions read inputs and params by name
-        x = p = kwargs
+        x = p = kwargs if r.consts is None else {**kwargs, **r.consts}
     else:
+        given = kwargs if r.consts is None else {**kwargs, **r.consts}
         x = {n: kwargs[n].to(dtype) for n in r.inputs}
-        p = {n: kwargs[n].to(dtype) for n in r.params}
+        p = {n: given[n].to(dtype) for n in r.params}
     st = {r.first_state: state} if isinstance(state, torch.Tensor) else state
     if r.inplace:
         if r.mod.torch_step_ is not None:       # (the driver's own test, without its call)

@@ -151,7 +151,14 @@ def bind(mixer, kwargs: dict, *, step: bool = False) -> Bound:
                       free=("H",))
         inputs[decl.name] = x
     _bind_heads(inputs, head, sizes)
+    consts = {c.name: c for c in getattr(mixer, "consts", ())}     # `const W[E] = [...]`: the spec's values
+    for name in consts:
+        if name in kwargs:
+            raise ArgumentError(f"{name}: not an argument; '{name}' is a const of mixer '{mixer.name}' (its values "
+                                "are fixed by the spec); remove it from the call")
     for decl in mixer.params:
+        if decl.name in consts:
+            continue
         if decl.name not in kwargs:
             raise ArgumentError(f"missing param '{decl.name}' of shape {_fmt(('H',) + decl.shape)}")
         x = kwargs.pop(decl.name)
@@ -165,6 +172,8 @@ def bind(mixer, kwargs: dict, *, step: bool = False) -> Bound:
             names = tuple(f"{decl.name}:T{i}" if d == "T" else d for i, d in enumerate(names))
         _check_tensor(decl.name, x, names, sizes, "expected a per-head param", devices)
         params[decl.name] = x
+    if consts:
+        params = _with_consts(mixer, params, consts, inputs, sizes, devices)
     for opt in mixer.options:
         if opt.name in kwargs:
             v = kwargs.pop(opt.name)
@@ -197,7 +206,7 @@ def bind(mixer, kwargs: dict, *, step: bool = False) -> Bound:
         raise ArgumentError(f"cp_group: not accepted here; {why}")
     if kwargs:
         extra = sorted(kwargs)
-        known = [d.name for d in (*mixer.inputs, *mixer.params)] + [o.name for o in mixer.options]
+        known = [d.name for d in (*mixer.inputs, *mixer.params) if d.name not in consts] + [o.name for o in mixer.options]
         known += ["state"] if step else ["initial_state", "output_final_state", "cu_seqlens"]
         raise ArgumentError(f"unexpected argument{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))} "
                             f"for {'step() of ' if step else ''}mixer '{mixer.name}'; it takes {', '.join(known)}")
@@ -225,6 +234,27 @@ def bind(mixer, kwargs: dict, *, step: bool = False) -> Bound:
                              arg="state" if step else "initial_state")
     return Bound(B, T, H, {k: v[0] for k, v in sizes.items() if k not in ("B", "T", "H") and ":" not in k},
                  inputs, params, options, flags, state, cu_seqlens, head_groups(H, inputs, head))
+
+
+def _with_consts(mixer, params: dict, consts: dict, inputs: dict, sizes: dict, devices: dict) -> dict:
+    """params with each const's tensor, in the spec's order of params: its values (numbers the
+    checker evaluated) on the call's device, the same for every head ([H, *shape], a view).
+    float64 where an input or param is (the reference's and the torch backend's precision),
+    else float32 (the kernels' compute type)."""
+    given = (*inputs.values(), *params.values())
+    dtype = torch.float64 if any(x.dtype == torch.float64 for x in given) else torch.float32
+    device = devices["device"][0] if "device" in devices else torch.device("cpu")
+    H = sizes["H"][0] if "H" in sizes else 1
+    out = {}
+    for decl in mixer.params:
+        c = consts.get(decl.name)
+        if c is None:
+            out[decl.name] = params[decl.name]
+            continue
+        shape = tuple(fixed_size(mixer, d) for d in c.shape)     # a const's dims are all fixed
+        value = torch.tensor(c.values, dtype=dtype, device=device).reshape(shape)
+        out[decl.name] = value.expand((H,) + shape)
+    return out
 
 
 def fixed_size(mixer, name: str) -> int | None:
@@ -387,6 +417,12 @@ class Shifted(NamedTuple):
     source: str
 
 
+class ConstDecl(NamedTuple):
+    name: str
+    shape: tuple
+    values: tuple
+
+
 class DimDecl(NamedTuple):
     name: str
     alias_of: str | None
@@ -412,6 +448,9 @@ class Signature:
         self.states = tuple(Decl(k, tuple(v)) for k, v in meta["states"].items())
         # prev(x) of inputs (derived input, its source); an older module's METADATA has none
         self.shifted = tuple(Shifted(k, v) for k, v in meta.get("shifted", {}).items())
+        # const W[E] = [...]: name -> its shape and values (numbers); an older module's has none
+        self.consts = tuple(ConstDecl(k, tuple(v["shape"]), tuple(float(x) for x in v["values"]))
+                            for k, v in meta.get("consts", {}).items())
         self._aliases = {d.name: d.alias_of for d in self.dims}
 
     @property

@@ -60,7 +60,7 @@ CASES = [
     C("missing-rsqb-before-statement", spec("mixer m", "  dims K", "  input q[K", "  state S[K]"), 4, 3,
       "unexpected 'state'; expected ',' or ']'"),
     C("missing-comma", spec("mixer m", "  dims K", "  input q[K] k[K]"), 3, 14,
-      "unexpected 'k'; expected ',', 'in' or a new statement (dims, input, param, option, let, state, "
+      "unexpected 'k'; expected ',', 'in' or a new statement (dims, input, param, const, option, let, state, "
       "update, output)"),
     C("unexpected-rpar", upd("S + )"), 5, 18, "unexpected ')'; expected an expression"),
     C("double-equals", upd("= S"), 5, 14, "unexpected '='; expected an expression"),

@@ -47,6 +47,7 @@ TOKENS = [
     " ", " ", " ", "\n", "\n  ", "\t", "# note\n",
     "$", "'", '"', ";", ":", "!", "{", "}", "é", "中", "\u200b", "\x00", "\r\n", "\x0c", "\u2028",
     "in", "inf", "-inf", " in [0, 1]", " in (-inf, 0]",
+    "const", "const c[] = 2\n", "[1, 2]", "[[1, 0], [0, 1]]", "= [", "E = 2",
 ]
 PREFIX = "mixer m\n  dims K, V\n  input q[K], k[K], v[V]\n"
 
@@ -143,6 +144,7 @@ HEADER = """mixer fuzz
   dims   K, V{vsize}, J = K
   input  q[K], k[K], v[V], g[]{g}, w[K]{w}, u[V]
   param  A[]{A}, P[K, V]
+  const  c[] = {c}{C}
   option scale = K ** -0.5, f = {flag}
   state  S[K, V], z[K]
 """
@@ -234,11 +236,27 @@ def _with(leaves: dict, **extra) -> dict:
     return out
 
 
+# the values a const's elements take: number expressions, as ranges and options allow
+CONST_VALUES = ["0.5", "-1 / 16", "2 ** -5", "3", "exp(-1)", "-(2)", "1e-3"]
+
+
+@st.composite
+def const_values(draw, size: int | None) -> str:
+    """A const's value: a number (size None) or a list of `size` numbers."""
+    if size is None:
+        return draw(st.sampled_from(CONST_VALUES))
+    return "[" + ", ".join(draw(st.sampled_from(CONST_VALUES)) for _ in range(size)) + "]"
+
+
 @st.composite
 def typed_spec(draw):
     depth = draw(st.integers(0, 3))
     lets = []
-    let_leaves = LEAVES
+    vsize = draw(st.sampled_from(["", "", " = 2", " = 5"]))     # V fixed by the spec: a const C[V] too
+    fixed_v = int(vsize[3:]) if vsize else None
+    const_v = f", C[V] = {draw(const_values(fixed_v))}" if fixed_v else ""
+    # the consts (const c[] = 0.5, C[V] = [...]) read as any value of their shape
+    let_leaves = _with(LEAVES, scalar=["c"], **({"V": ["C"]} if fixed_v else {}))
     for i in range(draw(st.integers(0, 2))):
         shape = draw(st.sampled_from([frozenset(), frozenset("K"), frozenset("V"), frozenset("KV")]))
         lets.append((f"a{i}", draw(expr(shape, depth, let_leaves))))
@@ -260,7 +278,7 @@ def typed_spec(draw):
     output = f"q @ S + {draw(expr(frozenset('V'), depth, out_leaves))}"
     text = HEADER.format(flag=draw(st.sampled_from(["true", "false"])), g=draw(st.sampled_from(RANGES)),
                          w=draw(st.sampled_from(RANGES)), A=draw(st.sampled_from(RANGES)),
-                         vsize=draw(st.sampled_from(["", "", " = 2", " = 5"])))     # V fixed by the spec
+                         vsize=vsize, c=draw(const_values(None)), C=const_v)
     text += "".join(f"  let    {n} = {e}\n" for n, e in lets)
     text += f"  update S = {upd_s}\n  update z = {upd_z}\n  output o = {output}\n"
     return text
