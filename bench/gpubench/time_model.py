@@ -195,6 +195,9 @@ CALIBRATION = [
     ("H200", "linear_attn", "fla", (1, 8192, 96, 128), "fwd_bwd", 2.440),
 ]
 CALIBRATION_SOURCE = "bench/results/2026-12-04-NVIDIA-H200/run1/results.json (bf16, do_bench medians)"
+# the registers of what ran at those points (linear_attn's kernels then: R = 4, the rewalk output
+# kernel and the refill), frozen: a later default compiles other kernels, which did not run there
+CALIBRATION_STATIC = "bench/results/time-model/static-calibration.json"
 
 
 def calibrate(points: list[tuple], results: dict, static_rows: list[dict]) -> tuple[Constants, list[dict]]:
@@ -223,11 +226,13 @@ def calibrate(points: list[tuple], results: dict, static_rows: list[dict]) -> tu
     return best[1], best[2]
 
 
-def modeled_times(traffic: dict, static_rows: list[dict], calibration: dict, device: str = "H100") -> tuple[Constants, dict]:
+def modeled_times(traffic: dict, static_rows: list[dict], calibration: dict, calibration_static: list[dict],
+                  device: str = "H100") -> tuple[Constants, dict]:
     """Modeled seconds of every op call of a traffic report ({(spec, impl): {'fwd': s, 'fwd_bwd': s}})
     on `device`, the step latencies fitted to CALIBRATION first (calibration: the traffic report at
-    the calibration points' shape): what bench/traffic_report prints beside its bytes."""
-    k, _ = calibrate(CALIBRATION, {(r["spec"], r["impl"]): r for r in calibration["results"]}, static_rows)
+    the calibration points' shape, calibration_static the static rows of its kernels):
+    what bench/traffic_report prints beside its bytes."""
+    k, _ = calibrate(CALIBRATION, {(r["spec"], r["impl"]): r for r in calibration["results"]}, calibration_static)
     meta = traffic["meta"]
     B, T, H = meta.get("B", 1), meta["T"], meta["H"]
     return k, {(r["spec"], r["impl"]): op_time(DEVICES[device], k, r, static_rows, B, T, H)["seconds"]

@@ -123,9 +123,15 @@ class LaunchSettings:
     # R-th chunk start only, the output kernel walks each checkpoint's R chunks, the backward
     # refills them (the refill kernel). None: checkpoint_tokens // C on a GPU (at least
     # min_programs output programs),
-    # 1 under the interpreter; an int forces it.
+    # 1 under the interpreter; an int forces it. checkpoint_tokens 64 (R = 1 at C = 64, a
+    # checkpoint per chunk as fla's h) since 2026-12-06, chosen by the time model (bench/time_model,
+    # "The checkpoint span"; bench/README.md): at T = 8192, H = 16 the output kernel walking R = 4
+    # chunks on one block per SM waits 8 waves x 4 dependent chunk-steps, while one chunk a program
+    # is bytes-bound: simple_gla 0.688 -> 0.612 ms forward, 1.491 -> 1.275 forward + backward (no
+    # refill launch; fwd+bwd bytes 6860 -> 6458, FLOPs 409600 -> 344064), though the inference
+    # forward moves 1812 -> 2580 B per token-head. It was 256 (R = 4), chosen by bytes.
     checkpoint_every: int | None = None
-    checkpoint_tokens: int = 256
+    checkpoint_tokens: int = 64
     min_programs: int = 512
     # The forward in two launches stages the intra-chunk matrices (the intra kernel) of the classes that
     # stage them (the key-diagonal decay's A); stage_solve: the rank-1 class's inverse too, so

@@ -88,11 +88,14 @@ def test_refilled_states_equal_the_dense_ones(packed, monkeypatch):
 
 
 def test_policy_on_gpu_shapes(monkeypatch):
-    """Off the interpreter: CHECKPOINT_TOKENS // C chunks per checkpoint (256 tokens), halved
-    while the output kernel would have fewer than MIN_PROGRAMS programs; the registered op's fake
-    checkpoints take the same count (torch.compile)."""
+    """Off the interpreter: CHECKPOINT_TOKENS // C chunks per checkpoint (64 tokens by default,
+    the time model's choice; 256 here, as it was, to see the rule), halved while the output
+    kernel would have fewer than MIN_PROGRAMS programs; the registered op's fake checkpoints take
+    the same count (torch.compile)."""
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", None)
+    assert launch.CHECKPOINT_TOKENS == 64
+    monkeypatch.setattr(launch, "CHECKPOINT_TOKENS", 256)
     op = mixc.load("simple_gla")
     plan = op.plan()
 
@@ -130,10 +133,12 @@ def test_a_changed_checkpoint_count_between_forward_and_backward_is_an_error(mon
 def test_class_policies_the_rank1_checkpoint_per_chunk_and_backward_tiles(monkeypatch):
     """The rank-1 class asks a checkpoint per 64 tokens (its output kernel walking several chunks
     spilled on sm_90: classes/rank1.py checkpoint_tokens), so R = 1 at its C = 64 and 2 at
-    C = 32; its backward takes V blocks of 16 (backward_tile), the forward 64; a per-key decay
-    (KDA) and the other classes keep the launch's 256 tokens and blocks."""
+    C = 32 whatever the launch's tokens (256 here); its backward takes V blocks of 16
+    (backward_tile), the forward 64; a per-key decay (KDA) and the other classes keep the
+    launch's tokens and blocks."""
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "CHECKPOINT_EVERY", None)
+    monkeypatch.setattr(launch, "CHECKPOINT_TOKENS", 256)
 
     def policy(name, C):
         op = mixc.load(name)
