@@ -25,6 +25,7 @@ class TorchEmitter(Emitter):
         super().__init__(mixer, env, indent=indent, prefix=prefix)
         self.scalars = set(scalars)
         self.lead = lead            # leading axes: (B, T, H) here, (B, H) in the one-token step
+        self.calls: dict[str, str] = {}     # a function's torch form where this emitter prints another
 
     def is_scalar(self, var: str) -> bool:
         return var in self.scalars or var[:1].isdigit() or var[:1] == "-"
@@ -90,7 +91,7 @@ class TorchEmitter(Emitter):
             return self.emit_as(f"{fn}({ta}, {tb})", out, [a, b])
         x, d = self(e.args[0])
         arg = f"_t({x})" if self.is_scalar(x) else x
-        return self.emit_as(CALLS[e.fn].format(x=arg), d, [x])
+        return self.emit_as(self.calls.get(e.fn, CALLS[e.fn]).format(x=arg), d, [x])
 
     def x_Reduce(self, e: ir.Reduce):
         x, d = self(e.x)

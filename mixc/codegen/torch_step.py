@@ -11,11 +11,8 @@ Three functions are printed per spec, all from the same statements:
 - torch_tokens: a loop of torch_step over T tokens, everything that does not read a state
   (lets, gates, decays, keys, values, the output's state-free terms) computed once for the
   whole sequence (the driver passes blocks of tokens) before the loop; without autograd each
-  token's output goes into its row of a buffer the driver gives (_out).
-
-Without an autograd cost, fewer allocations: torch.exp of a temporary that only it reads
-becomes exp_ on it (exp_in_place), and the token loop's output is written by its own op's
-out= form (or copied) into the buffer's row.
+  token's output is copied into its row of a buffer the driver gives (_out), and a held-constant
+  value is not detached (the loop's emitter prints detach so: nothing rewrites printed lines).
 
 A state's update is printed from its affine pieces (S <- a * S + sum_i l_i (x) (r_i @ S) +
 k (x) v, each outer product one addcmul over S: two passes over S for a gated update, where
@@ -442,30 +439,7 @@ def _step(plan: Plan, inplace: bool) -> str:
     loads, names = _state_loads(plan, I1)
     body, out_vars, out = writer.lines(names)
     ret = f"{I1}return {out}" if inplace else f"{I1}return {out}, {_state_dict(plan, out_vars)}"
-    return "\n".join(exp_in_place(_used(lines + _head_line(body, 2), body) + loads + body + [ret]))
-
-
-_ASSIGN = re.compile(r"^(\s+)(_[sa]\d+) = (.*)$")
-_ARITHMETIC = re.compile(r"^[\w.\[\]]+ [-+*] [\w.\[\]]+$")       # a - b of two names: a fresh tensor
-_EXP = re.compile(r"^torch\.exp\((_[sa]\d+)\)$")
-_DETACH = re.compile(r"^(\s+_s\d+) = (_s\d+)\.detach\(\)$")
-
-
-def exp_in_place(lines: list[str]) -> list[str]:
-    """torch.exp(t) -> t.exp_() where t is a temporary that only this exp reads and that a sum,
-    difference or product made (fresh memory, and an op whose backward does not keep its
-    output: autograd holds), one allocation less per exp (RWKV-4's stabilized loop has four
-    per token: ~4% of its prefill at B = 8, bench/decode_cpu)."""
-    made = {m.group(2) for m in map(_ASSIGN.match, lines) if m and _ARITHMETIC.match(m.group(3))}
-    text = "\n".join(lines)
-    out = []
-    for line in lines:
-        m = _ASSIGN.match(line)
-        e = _EXP.match(m.group(3)) if m else None
-        if e and e.group(1) in made and len(re.findall(rf"\b{e.group(1)}\b", text)) == 2:
-            line = f"{m.group(1)}{m.group(2)} = {e.group(1)}.exp_()"
-        out.append(line)
-    return out
+    return "\n".join(_used(lines + _head_line(body, 2), body) + loads + body + [ret])
 
 
 def _used(loads: list[str], body: list[str]) -> list[str]:
@@ -506,6 +480,9 @@ class LoopEmitter(StepEmitter):
 
     def __init__(self, mixer, outer: StepEmitter, env, scalars):
         super().__init__(mixer, env, scalars, indent=I2, prefix="_s", lead=2)
+        # a held-constant value needs no detach() where no graph is recorded (_rows: the
+        # driver's output buffer, given without autograd)
+        self.calls = {"detach": "({x}.detach() if _rows is None else {x})"}
         self.outer = outer
         self.slices: list[str] = []                 # the statements before the loop that slice
         self.sliced: dict[str, str] = {}            # outer variable -> its slices' name
@@ -540,19 +517,13 @@ def _tokens(plan: Plan) -> str:
     writer = StepWriter(plan, body_em, False)
     loads, names = _state_loads(plan, I1)
     body, out_vars, out = writer.lines(names)
-    # _out given (no autograd, _rows its rows): each token's output is written into its row of
+    # _out given (no autograd, _rows its rows): each token's output is copied into its row of
     # the caller's buffer (a list of T outputs, each fresh memory, and their stack cost more:
-    # issue 33), by the output's own op where it has an out= form, else copied; and a
-    # held-constant value needs no detach()
-    body = [_DETACH.sub(r"\1 = \2.detach() if _rows is None else \2", x) for x in body]
-    body, written = _output_into_row(body, out, body_em, _reads(m.output.expr, {"input", "state"}, prev=True))
+    # issue 33)
     loop = [f"{I1}_outs = []", f"{I1}_rows = _out.unbind(1) if _out is not None else None",
             f"{I1}for _i in range(_T):"] + body
-    if written:
-        loop += [f"{I2}if _rows is None:", f"{I2}    _outs.append({out})"]
-    else:
-        loop += [f"{I2}if _rows is None:", f"{I2}    _outs.append({out})", f"{I2}else:",
-                 f"{I2}    _rows[_i].copy_({out})"]
+    loop += [f"{I2}if _rows is None:", f"{I2}    _outs.append({out})", f"{I2}else:",
+             f"{I2}    _rows[_i].copy_({out})"]
     loop += [f"{I2}{names[d.name]} = {out_vars[d.name]}" for d in m.states if out_vars[d.name] != names[d.name]]
     want = canon(m.dim_names, m.output.expr.shape)
     sizes = ", ".join(f"_sizes[{d!r}]" for d in want)
@@ -562,33 +533,7 @@ def _tokens(plan: Plan) -> str:
            f"{I1}return _o, {_state_dict(plan, names)}"]
     # `head` may reach the loop only through a slice of it (_u = _head[:, 0]) or the body
     head = _head_line(outer.lines + body_em.slices + body, 3)
-    return "\n".join(exp_in_place(lines + head + outer.lines + body_em.slices + loads + loop + ret))
-
-
-_BINARY = re.compile(r"^([A-Za-z_][\w.\[\]()]*) ([-+*/]) ([A-Za-z_][\w.\[\]()]*)$")
-_OUT_FORMS = {"-": "torch.sub", "+": "torch.add", "*": "torch.mul", "/": "torch.div"}
-_CALL = re.compile(r"^(torch\.(?:addcmul|add|sub|mul|div|maximum|minimum|exp|sigmoid|tanh))\((.*)\)$")
-
-
-def _output_into_row(body: list[str], out: str, em, full: bool) -> tuple[list[str], bool]:
-    """The loop's output statement as `if _rows is None: out = <op> else: <op>(..., out=_rows[_i])`
-    where its op has an out= form (torch.div for /, torch.addcmul, ...), no other statement
-    reads it, and it has the row's shape (it reads an input or a state, so it has B: a value of
-    params alone would be [1, H, ...]). Returns (body, whether it was rewritten)."""
-    line = f"{I2}{out} = "
-    at = [i for i, x in enumerate(body) if x.startswith(line)]
-    if not full or len(at) != 1 or sum(len(re.findall(rf"\b{out}\b", x)) for x in body) != 1:
-        return body, False
-    expr = body[at[0]][len(line):]
-    b, c = _BINARY.match(expr), _CALL.match(expr)
-    if b and not any(em.is_scalar(x.split(".")[0]) for x in (b.group(1), b.group(3))):
-        into = f"{_OUT_FORMS[b.group(2)]}({b.group(1)}, {b.group(3)}, out=_rows[_i])"
-    elif c:
-        into = f"{c.group(1)}({c.group(2)}, out=_rows[_i])"
-    else:
-        return body, False
-    rewritten = [f"{I2}if _rows is None:", f"{I2}    {out} = {expr}", f"{I2}else:", f"{I2}    {into}"]
-    return body[:at[0]] + rewritten + body[at[0] + 1:], True
+    return "\n".join(lines + head + outer.lines + body_em.slices + loads + loop + ret)
 
 
 def torch_step_hooks(plan: Plan) -> dict:
