@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from . import ir, scalar
 from .errors import did_you_mean
+from .range_check import syntax_nodes
 from .parser import CondNode, ConstDeclNode, ListNode, NameNode, Node
 
 MAX_CONST_VALUES = 4096     # a const is small: one-hot mixing weights, a few per-channel constants
@@ -83,7 +84,7 @@ class ConstChecks:
 
     def number(self, name: str, node: Node) -> float:
         """An element: a number expression of constants (1 / 16, 2 ** -5, exp(-1))."""
-        for part in _syntax_nodes(node):
+        for part in syntax_nodes(node):
             ref = part.name if isinstance(part, NameNode) else part.flag if isinstance(part, CondNode) else None
             if ref is not None:
                 kind = self.c.declared_at.get(ref, (None, None))[1]
@@ -102,14 +103,3 @@ class ConstChecks:
             raise self.c.error(f"'{name}' is a const (line {line}): its values are fixed by the spec and cannot be "
                                "updated; declare a state to carry values from token to token", span)
 
-
-def _syntax_nodes(node: Node):
-    """node and every syntax node below it."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        for value in vars(n).values():
-            for x in (value if isinstance(value, tuple) else (value,)):
-                if isinstance(x, Node):
-                    stack.append(x)

@@ -41,7 +41,7 @@ class RangeChecks:
             return float("inf")
         if isinstance(node, UnaryNode) and isinstance(node.x, NameNode) and node.x.name == "inf":
             return float("-inf")
-        for part in _syntax_nodes(node):
+        for part in syntax_nodes(node):
             name = part.name if isinstance(part, NameNode) else part.flag if isinstance(part, CondNode) else None
             if name is not None:
                 raise self.c.error(f"the ends of a range are numbers (or -inf, inf), but '{name}' is not a number",
@@ -53,7 +53,7 @@ class RangeChecks:
             raise self.c.error("the ends of a range are numbers (or -inf, inf)", node.span) from None
 
 
-def _syntax_nodes(node: Node):
+def syntax_nodes(node: Node):
     """node and every syntax node below it."""
     stack = [node]
     while stack:

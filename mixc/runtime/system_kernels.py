@@ -156,6 +156,18 @@ def _bad_rows(la, ld, c, W, U0, U1, K0, K1, V0, V1):
 
 
 @triton.jit
+def _zero_rows(bad, la, ld, c, W, U0, U1, K0, K1, V0, V1):
+    """The pieces with a bad token's rows zeroed (_bad_rows), for the forward and its adjoint alike
+    (the tests on the int rows, broadcast first: a broadcast i1 block cannot pass through shared
+    memory on sm_90)."""
+    return (tl.where(bad == 0, la, 0.0), tl.where(bad == 0, ld, 0.0), tl.where(bad == 0, c, 0.0),
+            tl.where(bad[:, None] == 0, W, 0.0), tl.where(bad[:, None] == 0, U0, 0.0),
+            tl.where(bad[:, None] == 0, U1, 0.0), tl.where(bad[:, None] == 0, K0, 0.0),
+            tl.where(bad[:, None] == 0, K1, 0.0), tl.where(bad[:, None] == 0, V0, 0.0),
+            tl.where(bad[:, None] == 0, V1, 0.0))
+
+
+@triton.jit
 def system_chunk_fwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p_q,
                      p_init0, p_init1, p_out, p_final0, p_final1, p_ck0, p_ck1, p_cu,
                      H, KF, VF,
@@ -207,17 +219,7 @@ def system_chunk_fwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p
         V0 = tl.load(p_v0 + vv, mask=mcv, other=0.0).to(tl.float32)
         V1 = tl.load(p_v1 + vv, mask=mcv, other=0.0).to(tl.float32)
         bad = _bad_rows(la, ld, c, W, U0, U1, K0, K1, V0, V1)                      # [C] (_bad_rows)
-        # (the tests on the int rows, broadcast first: a broadcast i1 block cannot pass through shared memory)
-        la = tl.where(bad == 0, la, 0.0)
-        ld = tl.where(bad == 0, ld, 0.0)
-        c = tl.where(bad == 0, c, 0.0)
-        W = tl.where(bad[:, None] == 0, W, 0.0)
-        U0 = tl.where(bad[:, None] == 0, U0, 0.0)
-        U1 = tl.where(bad[:, None] == 0, U1, 0.0)
-        K0 = tl.where(bad[:, None] == 0, K0, 0.0)
-        K1 = tl.where(bad[:, None] == 0, K1, 0.0)
-        V0 = tl.where(bad[:, None] == 0, V0, 0.0)
-        V1 = tl.where(bad[:, None] == 0, V1, 0.0)
+        la, ld, c, W, U0, U1, K0, K1, V0, V1 = _zero_rows(bad, la, ld, c, W, U0, U1, K0, K1, V0, V1)
         (Pin00, Pin11, Pin10, Pex00, Pex11, Pex10, p0in00, p0in11, p0in10, p0ex00, p0ex11, p0ex10,
          last00, last11, last10, pl00, pl11, pl10, A, G, Ap, Gp, Al, Gl, cP, cp) = _gate_products(la, ld, c, offs, C, DOT)
         # the read row of the products: X* = X0 reads P00 (and no P01); X* = X1 reads P10, P11
@@ -332,17 +334,7 @@ def system_chunk_bwd(p_la, p_c, p_ld, p_w, p_u0, p_u1, p_k0, p_v0, p_k1, p_v1, p
         V0 = tl.load(p_v0 + vv, mask=mcv, other=0.0).to(tl.float32)
         V1 = tl.load(p_v1 + vv, mask=mcv, other=0.0).to(tl.float32)
         bad = _bad_rows(la, ld, c, W, U0, U1, K0, K1, V0, V1)                      # [C] (_bad_rows)
-        # (the tests on the int rows, broadcast first: a broadcast i1 block cannot pass through shared memory)
-        la = tl.where(bad == 0, la, 0.0)
-        ld = tl.where(bad == 0, ld, 0.0)
-        c = tl.where(bad == 0, c, 0.0)
-        W = tl.where(bad[:, None] == 0, W, 0.0)
-        U0 = tl.where(bad[:, None] == 0, U0, 0.0)
-        U1 = tl.where(bad[:, None] == 0, U1, 0.0)
-        K0 = tl.where(bad[:, None] == 0, K0, 0.0)
-        K1 = tl.where(bad[:, None] == 0, K1, 0.0)
-        V0 = tl.where(bad[:, None] == 0, V0, 0.0)
-        V1 = tl.where(bad[:, None] == 0, V1, 0.0)
+        la, ld, c, W, U0, U1, K0, K1, V0, V1 = _zero_rows(bad, la, ld, c, W, U0, U1, K0, K1, V0, V1)
         # the forward's NaN rows and NaN end states were filled, not computed: no gradient flows back
         # through them (as through the torch form's masked_fill); dO's rows masked in its load (a
         # select of [C, V] on i1 fails sm_90's compile: an i1 block in shared memory)
