@@ -94,7 +94,7 @@ def chunk_supported(plan) -> str | None:
             if t.proj is None and st.key_dims:
                 return (f"the output reads state {r.state} whole in one place and contracting {keys} in another; "
                         "the chunked kernels contract the same key dims in every read of a state")
-    return negative_decay(plan)        # tanh(g): no real log (decay_sign.py)
+    return scale_outside_values(plan) or negative_decay(plan)        # tanh(g): no real log (decay_sign.py)
 
 
 def torch_chunk_supported(plan) -> str | None:
@@ -118,7 +118,7 @@ def torch_chunk_supported(plan) -> str | None:
         for t in r.terms_ir:
             if t.proj is None or set(t.over) != set(plan.state(r.state).key_dims):
                 return f"readout {r.name} does not contract the key dims of {r.state}"
-    return negative_decay(plan)
+    return scale_outside_values(plan) or negative_decay(plan)
 
 
 def system_chunk_supported(plan) -> str | None:
@@ -137,6 +137,21 @@ def system_chunk_supported(plan) -> str | None:
         for t in r.terms_ir:
             if t.proj is None or set(t.over) != keys:
                 return f"readout {r.name} of {r.state} does not contract the key dims {', '.join(sorted(keys))}"
+    return scale_outside_values(plan)
+
+
+def scale_outside_values(plan) -> str | None:
+    """A read of a state scaled by a value over a dim the state does not hold as a value dim
+    (`(k @ z) * sum(P, K)` with z[K]: a [V] scale of a read with no value dims): the chunked
+    forms scale each read over its state's value dims only (the readout's [C, VF] block), so
+    they refuse it and the recurrent forms, which take the output whole, serve it."""
+    for r in plan.output.readouts:
+        values = set(plan.state(r.state).value_dims)
+        for t in r.terms_ir:
+            extra = [d for d in (t.scale.shape if t.scale is not None else ()) if d not in values]
+            if extra:
+                return (f"readout {r.name} scales its read of state {r.state} by a value over "
+                        f"{', '.join(extra)}, which {r.state} does not hold as a value dim")
     return None
 
 
