@@ -109,8 +109,9 @@ class TransitionClass:
     # owns what every class shares (the chunk's rows, the cumulative log decay b_<S> and its
     # resets, the stabilizer, fresh names, the gradient lists G) and hands out the builders and
     # macros (code.macros(unit)). `parts` is a state's (K, V, g, kd, vd): its key and value matrices
-    # [C, KF], [C, VF], its log decay and its flat key and value axes. The defaults are the
-    # diagonal decays' (key- and value-diagonal): the others override what differs.
+    # [C, KF], [C, VF], its log decay and its flat key and value axes. The defaults render the
+    # template's macros of those names (readout, advance, readout_backward, advance_backward) for
+    # a class that has one; a class that builds its stages overrides all four.
     compensated_sum: bool = False          # its macros take b as hi + lo (ChunkCode.compensated)
     # its readout's intra-chunk matrix [C, C] is staged: the forward's intra kernel computes it once
     # per chunk into p_intra, the output kernel (every tile block) reads it (ChunkCode.intra_slot)

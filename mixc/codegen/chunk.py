@@ -357,7 +357,7 @@ class ChunkCode:
         if self.staged and any(role == "V" for role, _ in parts) and len(parts) > 1:
             # the intra kernel (the intra-chunk matrices of every tile block at once) zeroes the
             # keys that are not finite only: one tile block's values must not zero another's
-            # keys (key_diag.j2's staged_pairs)
+            # keys (mixc/classes/key_diag.py _staged_pairs)
             keys = [c for c, (role, _) in zip(checks, parts) if role != "V"]
             values = [c for c, (role, _) in zip(checks, parts) if role == "V"]
             lines = [f"{I}_bad_{n} = {' + '.join(keys)}"]

@@ -30,7 +30,7 @@ class ChunkBackward(ChunkCode):
         self.values_apart = True
         # the staged walk reads the inverses at their places in p_intra (the forward's order:
         # ChunkCode.intra_slot); a key-diagonal readout's staged A is read by the forward's
-        # output kernel only, the backward's computes it (key_diag.j2 staged_pairs)
+        # output kernel only, the backward's computes it (mixc/classes/key_diag.py _staged_pairs)
         self.staged = self.reads_staged
         # the walk writes dL/dS only (and the initial states' gradients); the tiles kernel the
         # inputs' and params' gradients; the fused walk all of them

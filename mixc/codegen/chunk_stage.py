@@ -13,6 +13,8 @@ so Q and K are [i, K], V is [i, V], the state s_<S> [K, V] and Q K^T [i, j].
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from ..derive import plan as P
 from .chunk_ir import matrix_axes
 from .kir import build as b
@@ -29,19 +31,23 @@ class ChunkStage:
     trans = staticmethod(b.trans)           # tl.trans
     exp = staticmethod(b.exp)               # tl.exp
     where = staticmethod(b.where)           # tl.where, its operands broadcast to one block
+    maximum = staticmethod(b.maximum)       # tl.maximum
+    minimum = staticmethod(b.minimum)       # tl.minimum
     INF = INF
 
     def __init__(self, code, st: P.StatePlan):
         self.code, self.st = code, st
         kf, vf = matrix_axes(code.plan, st)
         self.axes = {"i": b.ROWS, "j": b.KEY_ROWS, "K": kf, "V": vf}
-        self.stmts: list[K.Let] = []
+        self.stmts: list[K.Stmt] = []                                        # the open block's (a loop's body inside one)
+        self.made: dict[str, tuple[K.Dims, str]] = {}                        # every name a Let of the stage made
         self.free: dict[str, tuple[K.Dims, str]] = {"DOT": ((), "i32")}      # what the stage reads, defined before it
         self.offs = self.block("_offs__T", "i", dtype="i32")                # the row index [i]
         # the pair (i, j) indices, broadcast as the kernel reads them ([i, j]: _offs__T[:, None], _offs__T[None, :])
         self.row_i = Block(K.Broadcast(self.offs.e, (b.ROWS, b.KEY_ROWS)))
         self.key_j = Block(K.Broadcast(self.at_keys(self.offs).e, (b.ROWS, b.KEY_ROWS)))
         self.n_valid = self.block("_n_valid", dtype="i32")                   # the chunk's real rows
+        self.rows_block = self.block("_BLOCK__T", dtype="i32")               # C, the chunk's block of rows
 
     # ---- names ----
     def block(self, x: str, *axes: str, dtype: str = "f32") -> Block:
@@ -49,11 +55,10 @@ class ChunkStage:
         chunk's), with its axes by letter."""
         assert x.isidentifier(), f"{x!r}: a chunk stage reads names, not text"
         dims = tuple(self.axes[a] for a in axes)
-        let = next((s for s in self.stmts if s.name == x), None)         # a name the stage made
-        have = self.free.get(x) if let is None else (let.dims, let.dtype)
+        have = self.made.get(x, self.free.get(x))
         if have is not None and have != (dims, dtype):
             raise verify.KirError(f"{x} is read as [{', '.join(dims)}], elsewhere as [{', '.join(have[0])}]")
-        if let is None:
+        if x not in self.made:
             self.free[x] = (dims, dtype)
         return Block(K.Name(x, dims))
 
@@ -93,8 +98,84 @@ class ChunkStage:
         if value.dims != want:
             raise verify.KirError(f"{x} = {printer.expr(value)[:80]}: a block [{', '.join(value.dims)}], "
                                   f"the stage makes [{', '.join(want)}]")
-        self.stmts.append(b.let(x, value))
+        dtype = K.dtype_of(value, lambda n: self.made.get(n, self.free.get(n, (None, None)))[1]) or "f32"
+        self.stmts.append(b.let(x, value, dtype))
+        self.made[x] = (value.dims, dtype)
         return Block(K.Name(x, value.dims))
+
+    def acc(self, x: Block, value) -> None:
+        """x += value (x made before, value of its axes): a sum a loop carries."""
+        assert isinstance(x.e, K.Name), f"{x!r}: only a name is added into"
+        value = b.lift(value)
+        if value.dims != x.dims:
+            raise verify.KirError(f"{x.e.id} += {printer.expr(value)[:80]}: a block [{', '.join(value.dims)}] "
+                                  f"into [{', '.join(x.dims)}]")
+        self.stmts.append(K.Acc(x.e.id, value))
+
+    @contextmanager
+    def loop(self, var: str, start, stop, static: bool = False):
+        """for var in range(start, stop) (tl.static_range where static): the statements made
+        inside the `with` are its body; yields the loop variable."""
+        start, stop = b.lift(start), b.lift(stop)
+        look = lambda n: self.made.get(n, self.free.get(n, (None, None)))[1]       # noqa: E731
+        self.made[var] = ((), K.dtype_of(K.BinOp("+", start, stop), look) or "i64")   # as the verifier types it
+        outer, self.stmts = self.stmts, []
+        try:
+            yield Block(K.Name(var))
+        finally:
+            body, self.stmts = tuple(self.stmts), outer
+        self.stmts.append(K.For(var, start, stop, body, static))
+
+    @staticmethod
+    def broadcast_rows(x: Block) -> Block:
+        """A row vector [i] indexed to the pairs [i, j] (x[:, None]), before arithmetic on it."""
+        return Block(K.Broadcast(x.e, (b.ROWS, b.KEY_ROWS)))
+
+    def zeros(self, *axes: str) -> Block:
+        """tl.zeros of these axes (by letter)."""
+        return Block(K.Zeros(tuple(self.axes[a] for a in axes)))
+
+    def store(self, ptr: Block, value, mask) -> None:
+        """tl.store(ptr, value, mask=mask): ptr a block of addresses of value's axes."""
+        value, mask = b.broadcast(value, mask)
+        self.stmts.append(K.Store(ptr.e, (), value, mask))
+
+    @staticmethod
+    def load(ptr: Block, mask, other: float = 0.0) -> Block:
+        """tl.load(ptr, mask=mask, other=other).to(tl.float32): ptr a block of addresses."""
+        mask = K.Broadcast(b.lift(mask), ptr.dims) if b.lift(mask).dims != ptr.dims else b.lift(mask)
+        return Block(K.Cast(K.Load(ptr.e, (), mask, b.num(other)), K.Const("tl.float32")))
+
+    @staticmethod
+    def cast_to_element(x: Block, ptr: Block) -> Block:
+        """x.to(ptr.dtype.element_ty): x in the dtype a buffer holds."""
+        return Block(K.Cast(x.e, K.ElementType(ptr.e)))
+
+    # ---- blocks shaped at run time like another (they follow a key split's block: kir.ZerosLike) ----
+    @staticmethod
+    def zeros_like(x: Block) -> Block:
+        """tl.zeros(x.shape, dtype=tl.float32)."""
+        return Block(K.ZerosLike(x.e))
+
+    @staticmethod
+    def row_index(index, like: Block) -> Block:
+        """A row index [i] materialized to the shape of `like` [i, d] (tl.broadcast_to)."""
+        index = b.lift(index)
+        return Block(K.BroadcastTo(K.Broadcast(index, like.dims) if index.dims != like.dims else index, like.e))
+
+    @staticmethod
+    def gather_rows(x: Block, index: Block) -> Block:
+        """x [i, d] with row i taken from row index[i, :] (tl.gather along the rows)."""
+        return Block(K.Gather(x.e, index.e, 0))
+
+    def rows_at(self, x: Block, index) -> Block:
+        """x [i, d] with row i taken from row index[i] of a row vector index [i]."""
+        return self.gather_rows(x, self.row_index(index, x))
+
+    @staticmethod
+    def subchunk_sum(x, like: Block, size: int = 16) -> Block:
+        """x [i, d] summed over each sub-chunk of `size` rows, the sum in each of its rows."""
+        return Block(K.SubchunkSum(b.lift(x), like.e, size))
 
     # ---- the chunk's log weights (ChunkCode's), as blocks ----
     def _logs(self, x, *axes: str):

@@ -103,7 +103,7 @@ def test_the_prefix_sums_readout_prints_the_triton_it_is():
         "_r = _mixc_dot(_q, s_S, DOT) + _mixc_dot(_A, _Vc_S, DOT)"]
 
 
-@pytest.mark.parametrize("spec", ["simple_gla", "mlstm", "hgrn", "linear_attn"])
+@pytest.mark.parametrize("spec", ["simple_gla", "mlstm", "hgrn", "linear_attn", "gla", "rwkv6"])
 def test_every_stage_of_a_class_built_as_ir_is_valid_triton(spec):
     """Each hook of the class (forward and backward) gives lines that parse as Python, named in
     the generated kernel by the class's module, not a template."""
@@ -122,3 +122,72 @@ def test_a_name_the_stage_made_is_read_with_the_dims_it_made():
     assert k.block("_x", "i", "V").dims == ("_T", "V")
     with pytest.raises(KirError, match=r"_x is read as \[_T, K\], elsewhere as \[_T, V\]"):
         k.block("_x", "i", "K")
+
+
+# ---- the key-diagonal decay's pieces: loops, sums into a name, blocks shaped at run time ----
+
+def test_a_loop_carries_a_sum_into_a_name_made_before_it():
+    code, st = _code("gla")
+    k = code.builder(st)
+    Q = k.block("_q", "i", "K")
+    A = k.let("_A", k.zeros("i", "j"), "i", "j")
+    with k.loop("_I", 1, k.rows_block // 16, static=True) as I:
+        lq = k.let("_lq", k.where((k.offs // 16).eq(I), Q, 0.0), "i", "K")
+        k.acc(A, k.dot(lq, k.trans(k.at_keys(Q))))
+    assert [x.strip() for x in k.lines()] == [
+        "_A = tl.zeros([_BLOCK__T, _BLOCK__T], dtype=tl.float32)",
+        "for _I in tl.static_range(1, _BLOCK__T // 16):",
+        "_lq = tl.where((_offs__T // 16 == _I)[:, None], _q, 0.0)",
+        "_A += _mixc_dot(_lq, tl.trans(_q), DOT)"]
+    k = code.builder(st)
+    A = k.let("_A", k.zeros("i", "j"), "i", "j")
+    with pytest.raises(KirError, match=r"\[_T, K\] into \[_T, _T'\]"):
+        k.acc(A, k.block("_q", "i", "K"))
+    with pytest.raises(KirError, match="adds into _B, which nothing defines before it"):
+        verify_block([K.Acc("_B", K.Num(1.0))], {})
+    k = code.builder(st)
+    with k.loop("_jj", 0, 16):
+        k.let("_x", k.block("_q", "i", "K"), "i", "K")
+    k.let("_y", k.block("_x", "i", "K"), "i", "K")            # made inside the loop, read after it
+    with pytest.raises(KirError, match="reads _x, defined inside the loop over _jj"):
+        k.lines()
+
+
+def test_blocks_shaped_like_another_follow_its_shape_at_run_time():
+    """The key split shrinks the key dim's block: zeros, gathers and sub-chunk sums over it read
+    the shape of a block (x.shape), never _BLOCK_K."""
+    code, st = _code("gla")
+    k = code.builder(st)
+    Kc, V = k.block("_k", "i", "K"), k.block("_v", "i", "V")
+    above = k.maximum(k.offs - 1, 0)
+    k.let("_z", k.zeros_like(Kc), "i", "K")
+    k.let("_Vx", k.rows_at(V, above), "i", "V")
+    k.let("_s", k.subchunk_sum(Kc * 2.0, Kc), "i", "K")
+    assert [x.strip() for x in k.lines()] == [
+        "_z = tl.zeros(_k.shape, dtype=tl.float32)",
+        "_Vx = tl.gather(_v, tl.broadcast_to(tl.maximum(_offs__T - 1, 0)[:, None], _v.shape), 0)",
+        "_s = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(_k * 2.0, [_BLOCK__T // 16, 16, _k.shape[1]]), "
+        "axis=1)[:, None, :], [_BLOCK__T // 16, 16, _k.shape[1]]), _k.shape)"]
+    defined = {"_k": ((I, "K"), "f32"), "_v": ((I, "V"), "f32"), "_i": ((I, "K"), "i32"), "_BLOCK__T": ((), "i32")}
+    with pytest.raises(KirError, match=r"gathers \[_T, V\] along axis 0 at an index of \[_T, K\]"):
+        verify_block([K.Let("_x", K.Gather(K.Name("_v", (I, "V")), K.Name("_i", (I, "K")), 0), (I, "V"))], defined)
+    with pytest.raises(KirError, match=r"sums the sub-chunks of \[_T, V\] shaped as _k \[_T, K\]"):
+        verify_block([K.Let("_x", K.SubchunkSum(K.Name("_v", (I, "V")), K.Name("_k", (I, "K")), 16), (I, "K"))], defined)
+
+
+def test_the_staged_intra_matrix_is_stored_by_the_intra_kernel_and_loaded_by_the_staged_output():
+    plan = pipeline.compile("gla")
+    st = plan.states[0]
+    unit = classes.unit(st.transition)
+    lines = {}
+    for stage, staged in (("intra", False), ("output", True), ("output", False)):
+        code = ChunkCode(plan, stage, staged)
+        code.forward_body()
+        code.staged = True
+        lines[stage, staged] = [x.strip() for x in unit.chunk_readout(code, st, "_r", "_q", "_k", "_v", prev=False)]
+    address = "_pA = p_intra + (_rows[:, None] * H + i_h) * _BLOCK__T + _offs__T[None, :]"
+    assert address in lines["intra", False] and address in lines["output", True]
+    assert "tl.store(_pA, _A.to(p_intra.dtype.element_ty), mask=_mask__T[:, None])" in lines["intra", False]
+    assert "_A = tl.load(_pA, mask=_mask__T[:, None], other=0.0).to(tl.float32)" in lines["output", True]
+    assert not any("for _I" in x for x in lines["output", True])           # read, not computed
+    assert any("for _I" in x for x in lines["output", False]) and not any("_pA" in x for x in lines["output", False])

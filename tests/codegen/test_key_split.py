@@ -93,7 +93,7 @@ def test_gla_intra_kernel_sums_A_over_the_key_blocks():
     before, loop, after = _parts(branch)
     assert "_A = tl.zeros([_BLOCK__T, _BLOCK__T]" in before
     for x in ("v_q = tl.load(p_q", "v_k = tl.load(p_k", "v_g = tl.load(p_g", "for _I in tl.static_range",
-              "for _jj in range(16)", "_offs_K__2 = _kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK)"):
+              "for _jj in range(0, 16)", "_offs_K__2 = _kb * KEY_BLOCK + tl.arange(0, KEY_BLOCK)"):
         assert x in loop, x
     assert "_A += tl.where(" in loop and "_A += _mixc_dot(" in loop
     assert "tl.store(p_intra" not in loop and "tl.store(_pA, _A" in after

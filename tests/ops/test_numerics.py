@@ -258,7 +258,7 @@ def test_a_negative_decay_runs_the_recurrence_or_is_refused_at_its_line(kind, tm
 @pytest.mark.parametrize("chunk", [32, 64])
 @pytest.mark.parametrize("name", ["gla", "rwkv6"])
 def test_key_diagonal_sub_chunks_with_resets_and_strong_decay(name, chunk, low):
-    """The key-diagonal class's chunk in sub-chunks of 16 (key_diag.j2: below the diagonal
+    """The key-diagonal class's chunk in sub-chunks of 16 (mixc/classes/key_diag.py: below the diagonal
     matmuls through a reference row, the diagonal sub-blocks elementwise; rwkv6 reads S_{t-1},
     its keys moved a row): B1-T100-H2-K8, log decays in [low - 0.5, low] per key, resets (a
     decay of 0) on both sides of sub-chunk and chunk borders and on one key alone. Output,

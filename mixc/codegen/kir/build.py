@@ -141,6 +141,12 @@ class Block:
     def __truediv__(self, o):
         return _binary("/", self, o)
 
+    def __floordiv__(self, o):
+        return _binary("//", self, o)
+
+    def __mod__(self, o):
+        return _binary("%", self, o)
+
     def __and__(self, o):
         return _binary("&", self, o)
 
@@ -183,6 +189,14 @@ def exp(x) -> Block:
 
 def where(cond, a, b) -> Block:
     return Block(K.Call("tl.where", tuple(broadcast(cond, a, b))))
+
+
+def maximum(a, b) -> Block:
+    return Block(K.Call("tl.maximum", tuple(broadcast(a, b))))
+
+
+def minimum(a, b) -> Block:
+    return Block(K.Call("tl.minimum", tuple(broadcast(a, b))))
 
 
 def sum(x, over: str | None = None) -> Block:     # noqa: A001 (tl.sum)

@@ -317,6 +317,70 @@ class Template(Expr):
         return tuple(a for _, a in self.args)
 
 
+# ---- blocks shaped at run time like another (`like.shape`): a block over the key dim of a
+# chunked kernel keeps its shape when a key split (codegen/key_split.py) shrinks that dim's block
+
+@dataclass(frozen=True)
+class ZerosLike(Expr):
+    """tl.zeros(like.shape, dtype=tl.float32): zeros shaped as the block `like` (a name)."""
+    like: Name
+
+    @property
+    def dims(self) -> Dims:
+        return self.like.dims
+
+    def children(self):
+        return (self.like,)
+
+
+@dataclass(frozen=True)
+class BroadcastTo(Expr):
+    """tl.broadcast_to(x, like.shape): x (indexed with None to like's dims) materialized."""
+    x: Expr
+    like: Name
+
+    @property
+    def dims(self) -> Dims:
+        return self.like.dims
+
+    def children(self):
+        return (self.x, self.like)
+
+
+@dataclass(frozen=True)
+class Gather(Expr):
+    """tl.gather(x, index, axis): x's elements at `index` (of x's dims) along one axis."""
+    x: Expr
+    index: Expr
+    axis: int
+
+    @property
+    def dims(self) -> Dims:
+        return self.x.dims
+
+    def children(self):
+        return (self.x, self.index)
+
+
+@dataclass(frozen=True)
+class SubchunkSum(Expr):
+    """x [rows, d] summed over each run of `size` rows (a sub-chunk), the sum in every row of
+    it: reshaped to [_BLOCK__T // size, size, like.shape[1]], summed, broadcast back."""
+    x: Expr
+    like: Name
+    size: int
+
+    @property
+    def dims(self) -> Dims:
+        return self.like.dims
+
+    def children(self):
+        return (self.x, self.like)
+
+    def uses(self):
+        return ("_BLOCK__T",)
+
+
 @dataclass(frozen=True)
 class Load(Expr):
     """tl.load(ptr + offsets[0] + offsets[1] ..., mask=mask, other=other): the offsets added to
@@ -329,7 +393,8 @@ class Load(Expr):
 
     @property
     def dims(self) -> Dims:
-        return next((o.dims for o in self.offsets if o.dims), ())
+        # a pointer block (ptr itself [i, j]: a Let of addresses) or its offsets' block
+        return next((o.dims for o in (self.ptr, *self.offsets) if o.dims), ())
 
     def children(self):
         return tuple(x for x in (self.ptr, *self.offsets, self.mask, self.other) if x is not None)
@@ -353,6 +418,14 @@ class Let(Stmt):
 
 
 @dataclass(frozen=True)
+class Acc(Stmt):
+    """name += value: a sum carried by a loop (the key-diagonal decay's sub-blocks into A); name
+    is defined before, with value's dims."""
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
 class Store(Stmt):
     """tl.store(ptr + offsets[0] + ..., value, mask=mask) (the offsets as a Load's)."""
     ptr: Name
@@ -369,11 +442,13 @@ class Do(Stmt):
 
 @dataclass(frozen=True)
 class For(Stmt):
-    """for var in range(start, stop): body. What the body defines stays in it."""
+    """for var in range(start, stop): body (tl.static_range: unrolled where static). What the
+    body defines stays in it."""
     var: str
     start: Expr
     stop: Expr
     body: tuple[Stmt, ...]
+    static: bool = False
 
 
 @dataclass(frozen=True)
@@ -457,7 +532,7 @@ def walk_stmts(stmts):
 
 def stmt_exprs(s: Stmt) -> tuple[Expr, ...]:
     """The expressions a statement reads itself (not those of the statements it holds)."""
-    if isinstance(s, Let):
+    if isinstance(s, (Let, Acc)):
         return (s.value,)
     if isinstance(s, Store):
         return tuple(x for x in (s.ptr, *s.offsets, s.value, s.mask) if x is not None)
@@ -480,6 +555,8 @@ _FLOAT_FNS = ("tl.exp", "tl.log", "tl.sqrt", "tl.sigmoid", "tl.erf", "tl.floor")
 def _promote(*dts: str | None) -> str | None:
     if any(d is None for d in dts):
         return None
+    if "ptr" in dts:                # a pointer plus offsets: addresses
+        return "ptr"
     return max(dts, key=_ORDER.index)
 
 
@@ -503,8 +580,10 @@ def dtype_of(e: Expr, names) -> str | None:
         return "f32"
     if isinstance(e, Dot):
         return "f32"
-    if isinstance(e, (Neg, Broadcast, Permute, Reduce, Trans)):
+    if isinstance(e, (Neg, Broadcast, Permute, Reduce, Trans, BroadcastTo, Gather, SubchunkSum)):
         return dtype_of(e.x, names)
+    if isinstance(e, ZerosLike):
+        return "f32"
     if isinstance(e, Cast):
         return _CASTS.get(e.to.text) if isinstance(e.to, Const) else None
     if isinstance(e, BinOp):

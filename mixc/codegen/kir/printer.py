@@ -93,6 +93,16 @@ def expr(e: n.Expr) -> str:
         return f"{e.fn}({', '.join(expr(a) for a in e.args)})"
     if isinstance(e, n.Template):
         return e.text.format(**{k: _paren(v, ATOM) for k, v in e.args})
+    if isinstance(e, n.ZerosLike):
+        return f"tl.zeros({expr(e.like)}.shape, dtype=tl.float32)"
+    if isinstance(e, n.BroadcastTo):
+        return f"tl.broadcast_to({expr(e.x)}, {expr(e.like)}.shape)"
+    if isinstance(e, n.Gather):
+        return f"tl.gather({expr(e.x)}, {expr(e.index)}, {e.axis})"
+    if isinstance(e, n.SubchunkSum):
+        runs = f"[_BLOCK__T // {e.size}, {e.size}, {expr(e.like)}.shape[1]]"
+        return (f"tl.reshape(tl.broadcast_to(tl.sum(tl.reshape({expr(e.x)}, {runs}), axis=1)[:, None, :], "
+                f"{runs}), {expr(e.like)}.shape)")
     if isinstance(e, n.Load):
         text = f"tl.load({_address(e.ptr, e.offsets)}"
         if e.mask is not None:
@@ -125,6 +135,8 @@ def stmt(s: n.Stmt, indent: str = "", comments: bool = True) -> list[str]:
             if note:
                 line += f"  # {note}"
         return [line]
+    if isinstance(s, n.Acc):
+        return [f"{indent}{s.name} += {expr(s.value)}"]
     if isinstance(s, n.Store):
         line = f"{indent}tl.store({_address(s.ptr, s.offsets)}, {expr(s.value)}"
         return [line + (f", mask={expr(s.mask)})" if s.mask is not None else ")")]
@@ -135,7 +147,8 @@ def stmt(s: n.Stmt, indent: str = "", comments: bool = True) -> list[str]:
     if isinstance(s, n.Text):
         return [f"{indent}{line}" if line.strip() else "" for line in s.lines]
     if isinstance(s, n.For):
-        head = f"{indent}for {s.var} in range({expr(s.start)}, {expr(s.stop)}):"
+        loop = "tl.static_range" if s.static else "range"
+        head = f"{indent}for {s.var} in {loop}({expr(s.start)}, {expr(s.stop)}):"
         return [head] + block(s.body, indent + INDENT, comments)
     if isinstance(s, n.If):
         lines = [f"{indent}if {expr(s.cond)}:"] + block(s.body, indent + INDENT, comments)

@@ -8,7 +8,8 @@
             elementwise op (and a tl function's, a load's mask) have the same dims or none
             (broadcasting by name is an explicit Broadcast, to dims that keep the operand's
             order); a reduction's dim is one of its operand's; a Let's value has its dims;
-  re-assign a second Let of a name (a loop-carried state) keeps its dims and dtype;
+  re-assign a second Let of a name (a loop-carried state) keeps its dims and dtype; a sum
+            into a name (Acc, +=) adds a value of its dims;
   dtypes    a Let's dtype is its value's (Triton's promotion: i1 < i32 < i64 < f32; comparisons
             i1, `/` and the float functions f32, a cast its target) where that is known;
   control   loop bounds and If conditions are scalars.
@@ -73,6 +74,15 @@ def _check_expr(e: n.Expr, scope: _Scope, where: str) -> None:
                                "(wants [m, c] @ [c, n], m and n apart)")
         elif isinstance(x, n.Trans) and len(x.x.dims) != 2:
             raise KirError(f"{where}: transposes [{', '.join(x.x.dims)}], not a matrix")
+        elif isinstance(x, n.BroadcastTo) and not _is_subsequence(x.x.dims, x.like.dims):
+            raise KirError(f"{where}: broadcasts [{', '.join(x.x.dims)}] to the shape of "
+                           f"{x.like.id} [{', '.join(x.like.dims)}]")
+        elif isinstance(x, n.Gather) and (x.index.dims != x.x.dims or not 0 <= x.axis < len(x.x.dims)):
+            raise KirError(f"{where}: gathers [{', '.join(x.x.dims)}] along axis {x.axis} "
+                           f"at an index of [{', '.join(x.index.dims)}]")
+        elif isinstance(x, n.SubchunkSum) and (x.x.dims != x.like.dims or len(x.x.dims) != 2):
+            raise KirError(f"{where}: sums the sub-chunks of [{', '.join(x.x.dims)}] "
+                           f"shaped as {x.like.id} [{', '.join(x.like.dims)}]")
         elif isinstance(x, n.Load):
             _same(where, "a load's offsets and mask", tuple(m for m in (*x.offsets, x.mask) if m is not None))
 
@@ -118,6 +128,12 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
                 new[s.name] = (s.dims, s.dtype)
                 scope.visible[s.name] = (s.dims, s.dtype)
                 scope.closed.pop(s.name, None)
+        elif isinstance(s, n.Acc):
+            if s.name not in scope.visible:
+                raise KirError(f"{where}: adds into {s.name}, which nothing defines before it")
+            if scope.visible[s.name][0] != s.value.dims:
+                raise KirError(f"{where}: adds [{', '.join(s.value.dims)}] into {s.name} "
+                               f"[{', '.join(scope.visible[s.name][0])}]")
         elif isinstance(s, n.Store):
             _same(where, "a store's offsets, value and mask",
                   tuple(x for x in (*s.offsets, s.value, s.mask) if x is not None))
