@@ -161,12 +161,8 @@ class KeyDiagonal(TransitionClass):
         stage = k.code.kernel_stage
         if slot is None or not (stage == "intra" or (stage == "output" and k.code.reads_staged)):
             return self._pairs(k, Q, K, bh, bc, z)
-        rows = k.broadcast_rows(k.block("_rows", "i", dtype="i32"))
-        row = rows * k.block("H", dtype="i32") + k.block("i_h", dtype="i32")
-        if slot.count != 1:
-            row = row * slot.count + slot.index
         p_intra = k.block("p_intra", dtype="ptr")
-        pA = k.let("_pA", p_intra + row * k.rows_block + k.at_keys(k.offs), "i", "j")     # row i of the chunk's A
+        pA = k.let("_pA", k.intra_address(slot), "i", "j")          # row i of the chunk's A
         mask = k.block("_mask__T", "i", dtype="i1")
         if stage == "output":
             return k.let("_A", k.load(pA, mask), "i", "j")

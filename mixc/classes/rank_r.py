@@ -54,7 +54,7 @@ class RankR(TransitionClass):
                 "sum_m (K_m * exp(b_C - b))^T V_m; the torch backend runs this chunked form (mode='torch')"]
 
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    # rank_r.j2, its macros in two variants as rank1.j2's: vector, a scalar decay (DeltaProduct's),
+    # rank_r.j2, its macros in two variants as rank1.py's stages: vector, a scalar decay (DeltaProduct's),
     # else per key. code.extra[S] holds the state's own matrices (sanitized): L<i>, R<i> for the
     # r terms (StateIR.terms) and K<m>, V<m> for B_t's m outer products (StateIR.inputs); the
     # generic K, V are None (B_t is no single outer product). The backward keeps each term's

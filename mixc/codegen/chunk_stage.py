@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from .. import classes
 from ..derive import plan as P
 from .chunk_ir import matrix_axes
 from .kir import build as b
@@ -184,9 +185,35 @@ class ChunkStage:
     def pair_ok(self, zq: str) -> Block:
         """The pairs (i, j) with no reset between them: z at the query row's read (zq) equals z
         at the key (ChunkCode.pair_ok's mask, [i, j] or [i, j, V])."""
-        axes = ("i",) if self.code.g_axes[self.st.name] == () else ("i", "V")
+        axes = ("i",) + self.decay_axes()
         z = self.block(f"_z_{self.st.name}", *axes)
         return self.block(zq, *axes).eq(self.at_keys(z))
+
+    def decay_axes(self) -> tuple[str, ...]:
+        """The letters of the chunk's log decay's axes beside its rows: () for a [C] vector
+        (a scalar decay), ("K",) per key, ("V",) per value."""
+        if not self.code.g_axes[self.st.name]:
+            return ()
+        return ("K",) if classes.unit(self.st.transition).decay_axis(self.st) == "key" else ("V",)
+
+    # ---- the helpers of the generated module (standalone: _mixc_solve_lower ...) ----
+    def solve_lower(self, M, Y) -> Block:
+        """(I - M)^-1 Y for a strictly lower triangular M [i, j] and Y [i, n], by forward
+        substitution over the rows (_mixc_solve_lower)."""
+        return Block(K.Helper("_mixc_solve_lower", (b.lift(M), b.lift(Y), self.offs.e, self.rows_block.e), 1))
+
+    def solve_upper_t(self, M, Y) -> Block:
+        """(I - M)^-T Y, by back substitution (_mixc_solve_upper_t)."""
+        return Block(K.Helper("_mixc_solve_upper_t", (b.lift(M), b.lift(Y), self.offs.e, self.rows_block.e), 1))
+
+    def intra_address(self, slot) -> Block:
+        """The addresses [i, j] of the chunk's staged [C, C] matrix at `slot` (chunk.IntraSlot) in
+        p_intra, row-major per token row ([rows, H, count, C])."""
+        row = self.broadcast_rows(self.block("_rows", "i", dtype="i32")) * self.block("H", dtype="i32") \
+            + self.block("i_h", dtype="i32")
+        if slot.count != 1:
+            row = row * slot.count + slot.index
+        return self.block("p_intra", dtype="ptr") + row * self.rows_block + self.at_keys(self.offs)
 
     def query_logs(self, prev: bool, *axes: str) -> tuple[list[str], Block, Block, Block]:
         """(lines, bq, bq0, ok) of a diagonal decay's readout ([i, axes] each): ChunkCode's

@@ -103,14 +103,16 @@ def test_the_prefix_sums_readout_prints_the_triton_it_is():
         "_r = _mixc_dot(_q, s_S, DOT) + _mixc_dot(_A, _Vc_S, DOT)"]
 
 
-@pytest.mark.parametrize("spec", ["simple_gla", "mlstm", "hgrn", "linear_attn", "gla", "rwkv6"])
+@pytest.mark.parametrize("spec", ["simple_gla", "mlstm", "hgrn", "linear_attn", "gla", "rwkv6", "gated_delta_rule",
+                                  "kda", "rwkv7"])
 def test_every_stage_of_a_class_built_as_ir_is_valid_triton(spec):
     """Each hook of the class (forward and backward) gives lines that parse as Python, named in
     the generated kernel by the class's module, not a template."""
     src = pipeline.render(pipeline.compile(spec))
     unit = classes.unit(pipeline.compile(spec).states[0].transition)
     assert unit.builds_stages and unit.template is None
-    for stage in ("readout", "advance", "readout_backward", "advance_backward"):
+    for stage in ("readout", "advance", "readout_backward", "advance_backward") + (
+            ("setup", "setup_backward") if unit.stages_solve else ()):
         assert f"{stage} (mixc/classes/{unit.stages_file})" in src
     ast.parse(src)
 

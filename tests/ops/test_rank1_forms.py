@@ -1,4 +1,4 @@
-"""The rank-1 class's two chunk forms (mixc/classes/rank1.j2): where the left is a scaled key
+"""The rank-1 class's two chunk forms (mixc/classes/rank1.py): where the left is a scaled key
 (l = c k: the delta rules, Comba, KDA) the chunk carries the corrected values N = V + c U and
 has no L and no A_rl; any other left (RWKV-7's, a spec's own vector) keeps L, A_rl and U. Both
 against the float64 reference, forward and every gradient, in two launches per direction and
@@ -68,7 +68,7 @@ def test_the_staged_inverse_matches_float64(name, monkeypatch):
     takes U and dY = (I - M)^-T dU as matmuls with it (its _staged variant: no substitution on the
     reverse walk's dependent path). Against float64, forward and every gradient; an
     inf in one value: the outputs before its token as the computing forward's, NaN from it on in
-    both (the intra kernel zeroes no row for a value, the walk and the output kernel do: rank1.j2's setup)."""
+    both (the intra kernel zeroes no row for a value, the walk and the output kernel do: rank1.py's chunk_setup)."""
     import mixc.runtime.launch as launch
     from mixc.standalone.launcher import Launcher
     monkeypatch.setattr(launch, "CHUNK_PHASES", 2)

@@ -303,6 +303,22 @@ class Call(Expr):
 
 
 @dataclass(frozen=True)
+class Helper(Expr):
+    """A call of one of the generated module's @triton.jit helpers (_mixc_solve_lower ...):
+    its result has the dims of its argument `like` (an index into args)."""
+    fn: str
+    args: tuple[Expr, ...]
+    like: int
+
+    @property
+    def dims(self) -> Dims:
+        return self.args[self.like].dims
+
+    def children(self):
+        return self.args
+
+
+@dataclass(frozen=True)
 class Template(Expr):
     """A spec function's Triton form from its registry entry (dsl/functions.py: `triton` or
     `triton_derivative`), `{x}` and `{y}` filled with the operands: elementwise in them."""
@@ -582,7 +598,7 @@ def dtype_of(e: Expr, names) -> str | None:
         return "f32"
     if isinstance(e, (Neg, Broadcast, Permute, Reduce, Trans, BroadcastTo, Gather, SubchunkSum)):
         return dtype_of(e.x, names)
-    if isinstance(e, ZerosLike):
+    if isinstance(e, (ZerosLike, Helper)):
         return "f32"
     if isinstance(e, Cast):
         return _CASTS.get(e.to.text) if isinstance(e.to, Const) else None

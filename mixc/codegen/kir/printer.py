@@ -91,6 +91,8 @@ def expr(e: n.Expr) -> str:
         return f"{expr(e.ptr)}.dtype.element_ty"
     if isinstance(e, n.Call):
         return f"{e.fn}({', '.join(expr(a) for a in e.args)})"
+    if isinstance(e, n.Helper):
+        return f"{e.fn}({', '.join(expr(a) for a in e.args)})"
     if isinstance(e, n.Template):
         return e.text.format(**{k: _paren(v, ATOM) for k, v in e.args})
     if isinstance(e, n.ZerosLike):
