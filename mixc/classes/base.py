@@ -11,9 +11,8 @@ A unit says
 - its chunk-size policy and the chunk sizes the tuner tries;
 - its chunked algorithm three times over, one per notation, each next to the others: the
   Triton kernel stages (the `chunk_*` hooks below, for codegen/chunk.py and chunk_bwd.py: built
-  as kernel IR with the builder the codegen hands them, code.builder(st), and reading as Triton;
-  the key-diagonal, rank-1 and rank-r classes' are still Jinja macros in <unit>.j2, pending
-  their builders), the torch backend's chunked form
+  as kernel IR with the builder the codegen hands them, code.builder(st), and reading as Triton),
+  the torch backend's chunked form
   (`torch_*`, for runtime/torch_chunk*.py) and the context-parallel summary of a shard
   (`cp_*`, for runtime/context_parallel.py);
 - the lines `mixc explain` prints for the class (`explain_chunk`).
@@ -59,10 +58,6 @@ class TransitionClass:
     torch_chunked: bool = False            # the torch backend's chunked form serves it
     conv_form: bool = False                # a time-invariant state of the class: the convolution form
     stabilizable: bool = False             # the exponential-gate max-stabilizer can rescale it
-    template: str | None = None            # its kernel macros (Jinja, pending builders): mixc/classes/<template>
-    # its kernel stages built as kernel IR, in its own module (the hooks below): the prefix sum's,
-    # the scalar and value-diagonal decays'
-    builds_stages: bool = False
     # the update is one term left * (right @ S) whose left the plan keeps apart (StateIR.left,
     # .right): the rank-1 and value-column classes
     single_projection: bool = False
@@ -101,18 +96,16 @@ class TransitionClass:
         return []
 
     # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    # The Triton of a class's chunk: these hooks build it as kernel IR with `code.builder(st)`
-    # (codegen/chunk_stage.py: the chunk's names as typed blocks, Triton's functions over them;
-    # its `lines()` are the stage's statements, verified and printed), or, for the classes
-    # whose builders are pending (builds_stages False), pick the per-spec names and render
-    # their template's macros (<template>). `code` is the plan's ChunkCode (ChunkBackward): it
-    # owns what every class shares (the chunk's rows, the cumulative log decay b_<S> and its
-    # resets, the stabilizer, fresh names, the gradient lists G) and hands out the builders and
-    # macros (code.macros(unit)). `parts` is a state's (K, V, g, kd, vd): its key and value matrices
-    # [C, KF], [C, VF], its log decay and its flat key and value axes. The defaults render the
-    # template's macros of those names (readout, advance, readout_backward, advance_backward) for
-    # a class that has one; a class that builds its stages overrides all four.
-    compensated_sum: bool = False          # its macros take b as hi + lo (ChunkCode.compensated)
+    # The Triton of a class's chunk: a class with chunked kernels (parallel_form "chunk") builds
+    # its stages as kernel IR in these hooks with `code.builder(st)` (codegen/chunk_stage.py:
+    # the chunk's names as typed blocks, Triton's functions over them; its `lines()` are the
+    # stage's statements, verified and printed). `code` is the plan's ChunkCode (ChunkBackward):
+    # it owns what every class shares (the chunk's rows, the cumulative log decay b_<S> and its
+    # resets, the stabilizer, fresh names, the gradient lists G). `parts` is a state's
+    # (K, V, g, kd, vd): its key and value matrices [C, KF], [C, VF], its log decay and its flat
+    # key and value axes. readout, advance and their backwards have no default: each class
+    # writes its own (mixc/classes/scalar.py is the shortest example).
+    compensated_sum: bool = False          # its stages take b as hi + lo (ChunkCode.compensated)
     # its readout's intra-chunk matrix [C, C] is staged: the forward's intra kernel computes it once
     # per chunk into p_intra, the output kernel (every tile block) reads it (ChunkCode.intra_slot)
     stages_intra: bool = False
@@ -153,16 +146,11 @@ class TransitionClass:
 
     @property
     def stages_file(self) -> str | None:
-        """The file of mixc/classes holding the class's kernel stages (its module where it builds
-        them, else its template; None: no chunked kernels)."""
-        if self.builds_stages:
-            return type(self).__module__.rpartition(".")[2] + ".py"
-        return self.template
-
-    def render(self, code, macro: str, **names) -> list[str]:
-        """The lines of one macro of the class's template, at the chunk loop's indent."""
-        text = getattr(code.macros(self), macro)(**names)
-        return [code.indent + line for line in text.strip("\n").split("\n")]
+        """The file of mixc/classes holding the class's kernel stages (its own module; None: no
+        chunked kernels)."""
+        if self.parallel_form != "chunk":
+            return None
+        return type(self).__module__.rpartition(".")[2] + ".py"
 
     def chunk_inputs(self, code, st, em, kd) -> dict[str, str]:
         """The class's own per-token matrices beside K and V, by role (rank-1: L, R)."""
@@ -174,30 +162,21 @@ class TransitionClass:
 
     def chunk_readout(self, code, st, R: str, Q: str, K: str, V: str, prev: bool) -> list[str]:
         """R = the readout of S_t (of S_{t-1} with prev) for the chunk's C query rows Q."""
-        pre, bq = code.query_decay(st, prev)
-        return pre + self.render(code, "readout", n=st.name, R=R, Q=Q, K=K, V=V, prev=prev, bq=bq,
-                                 bq0=code.query_b0(st, prev), ok=code.pair_ok(st, code.query_z(st, prev)))
+        raise NotImplementedError(f"the {self.name} class builds no readout stage")
 
     def chunk_advance(self, code, st, parts) -> list[str]:
         """s_<S> = S_C: the state at the chunk's end."""
-        K, V = parts[:2]
-        return self.render(code, "advance", n=st.name, K=K, V=V)
+        raise NotImplementedError(f"the {self.name} class builds no advance stage")
 
     def chunk_readout_backward(self, code, st, dR: str, Q: str, K: str, V: str, prev: bool, dQ: str,
                                G: dict) -> list[str]:
         """dQ (assigned), and the readout term's parts of dK, dV, db and dS0 (into G)."""
-        dK, dV, dS0, db = code.grad_names(G, "t", with_db=True)
-        pre, bq = code.query_decay(st, prev)
-        return pre + self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, K=K, V=V, prev=prev, bq=bq,
-                                 bq0=code.query_b0(st, prev), ok=code.pair_ok(st, code.query_z(st, prev)),
-                                 dQ=dQ, dK=dK, dV=dV, dS0=dS0, db=db) + code.query_side(st, db, prev)
+        raise NotImplementedError(f"the {self.name} class builds no readout backward stage")
 
     def chunk_advance_backward(self, code, st, parts, G: dict) -> list[str]:
         """The update's parts of dK, dV, db and dS0 given d_<S> = dL/dS_C (and _dbl_<S>, the
         gradient of b at the chunk's last token)."""
-        K, V = parts[:2]
-        dK, dV, dS0, db = code.grad_names(G, "u", with_db=True)
-        return self.render(code, "advance_backward", n=st.name, K=K, V=V, dK=dK, dV=dV, dS0=dS0, db=db)
+        raise NotImplementedError(f"the {self.name} class builds no advance backward stage")
 
     def chunk_setup_backward(self, code, st, parts, G: dict) -> tuple[list[str], list]:
         """Back through chunk_setup, after the update's adjoint: (lines, seeds), a seed being

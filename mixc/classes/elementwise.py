@@ -11,7 +11,6 @@ class Elementwise(TransitionClass):
     parallel_form = "scan"
     torch_chunked = True            # exp(b_i - b_j) per state element, on sub-chunks
     token_loop_prefill = True       # mode torch prefills by the token loop (runtime/torch_step.py)
-    template = None                 # no chunked kernels: the recurrent ones (fla has none either)
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections

@@ -12,7 +12,6 @@ class KeyDiagonal(TransitionClass):
     torch_chunked = True
     diagonal_segments = True
     conv_form = True
-    builds_stages = True
     compensated_sum = True          # the pair log weights: (hi_i - hi_j) + (lo_i - lo_j)
     # the sub-chunk loops that make A (16 diagonal steps of [C, K] exps) run once per chunk in
     # the intra kernel, not once per tile block in the output kernel, whose registers they took (sm_90, K = V = 128:

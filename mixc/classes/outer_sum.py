@@ -9,7 +9,7 @@ system to solve, the M pieces each a key/value pair of the chunk (K_m, V_m rows 
     O   = (Q * exp(b)) S0 + sum_m [ (Q K_m^T)_ij exp(b_i - b_j), i >= j ] V_m
     S_C = exp(b_C) S0 + sum_m (K_m * exp(b_C - b))^T V_m
 
-The Triton kernels are rank_r.j2's readout, advance and their backwards over the M pairs (its
+The Triton kernels are rank_r.py's readout, advance and their backwards over the M pairs (its
 setup and the setup's backward, the UT solve, have nothing to do); the torch backend's chunked
 form is the rank-r form's without the U rows."""
 from __future__ import annotations
@@ -47,11 +47,13 @@ class OuterSum(RankR):
         # registers), none at C = 16 (248); the rank-r class's 16
         return 16
 
-    # ---- kernel stages: rank_r.j2 with no terms (no solve) ----
+    # ---- kernel stages: the rank-r class's with no terms (no solve) ----
     def chunk_setup(self, code, st, parts) -> list[str]:
+        """Only b_{t-1} where no reset precedes (bx0), which the readout of S_{t-1} reads."""
         n = st.name
-        return [code.shifted(st, f"_b_{n}", f"_bx_{n}"), code.shifted(st, f"_z_{n}", f"_zx_{n}")] + self.render(
-            code, "setup_pairs", n=n)
+        k = code.builder(st)
+        self._setup_pairs(k)
+        return [code.shifted(st, f"_b_{n}", f"_bx_{n}"), code.shifted(st, f"_z_{n}", f"_zx_{n}")] + k.lines()
 
     def chunk_setup_backward(self, code, st, parts, G) -> tuple[list[str], list]:
         K, V, g, kd, vd = parts

@@ -11,7 +11,6 @@ class PrefixSum(TransitionClass):
     torch_chunked = True
     conv_form = True
     stabilizable = True
-    builds_stages = True
 
     def claims(self, u: UpdateShape) -> bool:
         return not u.projections and u.decay_is_one

@@ -13,7 +13,6 @@ class Rank1(TransitionClass):
     hardness = 5
     parallel_form = "chunk"
     torch_chunked = True
-    builds_stages = True
 
     def claims(self, u: UpdateShape) -> bool:
         if len(u.projections) != 1:

@@ -8,7 +8,7 @@ Its parallel form is the generalized UT transform on chunks: the C tokens' r ter
 unknown rows u_{t,i} = r~_{t,i} . X_{t-1}, and X_{t-1} sums over the earlier tokens' terms, so the
 rows solve one [C*r, C*r] unit lower triangular system, block triangular in tokens with [r, r]
 blocks (a token's r terms all read S_{t-1}: its diagonal block is 0). The Triton chunked
-kernels (rank_r.j2, the kernel stages below) keep that system as r x r blocks [C, C]; the
+kernels (the kernel stages below) keep that system as r x r blocks [C, C]; the
 torch backend's chunked form (below) serves mode='torch'."""
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ from .base import TransitionClass, UpdateShape, projection_shard_apply, projecti
 class RankR(TransitionClass):
     name = "rank-r correction"
     hardness = 5.5                          # between rank-1 (5) and general linear (6)
-    parallel_form = "chunk"                 # the generalized UT transform (rank_r.j2)
+    parallel_form = "chunk"                 # the generalized UT transform (the kernel stages below)
     torch_chunked = True                    # the torch form below serves mode='torch'
     term_axes = True                        # L, R [.., r, KF]; K, V [.., m, *]: B_t = sum_m k_m v_m^T
-    template = "rank_r.j2"
     # r corrections per token amplify a rounded chunk-start state: gated_delta_product's bf16
     # checkpoints cost its gradients 2.3e-2 against 1.3e-2 with fp32 ones (bench/gpu_check
     # --dry-run, 2026-12-04), past the 2e-2 bound; fp32 checkpoints, bf16 matmuls as before
@@ -53,12 +52,28 @@ class RankR(TransitionClass):
                 f"sum_m [A_qk_m]_(t >= s) V_m, {S}_C = exp(b_C) {S}0 + sum_i (L_i * exp(b_C - b))^T U_i + "
                 "sum_m (K_m * exp(b_C - b))^T V_m; the torch backend runs this chunked form (mode='torch')"]
 
-    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py) ----
-    # rank_r.j2, its macros in two variants as rank1.py's stages: vector, a scalar decay (DeltaProduct's),
-    # else per key. code.extra[S] holds the state's own matrices (sanitized): L<i>, R<i> for the
-    # r terms (StateIR.terms) and K<m>, V<m> for B_t's m outer products (StateIR.inputs); the
-    # generic K, V are None (B_t is no single outer product). The backward keeps each term's
-    # gradient list in G under dL<i>, dU<i>, dK<m>, dV<m>.
+    # ---- kernel stages (codegen/chunk.py, chunk_bwd.py), built as kernel IR ----
+    # The generalized UT transform (DeltaProduct with r Householder steps per token):
+    # S_t = diag(a_t) S_{t-1} + sum_{i<r} l_(t,i) (r_(t,i) . S_{t-1}) + B_t, B_t = sum_{m<M}
+    # k_(t,m) v_(t,m)^T, a_t a scalar or over the key dims. Notation as rank1.py's stages, with
+    # lists: Ls, Rs the r terms' left and right matrices [i, K]; Ks, Vs the M input terms' key and
+    # value matrices [i, K], [i, V]; U_<S>_i [i, V] the rows u_(t,i) of term i. The C*r unknown
+    # rows u_(t,i) = r~_(t,i) . X_{t-1} (X_t = exp(-b_t) S_t) solve one [C*r, C*r] unit lower
+    # triangular system, kept here as r x r blocks [C, C] (token rows, term blocks), each strictly
+    # lower triangular in tokens (a token's r terms all read S_{t-1}: its diagonal [r, r] block is 0):
+    #
+    #     (I - A) U = R^ S0 + A_rk V,  A_ij[t, s] = sum_d r_(t,i)d l_(s,j)d exp(b_{t-1,d} - b_sd)  (s < t)
+    #     R_out = (Q * exp(bq0)) S0 + sum_j [A_ql_j]_(t >= s) U_j + sum_m [A_qk_m]_(t >= s) V_m
+    #     S_C   = exp(bl0) S0 + sum_j (L_j * exp(kw))^T U_j + sum_m (K_m * exp(kw))^T V_m
+    #
+    # The blocks keep every matrix a plain [C, *] one (no reshape of [C, r, K] into C*r rows): the
+    # forward substitution walks the C tokens, each step giving the r rows of one token from the
+    # rows above it (r^2 row reads per token, as C*r steps of one read over C*r rows would). A
+    # scalar decay makes each block (R_i L_j^T) * exp(b_{t-1} - b_s), one matmul; a per-key decay
+    # makes them [C, C, K] blocks. code.extra[S] holds the state's own matrices (sanitized):
+    # L<i>, R<i> for the r terms (StateIR.terms) and K<m>, V<m> for B_t's m outer products
+    # (StateIR.inputs); the generic K, V are None (B_t is no single outer product). The backward
+    # keeps each term's gradient list in G under dL<i>, dU<i>, dK<m>, dV<m>.
     def chunk_inputs(self, code, st, em, kd) -> dict[str, str]:
         vd = tuple(d for d in code.order if d in set(st.value_dims)) or ("_1",)
         out = {}
@@ -69,10 +84,13 @@ class RankR(TransitionClass):
         return out
 
     @staticmethod
-    def _mats(code, st) -> dict[str, list[str]]:
-        x, p = code.extra[st.name], st.ir_pieces
-        return {"Ls": [x[f"L{i}"] for i in range(len(p.terms))], "Rs": [x[f"R{i}"] for i in range(len(p.terms))],
-                "Ks": [x[f"K{m}"] for m in range(len(p.inputs))], "Vs": [x[f"V{m}"] for m in range(len(p.inputs))]}
+    def _mats(k) -> dict[str, list]:
+        """The terms' L, R and the inputs' K, V as the builder's blocks."""
+        x, p = k.code.extra[k.st.name], k.st.ir_pieces
+        return {"Ls": [k.block(x[f"L{i}"], "i", "K") for i in range(len(p.terms))],
+                "Rs": [k.block(x[f"R{i}"], "i", "K") for i in range(len(p.terms))],
+                "Ks": [k.block(x[f"K{m}"], "i", "K") for m in range(len(p.inputs))],
+                "Vs": [k.block(x[f"V{m}"], "i", "V") for m in range(len(p.inputs))]}
 
     def chunk_size(self, st) -> int:
         # the r terms' U rows [C, VF] each, the r^2 blocks A_ij and r M blocks A_rk [C, C] (and
@@ -80,62 +98,251 @@ class RankR(TransitionClass):
         # so C = 16 for r = 2; a per-key decay makes every block [C, C, K]: 16 as rank-1's
         return 16
 
-    def chunk_setup(self, code, st, parts) -> list[str]:
-        n, M = st.name, self._mats(code, st)
-        return [code.shifted(st, f"_b_{n}", f"_bx_{n}"), code.shifted(st, f"_z_{n}", f"_zx_{n}")] + self.render(
-            code, "setup", n=n, Ks=M["Ks"], Vs=M["Vs"], Ls=M["Ls"], Rs=M["Rs"], ok=code.pair_ok(st, f"_zx_{n}"),
-            vector=self.decay_is_vector(st))
+    @staticmethod
+    def _pair_block(k, ax):
+        """The [i, j] block of the rows of X against those of Y with pair weights W."""
+        if ax:
+            return lambda X, Y, W: k.sum(X * k.at_keys(Y) * W, "K")
+        return lambda X, Y, W: k.dot(X, k.trans(k.at_keys(Y))) * W
 
-    def _query(self, code, st, prev: bool) -> dict[str, str]:
+    @staticmethod
+    def _setup_pairs(k):
+        """bx0 = b_{t-1} where no reset precedes, and E, the setup's pair weights exp(b_{t-1} - b_s), s < t."""
+        n, ax = k.st.name, k.decay_axes()
+        b, bx, zx = (k.block(f"_{x}_{n}", "i", *ax) for x in ("b", "bx", "zx"))
+        bx0 = k.let(f"_bx0_{n}", k.where(zx > 0, -k.INF, bx), "i", *ax)
+        return bx0, b, bx
+
+    @staticmethod
+    def _weights(k, b, bx):
+        ax = k.decay_axes()
+        return k.exp(k.where((k.row_i > k.key_j) & k.pair_ok(f"_zx_{k.st.name}"), bx - k.at_keys(b), -k.INF)), ax
+
+    def chunk_setup(self, code, st, parts) -> list[str]:
+        """After the shifted rows bx, zx: the blocks A_ij, A_rk_im, R^_i = R_i * exp(b_{t-1}) and U_i,
+        then the block forward substitution: row t of every U_i from the rows s < t of all U_j."""
+        n = st.name
+        pre = [code.shifted(st, f"_b_{n}", f"_bx_{n}"), code.shifted(st, f"_z_{n}", f"_zx_{n}")]
+        k = code.builder(st)
+        M, s = self._mats(k), k.state()
+        bx0, b, bx = self._setup_pairs(k)
+        weights, ax = self._weights(k, b, bx)
+        E = k.let("_E", weights, "i", "j", *ax)
+        pairs = self._pair_block(k, ax)
+        Arl, U = {}, []
+        for i, R in enumerate(M["Rs"]):
+            for j, L in enumerate(M["Ls"]):
+                Arl[i, j] = k.let(f"_Arl_{n}_{i}_{j}", pairs(R, L, E), "i", "j")
+            Ark = [k.let(f"_Ark_{n}_{i}_{m}", pairs(R, K, E), "i", "j") for m, K in enumerate(M["Ks"])]
+            Rh = k.let(f"_Rh_{n}_{i}", R * k.exp(bx0), "i", "K")
+            y = k.dot(Rh, s)
+            for A, V in zip(Ark, M["Vs"]):
+                y = y + k.dot(A, k.at_keys(V))
+            U.append(k.let(f"_U_{n}_{i}", y, "i", "V"))
+        r = len(U)
+        with k.loop("_j", 1, k.rows_block) as t:
+            sel = k.let("_sel", k.offs.eq(t), "i")
+            nu = []
+            for i in range(r):
+                row = None
+                for j in range(r):          # row t of A_ij times U_j, summed over the rows s
+                    x = k.sum(k.where(sel, Arl[i, j], 0.0), "i") * k.at_keys(U[j])
+                    row = x if row is None else row + x
+                nu.append(k.let(f"_nu{i}", k.sum(row, "j"), "V"))
+            for i in range(r):
+                k.let(U[i], k.where(sel, U[i] + nu[i], U[i]), "i", "V")
+        return pre + k.lines()
+
+    def _query(self, k, prev: bool):
         """b at the query rows, their weight from the chunk's start, the no-reset pair mask."""
-        n, x = st.name, "x" if prev else ""
-        return {"bq": f"_b{x}_{n}", "bq0": f"_b{x}0_{n}", "ok": code.pair_ok(st, f"_z{x}_{n}")}
+        n, x, ax = k.st.name, "x" if prev else "", k.decay_axes()
+        return (k.block(f"_b{x}_{n}", "i", *ax), k.block(f"_b{x}0_{n}", "i", *ax), k.pair_ok(f"_z{x}_{n}"))
+
+    def _us(self, k):
+        return [k.block(f"_U_{k.st.name}_{j}", "i", "V") for j in range(len(k.st.ir_pieces.terms))]
 
     def chunk_readout(self, code, st, R, Q, K, V, prev) -> list[str]:
-        M = self._mats(code, st)
-        return self.render(code, "readout", n=st.name, R=R, Q=Q, Ks=M["Ks"], Vs=M["Vs"], Ls=M["Ls"], prev=prev,
-                           vector=self.decay_is_vector(st), **self._query(code, st, prev))
+        k = code.builder(st)
+        M, s, ax = self._mats(k), k.state(), k.decay_axes()
+        Q, b = k.block(Q, "i", "K"), k.block(f"_b_{st.name}", "i", *ax)
+        bq, bq0, ok = self._query(k, prev)
+        D = k.let("_D", k.exp(k.where(k.causal(prev) & ok, bq - k.at_keys(b), -k.INF)), "i", "j", *ax)
+        pairs = self._pair_block(k, ax)
+        out = k.let(R, k.dot(Q * k.exp(bq0), s), "i", "V")
+        for L, U in zip(M["Ls"], self._us(k)):
+            out = k.let(out, out + k.dot(pairs(Q, L, D), k.at_keys(U)), "i", "V")
+        for K_, V_ in zip(M["Ks"], M["Vs"]):
+            out = k.let(out, out + k.dot(pairs(Q, K_, D), k.at_keys(V_)), "i", "V")
+        return k.lines()
 
     def chunk_advance(self, code, st, parts) -> list[str]:
-        M = self._mats(code, st)
-        return self.render(code, "advance", n=st.name, Ks=M["Ks"], Vs=M["Vs"], Ls=M["Ls"],
-                           vector=self.decay_is_vector(st))
+        k = code.builder(st)
+        M, s, ax, n = self._mats(k), k.state(), k.decay_axes(), st.name
+        w = k.let("_w", k.exp(k.block(f"_kw_{n}", "i", *ax)), "i", *ax)
+        S = k.let("_S", k.exp(k.block(f"_bl0_{n}", *ax)) * s, "K", "V")
+        for L, U in zip(M["Ls"], self._us(k)):
+            S = k.let(S, S + k.dot(k.trans(L * w), U), "K", "V")
+        for K_, V_ in zip(M["Ks"], M["Vs"]):
+            S = k.let(S, S + k.dot(k.trans(K_ * w), V_), "K", "V")
+        k.let(s, S, "K", "V")
+        return k.lines()
 
     def _grads(self, code, st, G, stem: str) -> dict:
-        """Fresh names of one stage's dS0, db and per term (L_j, U_j, dL_j, dU_j), per input
-        (K_m, V_m, dK_m, dV_m): the macros' lu and kv; registered in G."""
-        t, n, M = code.fresh(stem), st.name, self._mats(code, st)
+        """Fresh names of one stage's dS0, db and per term (j, dL_j, dU_j), per input (m, dK_m,
+        dV_m); registered in G."""
+        t, p = code.fresh(stem), st.ir_pieces
         G["dS0"].append(f"_dS0{t}")
         G["db"].append(f"_db{t}")
-        lu = [(L, f"_U_{n}_{j}", f"_dL{t}_{j}", f"_dU{t}_{j}") for j, L in enumerate(M["Ls"])]
-        kv = [(K, V, f"_dK{t}_{m}", f"_dV{t}_{m}") for m, (K, V) in enumerate(zip(M["Ks"], M["Vs"]))]
-        for j, x in enumerate(lu):
-            G.setdefault(f"dL{j}", []).append(x[2])
-            G.setdefault(f"dU{j}", []).append(x[3])
-        for m, x in enumerate(kv):
-            G.setdefault(f"dK{m}", []).append(x[2])
-            G.setdefault(f"dV{m}", []).append(x[3])
+        lu = [(j, f"_dL{t}_{j}", f"_dU{t}_{j}") for j in range(len(p.terms))]
+        kv = [(m, f"_dK{t}_{m}", f"_dV{t}_{m}") for m in range(len(p.inputs))]
+        for j, dL, dU in lu:
+            G.setdefault(f"dL{j}", []).append(dL)
+            G.setdefault(f"dU{j}", []).append(dU)
+        for m, dK, dV in kv:
+            G.setdefault(f"dK{m}", []).append(dK)
+            G.setdefault(f"dV{m}", []).append(dV)
         return {"dS0": f"_dS0{t}", "db": f"_db{t}", "lu": lu, "kv": kv}
 
+    def _parts(self, k, names):
+        """(X, Y, dX, dY) per term (L_j, U_j) and per input (K_m, V_m), as the adjoints pair them."""
+        M, Us = self._mats(k), self._us(k)
+        return ([(M["Ls"][j], Us[j], dL, dU) for j, dL, dU in names["lu"]]
+                + [(M["Ks"][m], M["Vs"][m], dK, dV) for m, dK, dV in names["kv"]])
+
     def chunk_readout_backward(self, code, st, dR, Q, K, V, prev, dQ, G) -> list[str]:
+        """dR = dL/dR [i, V]: assigns dQ and this readout's dS0, db and per term dL_j, dU_j, per
+        input dK_m, dV_m (db: the keys' side; _dbq, the query rows' side, goes into db after
+        this: ChunkBackward.query_side). As rank1.py's, summed over the terms: the pair of a row
+        with the token it reads last spans no log decay, dropped from E."""
         names = self._grads(code, st, G, "w")
-        return self.render(code, "readout_backward", n=st.name, dR=dR, Q=Q, prev=prev, vector=self.decay_is_vector(st),
-                           dQ=dQ, **self._query(code, st, prev), **names) + code.query_side(st, names["db"], prev)
+        k = code.builder(st)
+        s, ax = k.state(), k.decay_axes()
+        Q, dR, b = k.block(Q, "i", "K"), k.block(dR, "i", "V"), k.block(f"_b_{st.name}", "i", *ax)
+        bq, bq0, ok = self._query(k, prev)
+        eb = k.let("_eb", k.exp(bq0), "i", *ax)
+        Gq = k.let("_Gq", k.dot(dR, k.trans(s)), "i", "K")
+        D = k.let("_D", k.exp(k.where(k.causal(prev) & ok, bq - k.at_keys(b), -k.INF)), "i", "j", *ax)
+        dq = k.let(dQ, Gq * eb, "i", "K")
+        E = k.let("_E", k.zeros_like(D, f32=False), "i", "j", *ax)
+        for X, Y, dX, dY in self._parts(k, names):
+            if not ax:
+                A = k.let("_A", k.dot(Q, k.trans(k.at_keys(X))) * D, "i", "j")
+                dA = k.let("_dA", k.dot(dR, k.trans(k.at_keys(Y))), "i", "j")
+                dq = k.let(dq, dq + k.dot(dA * D, k.at_keys(X)), "i", "K")
+                k.let(dX, k.at_rows(k.dot(k.trans(dA * D), Q)), "i", "K")
+                k.let(dY, k.at_rows(k.dot(k.trans(A), dR)), "i", "V")
+                E = k.let(E, E + dA * A, "i", "j")
+            else:
+                A = k.let("_A", k.sum(Q * k.at_keys(X) * D, "K"), "i", "j")
+                Xd = k.let("_Xd", k.dot(dR, k.trans(k.at_keys(Y))) * D, "i", "j", "K")
+                dq = k.let(dq, dq + k.sum(Xd * k.at_keys(X), "j"), "i", "K")
+                k.let(dX, k.at_rows(k.sum(Xd * Q, "i")), "i", "K")
+                k.let(dY, k.at_rows(k.dot(k.trans(A), dR)), "i", "V")
+                E = k.let(E, E + Xd * Q * k.at_keys(X), "i", "j", "K")
+        k.let(names["dS0"], k.dot(k.trans(Q * eb), dR), "K", "V")
+        E = k.let(E, k.where(k.row_i - int(prev) > k.key_j, E, 0.0), "i", "j", *ax)
+        k.let("_dbq", k.sum(E, "j") + (Gq * Q * eb if ax else k.sum(Gq * Q, "K") * eb), "i", *ax)
+        k.let(names["db"], -k.at_rows(k.sum(E, "i")), "i", *ax)
+        return k.lines() + code.query_side(st, names["db"], prev)
 
     def chunk_advance_backward(self, code, st, parts, G) -> list[str]:
-        return self.render(code, "advance_backward", n=st.name, vector=self.decay_is_vector(st),
-                           **self._grads(code, st, G, "w"))
+        """Given d = dL/dS_C: the update's dS0, db, per term dL_j, dU_j, per input dK_m, dV_m;
+        _dbl_<S> the gradient of b at the chunk's last token, whose key weight exp(b_C - b_last) = 1
+        spans no log decay (dropped, as in rank1.py)."""
+        names = self._grads(code, st, G, "w")
+        k = code.builder(st)
+        s, d, ax, n = k.state(), k.state_grad(), k.decay_axes(), st.name
+        kw, bl0 = k.block(f"_kw_{n}", "i", *ax), k.block(f"_bl0_{n}", *ax)
+        w = k.let("_w", k.exp(kw), "i", *ax)
+        k.let(names["dS0"], k.exp(bl0) * d, "K", "V")
+        F = k.let("_F", k.zeros_like(kw, f32=False), "i", *ax)
+        for X, Y, dX, dY in self._parts(k, names):
+            dXw = k.let("_dXw", k.dot(Y, k.trans(d)), "i", "K")
+            k.let(dX, dXw * w, "i", "K")
+            k.let(dY, k.dot(X * w, d), "i", "V")
+            F = k.let(F, F + (dXw * X if ax else k.sum(dXw * X, "K")), "i", *ax)
+        F = k.let(F, k.where(k.offs.eq(k.n_valid - 1), 0.0, F * w), "i", *ax)
+        k.let(names["db"], -F, "i", *ax)
+        k.let(f"_dbl_{n}", k.sum(F, "i") + (k.sum(s * d, "V") if ax else k.sum(s * d)) * k.exp(bl0), *ax)
+        return k.lines()
 
     def chunk_setup_backward(self, code, st, parts, G) -> tuple[list[str], list]:
+        """Back through setup, (I - A) U = R^ S0 + A_rk V, given dU_i (every dU of term i above):
+        dY = (I - A)^-T dU by block back substitution (last token first), dA_ij = dY_i U_j^T and
+        dA_rk_im = dY_i V_m^T below the diagonal; assigns dR_i and this stage's dS0, db, dL_j,
+        dK_m, dV_m. b_{t-1}'s gradient _dbx goes to row t - 1."""
         K, V, g, kd, vd = parts
-        n, M, p = st.name, self._mats(code, st), st.ir_pieces
-        dU = [" + ".join(G[f"dU{j}"]) for j in range(len(p.terms))]      # the readouts' and the update's
+        n, p = st.name, st.ir_pieces
+        dUs = [list(G[f"dU{j}"]) for j in range(len(p.terms))]      # the readouts' and the update's
         names = self._grads(code, st, G, "y")
-        lu = [(L, U, dL, dU[j]) for j, (L, U, dL, _) in enumerate(names["lu"])]
         dRs = [code.fresh("dRt") for _ in p.terms]
-        lines = self.render(code, "setup_backward", n=n, lu=lu, kv=names["kv"], Rs=M["Rs"],
-                            ok=code.pair_ok(st, f"_zx_{n}"), vector=self.decay_is_vector(st), dRs=dRs,
-                            dS0=names["dS0"], db=names["db"])
+        k = code.builder(st)
+        M, s, ax, r = self._mats(k), k.state(), k.decay_axes(), len(p.terms)
+        dY = []
+        for i in range(r):
+            total = None
+            for x in dUs[i]:
+                total = k.block(x, "i", "V") if total is None else total + k.block(x, "i", "V")
+            dY.append(k.let(f"_dY{i}", total, "i", "V"))
+        Arl = {(i, j): k.block(f"_Arl_{n}_{i}_{j}", "i", "j") for i in range(r) for j in range(r)}
+        with k.loop("_jj", 1, k.rows_block) as jj:
+            t = k.let("_s", k.rows_block - 1 - jj)
+            sel = k.let("_sel", k.offs.eq(t), "i")
+            nu = []
+            for j in range(r):
+                col = None
+                for i in range(r):          # column t of A_ij times dY_i, summed over the rows
+                    x = k.sum(k.where(k.key_j.eq(t), Arl[i, j], 0.0), "j") * dY[i]
+                    col = x if col is None else col + x
+                nu.append(k.let(f"_nu{j}", k.sum(col, "i"), "V"))
+            for j in range(r):
+                k.let(dY[j], k.where(sel, dY[j] + nu[j], dY[j]), "i", "V")
+        b, bx = k.block(f"_b_{n}", "i", *ax), k.block(f"_bx_{n}", "i", *ax)
+        weights, _ = self._weights(k, b, bx)
+        E = k.let("_E", weights, "i", "j", *ax)
+        Ey = k.let("_Ey", k.zeros_like(E, f32=False), "i", "j", *ax)
+        dbx = k.let("_dbx", k.zeros_like(b, f32=False), "i", *ax)
+        Rh = [k.block(f"_Rh_{n}_{i}", "i", "K") for i in range(r)]
+        total = None
+        for i in range(r):
+            x = k.dot(k.trans(Rh[i]), dY[i])
+            total = x if total is None else total + x
+        k.let(names["dS0"], total, "K", "V")
+        for m, _, dV in names["kv"]:
+            total = None
+            for i in range(r):
+                x = k.at_rows(k.dot(k.trans(k.block(f"_Ark_{n}_{i}_{m}", "i", "j")), dY[i]))
+                total = x if total is None else total + x
+            k.let(dV, total, "i", "V")
+        bx0 = k.block(f"_bx0_{n}", "i", *ax)
+        Us = self._us(k)
+        terms = ([(M["Ls"][j], Us[j], dL, f"_Arl_{n}_{{i}}_{j}") for j, dL, _ in names["lu"]]
+                 + [(M["Ks"][m], M["Vs"][m], dK, f"_Ark_{n}_{{i}}_{m}") for m, dK, _ in names["kv"]])
+        below = k.row_i > k.key_j
+        for i in range(r):
+            R = M["Rs"][i]
+            dRh = k.let("_dRh", k.dot(dY[i], k.trans(s)), "i", "K")
+            dR = k.let(dRs[i], dRh * k.exp(bx0), "i", "K")
+            dbx = k.let(dbx, dbx + (dRh * Rh[i] if ax else k.sum(dRh * Rh[i], "K")), "i", *ax)
+            for X, Y, dX, A in terms:
+                A = k.block(A.format(i=i), "i", "j")
+                dA = k.let("_dA", k.where(below, k.dot(dY[i], k.trans(k.at_keys(Y))), 0.0), "i", "j")
+                if not ax:
+                    P = k.let("_P", dA * E, "i", "j")
+                    dR = k.let(dR, dR + k.dot(P, k.at_keys(X)), "i", "K")
+                    grad = k.at_rows(k.dot(k.trans(P), R))
+                    Ey = k.let(Ey, Ey + dA * A, "i", "j")
+                else:
+                    P = k.let("_P", dA * E, "i", "j", "K")
+                    dR = k.let(dR, dR + k.sum(P * k.at_keys(X), "j"), "i", "K")
+                    grad = k.at_rows(k.sum(P * R, "i"))
+                    Ey = k.let(Ey, Ey + P * R * k.at_keys(X), "i", "j", "K")
+                k.let(dX, grad if i == 0 else k.block(dX, "i", "K") + grad, "i", "K")
+        Ey = k.let(Ey, k.where(k.row_i - 1 > k.key_j, Ey, 0.0), "i", "j", *ax)
+        dbx = k.let(dbx, dbx + k.sum(Ey, "j"), "i", *ax)
+        # b_{t-1}'s gradient, row t's, goes to row t - 1
+        k.let(names["db"], -k.at_rows(k.sum(Ey, "i")) + k.sum(k.where((k.key_j - 1).eq(k.row_i), k.at_keys(dbx), 0.0), "j"),
+              "i", *ax)
         rows, vrows = ("_T",) + kd, ("_T",) + vd      # dR, dL, dK, dV seed the spec's terms and inputs
         seeds = []
         for j, (left, right) in enumerate(p.terms):
@@ -144,7 +351,7 @@ class RankR(TransitionClass):
         for m, (key, value) in enumerate(p.inputs):
             seeds += [(key, code.unflat(" + ".join(G[f"dK{m}"]), rows), rows),
                       (value, code.unflat(" + ".join(G[f"dV{m}"]), vrows), vrows)]
-        return lines, seeds
+        return k.lines(), seeds
 
     # ---- torch form ----
     # The generalized UT transform on one chunk, in the chunk-at-a-time layout of base.py's

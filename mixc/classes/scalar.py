@@ -14,7 +14,6 @@ class ScalarDecay(TransitionClass):
     diagonal_segments = True
     conv_form = True
     stabilizable = True
-    builds_stages = True
     # the output kernel (the outputs) in the walk's tile blocks (64), as every other class. Blocks of 32
     # spilled nothing where 64 spilled 128 B (Mamba-2's [C, 64] skip-term operand, sm_90, K = V =
     # 128), but on the first GPU run (H200, Triton 3.6, 2026-12-04) every scalar-decay op at

@@ -12,7 +12,6 @@ class ValueDiagonal(TransitionClass):
     torch_chunked = True
     token_loop_prefill = True       # mode torch prefills by the token loop (runtime/torch_step.py)
     conv_form = True
-    builds_stages = True
 
     def claims(self, u: UpdateShape) -> bool:
         return (not u.projections and set(u.decay_dims) <= set(u.value_dims)

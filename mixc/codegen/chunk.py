@@ -16,9 +16,8 @@ value dims too; a state without key (or value) dims gets a unit axis "_1".
 
 What a class computes in a chunk (its readout, its state advance, the rank-1 class's setup)
 is its unit's chunk_* hooks (mixc/classes/<class>.py): built as kernel IR with the builder
-`builder(st)` hands them (codegen/chunk_stage.py) and printed into lines, or, for the classes
-whose builders are pending (key-diagonal, rank-1, rank-r), rendered from the Triton macros of
-mixc/classes/<class>.j2; this module keeps what every class shares: the loads, the sanitizing
+`builder(st)` hands them (codegen/chunk_stage.py) and printed into lines; this module keeps
+what every class shares: the loads, the sanitizing
 of non-finite keys, the cumulative log decay and its resets, the stabilizer, the combine, the
 stores."""
 from __future__ import annotations
@@ -34,7 +33,6 @@ from ..dsl import ir
 from .recurrent import I2, input_row, numel
 from .chunk_stage import ChunkStage
 from .recurrent_ir import base_env
-from .templating import macros
 from .triton_expr import Emitter, canon, expand
 
 UNIT = "_1"
@@ -60,7 +58,7 @@ def _block(dims) -> str:
 class ChunkCode:
     """Builds the hook texts of the chunked forward's kernels (chunk_ir.forward_kernel places
     them in its IR) for one plan: the generic parts here,
-    each state's class stages from its unit (mixc/classes: its chunk_* hooks and macros)."""
+    each state's class stages from its unit (mixc/classes: its chunk_* hooks)."""
 
     indent = I2                 # the chunk loop's body
 
@@ -104,10 +102,6 @@ class ChunkCode:
     def builder(self, st: P.StatePlan) -> ChunkStage:
         """A builder for one class stage of a state, in kernel IR (codegen/chunk_stage.py)."""
         return ChunkStage(self, st)
-
-    def macros(self, unit: classes.TransitionClass):
-        """The unit's kernel macros (mixc/classes/<unit.template>) for this kernel's stage."""
-        return macros(unit, self.kernel_stage, self.reads_staged)
 
     def intra_slot(self) -> IntraSlot | None:
         """The place of the next staged intra-chunk matrix in p_intra's rows (index of count);

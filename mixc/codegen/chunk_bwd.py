@@ -5,7 +5,7 @@ the chunks from last to first, with dL/dS (a [key, value] matrix per state) in r
 2. the output's adjoint gives dR for every readout (codegen/adjoint.py on the combine);
 3. the matrix adjoints of the readouts and of the state update give dQ, dK, dV, db, dS0
    (per class, in matmuls: the unit's chunk_*_backward hooks, built as kernel IR in
-   mixc/classes/<class>.py or rendered from the *_backward macros of its <class>.j2);
+   mixc/classes/<class>.py);
 4. db becomes the per-token log-decay gradient by a reverse cumulative sum;
 5. dQ, dK, dV, dg go back through the spec's own expressions (adjoint.py again) to the
    inputs of the chunk's tokens, the params (summed) and the lets."""

@@ -3,9 +3,8 @@ one per stage, `<spec>_chunk_fwd_<stage>`, `<spec>_chunk_bwd_<stage>`) is a kir 
 program ids, sequence bounds, lanes and masks, params and grouped heads, chunk loop, checkpoint
 walk and constexpr switches are IR statements, and in the forward the states' loads and stores
 (initial, checkpoints, dense, final) and the inputs' loads too; what the hooks still render as
-text (the forward's chunk body with the class stages: chunk.py, the units' hooks, some built as
-IR and printed, some rendered from mixc/classes/*.j2; the
-backward's gradients and chunk: chunk_bwd.py) enters as Text statements where the templates
+text (the forward's chunk body with the class stages: chunk.py, the units' hooks, built as
+IR and printed into lines; the backward's gradients and chunk: chunk_bwd.py) enters as Text statements where the templates
 put it.
 
 The kernels are verified as built and printed by the one printer; the ast passes (key_split.py,

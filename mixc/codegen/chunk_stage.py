@@ -154,9 +154,9 @@ class ChunkStage:
 
     # ---- blocks shaped at run time like another (they follow a key split's block: kir.ZerosLike) ----
     @staticmethod
-    def zeros_like(x: Block) -> Block:
-        """tl.zeros(x.shape, dtype=tl.float32)."""
-        return Block(K.ZerosLike(x.e))
+    def zeros_like(x: Block, f32: bool = True) -> Block:
+        """tl.zeros(x.shape, dtype=tl.float32); f32 False: tl.zeros_like(x), x's dtype too."""
+        return Block(K.ZerosLike(x.e, f32))
 
     @staticmethod
     def row_index(index, like: Block) -> Block:

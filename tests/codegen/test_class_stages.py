@@ -104,13 +104,13 @@ def test_the_prefix_sums_readout_prints_the_triton_it_is():
 
 
 @pytest.mark.parametrize("spec", ["simple_gla", "mlstm", "hgrn", "linear_attn", "gla", "rwkv6", "gated_delta_rule",
-                                  "kda", "rwkv7"])
+                                  "kda", "rwkv7", "gated_delta_product", "mamba3"])
 def test_every_stage_of_a_class_built_as_ir_is_valid_triton(spec):
     """Each hook of the class (forward and backward) gives lines that parse as Python, named in
-    the generated kernel by the class's module, not a template."""
+    the generated kernel by the class's module (every class with chunked kernels builds them)."""
     src = pipeline.render(pipeline.compile(spec))
     unit = classes.unit(pipeline.compile(spec).states[0].transition)
-    assert unit.builds_stages and unit.template is None
+    assert unit.stages_file == type(unit).__module__.rpartition(".")[2] + ".py"
     for stage in ("readout", "advance", "readout_backward", "advance_backward") + (
             ("setup", "setup_backward") if unit.stages_solve else ()):
         assert f"{stage} (mixc/classes/{unit.stages_file})" in src
@@ -193,3 +193,16 @@ def test_the_staged_intra_matrix_is_stored_by_the_intra_kernel_and_loaded_by_the
     assert "_A = tl.load(_pA, mask=_mask__T[:, None], other=0.0).to(tl.float32)" in lines["output", True]
     assert not any("for _I" in x for x in lines["output", True])           # read, not computed
     assert any("for _I" in x for x in lines["output", False]) and not any("_pA" in x for x in lines["output", False])
+
+
+def test_no_class_is_left_without_its_stages():
+    """Every class with chunked kernels overrides the four stages (base.py has no default: the
+    Jinja macros that were the default are gone), and no class ships a template."""
+    from pathlib import Path
+    base = classes.base.TransitionClass
+    for unit in classes.CLASSES:
+        if unit.parallel_form != "chunk":
+            continue
+        for hook in ("chunk_readout", "chunk_advance", "chunk_readout_backward", "chunk_advance_backward"):
+            assert getattr(type(unit), hook) is not getattr(base, hook), (unit.name, hook)
+    assert not list(Path(classes.__file__).parent.glob("*.j2"))

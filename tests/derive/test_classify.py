@@ -42,7 +42,7 @@ EXPECTED = {
                        "-8*head*(1 - layer_idx/num_layers)/num_heads"),
     "kda": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
     "comba": (P.RANK1, ("chunk", "recurrent", "step"), False, "g"),
-    "gated_delta_product": (RANK_R, ("chunk", "recurrent", "step"), False, "g"),   # rank 2: rank_r.j2
+    "gated_delta_product": (RANK_R, ("chunk", "recurrent", "step"), False, "g"),   # rank 2: rank_r.py
     "titans": (SYSTEM, ("chunk", "recurrent", "step"), False, "log(eta)"),     # mom, mem: derive/coupled.py
 }
 

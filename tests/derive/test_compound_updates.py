@@ -48,7 +48,7 @@ def test_delta_product_is_rank_2(spec, l2norm):
     plan = mixc.load(spec).plan(use_qk_l2norm_in_kernel=l2norm)
     st = plan.states[0]
     assert plan.transition == st.transition == RANK_R
-    assert plan.forms == ("chunk", "recurrent", "step")   # the chunked kernels: rank_r.j2
+    assert plan.forms == ("chunk", "recurrent", "step")   # the chunked kernels: rank_r.py
     assert len(st.rank1) == 2 and all(r.over == ("K",) for r in st.rank1)
     k1, k2 = sp.symbols("k1 k2", real=True)
     want = [k1, k2] if not l2norm else None

@@ -1,4 +1,4 @@
-"""The rank-r class's chunked Triton kernels (mixc/classes/rank_r.j2: the generalized UT
+"""The rank-r class's chunked Triton kernels (mixc/classes/rank_r.py: the generalized UT
 transform, as r x r blocks of [C, C]) under Triton's interpreter against fla's DeltaProduct
 loop (tests/ops/test_reference_new_specs.py's gdp_loop, written from fla's naive reference, not
 from the spec), float64 inputs: the output, the final state and every gradient (the initial
@@ -75,7 +75,7 @@ def test_chunk_packed_sequences_match_separate_loops():
     assert_gradients_match("packed chunk", o, fin, o_l, fin_l, args, s0, tol=TOL)
 
 
-# DeltaProduct with a per-key decay (KDA's gate, two Householder steps): rank_r.j2's [C, C, K]
+# DeltaProduct with a per-key decay (KDA's gate, two Householder steps): rank_r.py's [C, C, K]
 # variant; the loop below is written from the recurrence, not from the spec
 PER_KEY = """mixer gdp_key
   dims   K, V

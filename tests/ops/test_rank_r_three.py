@@ -1,7 +1,7 @@
 """The rank-r class at r = 3 (issue 18: "r >= 3 is supported by the rank-r template but
 untested"): gated DeltaProduct with three Householder steps per token, written nested as the
 paper does (each step on the state the step before left), in the chunked Triton kernels
-(rank_r.j2) under the interpreter and in the torch backend's chunked form (rank_r.py),
+(rank_r.py) under the interpreter and in the torch backend's chunked form (rank_r.py),
 against a float64 loop with the semantics of fla's naive_recurrent_gated_delta_product
 (decay, then the steps in order): output, final state, every gradient and the initial
 state's; T = 40 over chunks of 16 (the last one partial), K = V = 16."""

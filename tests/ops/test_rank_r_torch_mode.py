@@ -41,7 +41,7 @@ def test_the_torch_chunked_form_serves_it(spec):
         st = plan.states[0]
         assert st.transition == "rank-r correction" and len(st.ir_pieces.terms) == 2
         assert len(st.ir_pieces.inputs) == 2                  # B_t: one outer product per Householder step
-        assert plan.layout.torch_chunked and plan.layout.chunked       # the kernels too (rank_r.j2)
+        assert plan.layout.torch_chunked and plan.layout.chunked       # the kernels too (rank_r.py)
         mod = load_module(plan)
         assert mod.TORCH_STATES["S"]["class"] == "rank-r correction" and mod.METADATA["torch_forward"]
         text = explain(plan)

@@ -338,8 +338,10 @@ class Template(Expr):
 
 @dataclass(frozen=True)
 class ZerosLike(Expr):
-    """tl.zeros(like.shape, dtype=tl.float32): zeros shaped as the block `like` (a name)."""
+    """tl.zeros(like.shape, dtype=tl.float32): zeros shaped as the block `like` (a name); with
+    f32 False, tl.zeros_like(like), in like's dtype too."""
     like: Name
+    f32: bool = True
 
     @property
     def dims(self) -> Dims:
@@ -478,8 +480,8 @@ class If(Stmt):
 @dataclass(frozen=True)
 class Text(Stmt):
     """Lines of Triton made outside the IR, indented relative to where the Text stands: what
-    the chunked kernels' hooks and class macros still render as text (codegen/chunk_ir.py)
-    until they are builders of IR. `what` names them (errors, --dump kir). The verifier does
+    the chunked kernels' chunk body still is (codegen/chunk_ir.py: the class stages are IR
+    printed into its lines) until it is IR itself. `what` names them (errors, --dump kir). The verifier does
     not look into them and what they define is not visible to the IR after them, so a kernel
     holding Text takes no passes (passes.run refuses it)."""
     lines: tuple[str, ...]
@@ -598,7 +600,9 @@ def dtype_of(e: Expr, names) -> str | None:
         return "f32"
     if isinstance(e, (Neg, Broadcast, Permute, Reduce, Trans, BroadcastTo, Gather, SubchunkSum)):
         return dtype_of(e.x, names)
-    if isinstance(e, (ZerosLike, Helper)):
+    if isinstance(e, ZerosLike):
+        return "f32" if e.f32 else dtype_of(e.like, names)
+    if isinstance(e, Helper):
         return "f32"
     if isinstance(e, Cast):
         return _CASTS.get(e.to.text) if isinstance(e.to, Const) else None

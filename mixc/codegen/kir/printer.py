@@ -96,6 +96,8 @@ def expr(e: n.Expr) -> str:
     if isinstance(e, n.Template):
         return e.text.format(**{k: _paren(v, ATOM) for k, v in e.args})
     if isinstance(e, n.ZerosLike):
+        if not e.f32:
+            return f"tl.zeros_like({expr(e.like)})"
         return f"tl.zeros({expr(e.like)}.shape, dtype=tl.float32)"
     if isinstance(e, n.BroadcastTo):
         return f"tl.broadcast_to({expr(e.x)}, {expr(e.like)}.shape)"
