@@ -149,6 +149,10 @@ def _pieces_of(plan: Plan, st) -> list | None:
     if any(_reads(x, {"state"}, prev=True) for x in parts):
         return None
     kd = set(st.key_dims)
+    # a projection the pieces do not hold (ir_pieces keeps one that contracts the key dims; the
+    # general class's sum(S, V) contracts a value dim and has no left there): printed as written
+    if any(set(r.over) != kd for r in st.rank1) or (st.rank1 and p.left is None and not unit.term_axes):
+        return None
     if unit.term_axes:
         if not p.inputs or any(set(r.shape) - kd for _, r in p.terms):
             return None

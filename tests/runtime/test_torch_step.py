@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mixc
+from mixc import pipeline
 from mixc.standalone.shift import Carry
 from mixc.runtime import torch_step as torch_step_rt
 from mixc.runtime.cache import load_module
@@ -334,3 +335,26 @@ def test_delta_rules_step_reads_the_decayed_state_once_as_written_by_hand(name):
     if name != "delta_rule":
         assert body[0].startswith("s_S.mul_("), src
     assert sum(".addcmul_(" in x for x in body) == 1, src
+
+
+VALUE_PROJECTIONS = ["S + sum(S, V) + v", "S + (v + sum((g + S), V))", "S + sum(S, V) + k * v"]
+
+
+@pytest.mark.parametrize("update", VALUE_PROJECTIONS, ids=["sum-V-plus-v", "sum-V-of-g-plus-S", "sum-V-plus-kv"])
+def test_a_projection_over_a_value_dim_is_kept_in_the_step_and_the_token_loop(update):
+    """The general class's sum(S, V) contracts a value dim: the step's pieces hold a projection
+    over the key dims only, and dropped this one (mode torch 194 off a reference of 195) or
+    failed to print it (the typed fuzzer's `-m slow` finds): the update is printed as written."""
+    text = (f"mixer m\n dims K, V\n input q[K], k[K], v[V], g[]\n state S[K, V]\n update S = {update}\n"
+            " output o = q @ S\n")
+    op = pipeline.from_text(text, "m.mix")
+    args, steps, sizes = _tokens(op, seed=11, dtype=torch.float64)
+    state = random_state(op.ir, B, H, sizes, seed=12)
+    ref, ref_final = op(**args, initial_state=state, mode="reference", output_final_state=True)
+    got, got_final = op(**args, initial_state=state, mode="torch", output_final_state=True)
+    _close(got, ref, f"{update}: output (mode torch)", rtol=1e-9, atol=1e-9)
+    _close(got_final["S"], ref_final["S"], f"{update}: final state (mode torch)", rtol=1e-9, atol=1e-9)
+    st = dict(state)
+    for t, one in enumerate(steps):
+        o, st = op.step(**one, state=st, mode="torch")
+        _close(o, ref[:, t], f"{update}: token {t} (op.step)", rtol=1e-9, atol=1e-9)
