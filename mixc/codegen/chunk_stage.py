@@ -22,6 +22,7 @@ from .kir import build as b
 from .kir import nodes as K
 from .kir import printer, verify
 from .kir.build import INF, Block
+from .kir.dtypes import dtype_of
 
 
 class ChunkStage:
@@ -99,7 +100,7 @@ class ChunkStage:
         if value.dims != want:
             raise verify.KirError(f"{x} = {printer.expr(value)[:80]}: a block [{', '.join(value.dims)}], "
                                   f"the stage makes [{', '.join(want)}]")
-        dtype = K.dtype_of(value, lambda n: self.made.get(n, self.free.get(n, (None, None)))[1]) or "f32"
+        dtype = dtype_of(value, lambda n: self.made.get(n, self.free.get(n, (None, None)))[1]) or "f32"
         self.stmts.append(b.let(x, value, dtype))
         self.made[x] = (value.dims, dtype)
         return Block(K.Name(x, value.dims))
@@ -119,7 +120,7 @@ class ChunkStage:
         inside the `with` are its body; yields the loop variable."""
         start, stop = b.lift(start), b.lift(stop)
         look = lambda n: self.made.get(n, self.free.get(n, (None, None)))[1]       # noqa: E731
-        self.made[var] = ((), K.dtype_of(K.BinOp("+", start, stop), look) or "i64")   # as the verifier types it
+        self.made[var] = ((), dtype_of(K.BinOp("+", start, stop), look) or "i64")   # as the verifier types it
         outer, self.stmts = self.stmts, []
         try:
             yield Block(K.Name(var))

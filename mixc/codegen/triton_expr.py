@@ -23,6 +23,7 @@ from ..dsl import ir, scalar
 from ..dsl.functions import FUNCTIONS
 from .kir import nodes as K
 from .kir import printer
+from .kir.dtypes import dtype_of
 
 
 def canon(order: tuple[str, ...], dims) -> tuple[str, ...]:
@@ -121,7 +122,7 @@ class Emitter:
         name = self.fresh()
         # a comparison (the run-time power's `b odd`, the adjoint's max/min pick) is i1; a name
         # from outside, a spec value, float32
-        dtype = K.dtype_of(value, lambda x: self.dtypes.get(x, "f32")) or "f32"
+        dtype = dtype_of(value, lambda x: self.dtypes.get(x, "f32")) or "f32"
         self.dtypes[name] = dtype
         let = K.Let(name, value, dims, dtype)
         self.stmts.append(let)

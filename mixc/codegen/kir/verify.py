@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from . import nodes as n
 from . import printer
+from .dtypes import dtype_of, promote
 
 
 class KirError(ValueError):
@@ -113,7 +114,7 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
         if isinstance(s, n.Let):
             if s.dtype not in n.DTYPES:
                 raise KirError(f"{where}: dtype {s.dtype!r} is none of {', '.join(n.DTYPES)}")
-            got = n.dtype_of(s.value, lambda x: scope.visible[x][1] if x in scope.visible else None)
+            got = dtype_of(s.value, lambda x: scope.visible[x][1] if x in scope.visible else None)
             if got is not None and got != s.dtype:
                 raise KirError(f"{where}: declared {s.dtype}, its value is {got}")
             if s.value.dims != s.dims:
@@ -142,7 +143,7 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
                 raise KirError(f"{where}: a loop's bounds must be scalars")
             inner = _Scope(dict(scope.visible), scope.closed, scope.constexprs)
             look = lambda x: scope.visible[x][1] if x in scope.visible else None     # noqa: E731
-            var_dtype = n.dtype_of(n.BinOp("+", s.start, s.stop), look) or "i64"
+            var_dtype = dtype_of(n.BinOp("+", s.start, s.stop), look) or "i64"
             if s.var not in inner.visible:
                 inner.visible[s.var] = ((), var_dtype)
             defined = _block(s.body, inner, f"the loop over {s.var}")
@@ -162,7 +163,7 @@ def _block(stmts, scope: _Scope, label: str) -> dict[str, tuple[n.Dims, str]]:
                         folded = isinstance(s.cond, n.Name) and s.cond.id in scope.constexprs
                         if not folded or then[name][0] != other[name][0]:
                             raise KirError(f"{where}: the branches define {name} with different dims or dtypes")
-                        both = (then[name][0], n.promote(then[name][1], other[name][1]))
+                        both = (then[name][0], promote(then[name][1], other[name][1]))
                     new[name] = both
                     scope.visible[name] = both
                 else:
