@@ -89,9 +89,7 @@ def expr(e: n.Expr) -> str:
         return f"{_paren(e.x, ATOM)}.to({expr(e.to)})"
     if isinstance(e, n.ElementType):
         return f"{expr(e.ptr)}.dtype.element_ty"
-    if isinstance(e, n.Call):
-        return f"{e.fn}({', '.join(expr(a) for a in e.args)})"
-    if isinstance(e, n.Helper):
+    if isinstance(e, (n.Call, n.Helper)):         # a tl function, or a helper of the module
         return f"{e.fn}({', '.join(expr(a) for a in e.args)})"
     if isinstance(e, n.Template):
         return e.text.format(**{k: _paren(v, ATOM) for k, v in e.args})
