@@ -247,6 +247,7 @@ class ChunkStage:
     # ---- the stage's text ----
     def lines(self) -> list[str]:
         """The statements, verified against the dims of what they read, printed at the chunk
-        loop's indent (no shape comments: the chunk body's ast passes read this text)."""
+        loop's indent, each block's shape in a comment after it (`# [_T, K]`: the ast passes that
+        split the chunk body cut its text by statement lines, so a line's comment goes with it)."""
         verify.verify_block(self.stmts, self.free)
-        return [line for s in self.stmts for line in printer.stmt(s, self.code.indent, comments=False)]
+        return [line for s in self.stmts for line in printer.stmt(s, self.code.indent)]

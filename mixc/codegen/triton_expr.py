@@ -10,8 +10,8 @@ name is used only behind a fixed prefix (v_q, p_q ...), so no spec text can shad
 anything; names were validated as plain identifiers by the checker.
 
 The Emitter builds kir Lets (`stmts`); its callers still speak (variable, dims) pairs, and
-`lines` is the Lets printed by kir's printer (without shape comments: the chunked kernels'
-passes compare that text). codegen/recurrent_ir.py takes `stmts` themselves.
+`lines` is the Lets printed by kir's printer, each with its shape comment (the chunked
+kernels' ast passes cut their text by statement lines, so a comment goes with its line). codegen/recurrent_ir.py takes `stmts` themselves.
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ class Emitter:
         self.dtypes[name] = dtype
         let = K.Let(name, value, dims, dtype)
         self.stmts.append(let)
-        self.lines.extend(printer.stmt(let, self.indent, comments=False))
+        self.lines.extend(printer.stmt(let, self.indent))      # with its shape comment
         return name, dims
 
     def mask(self, dims: tuple[str, ...]) -> str:

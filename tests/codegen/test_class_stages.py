@@ -67,6 +67,11 @@ def test_a_renamed_or_full_reduction_prints_with_its_operands_binding():
     assert b.sum(_blk("s", "K", "V")).dims == ()
 
 
+def _text(lines):
+    """The stage's lines without their indent and shape comments (`  # [_T, K]`)."""
+    return [x.split("  # ")[0].strip() for x in lines]
+
+
 def _code(spec):
     code = ChunkCode(pipeline.compile(spec))
     code.forward_body()             # names the chunk's per-state decay axes (g_axes)
@@ -79,7 +84,7 @@ def test_a_stage_is_verified_against_the_dims_of_what_it_reads():
     Q, V = k.block("_q", "i", "K"), k.block("_v", "i", "V")
     k.let("_x", k.dot(Q, k.state()), "i", "V")               # [i, K] @ [K, V]
     k.let("_y", V * k.block("_x", "i", "V"), "i", "V")
-    assert k.lines() == [f"{code.indent}_x = _mixc_dot(_q, s_S, DOT)", f"{code.indent}_y = _v * _x"]
+    assert k.lines() == [f"{code.indent}_x = _mixc_dot(_q, s_S, DOT)  # [_T, V]", f"{code.indent}_y = _v * _x  # [_T, V]"]
     k = code.builder(st)
     with pytest.raises(KirError, match=r"_x = _q\[:, :, None\] \+ _v\[:, None, :\]: a block \[_T, K, V\], "
                                        r"the stage makes \[_T, K\]"):
@@ -98,7 +103,7 @@ def test_a_stage_is_verified_against_the_dims_of_what_it_reads():
 def test_the_prefix_sums_readout_prints_the_triton_it_is():
     code, st = _code("linear_attn")
     lines = classes.unit(st.transition).chunk_readout(code, st, "_r", "_q", "_Kc_S", "_Vc_S", prev=True)
-    assert [x.strip() for x in lines] == [
+    assert _text(lines) == [
         "_A = tl.where(_offs__T[:, None] > _offs__T[None, :], _mixc_dot(_q, tl.trans(_Kc_S), DOT), 0.0)",
         "_r = _mixc_dot(_q, s_S, DOT) + _mixc_dot(_A, _Vc_S, DOT)"]
 
@@ -136,7 +141,7 @@ def test_a_loop_carries_a_sum_into_a_name_made_before_it():
     with k.loop("_I", 1, k.rows_block // 16, static=True) as I:
         lq = k.let("_lq", k.where((k.offs // 16).eq(I), Q, 0.0), "i", "K")
         k.acc(A, k.dot(lq, k.trans(k.at_keys(Q))))
-    assert [x.strip() for x in k.lines()] == [
+    assert _text(k.lines()) == [
         "_A = tl.zeros([_BLOCK__T, _BLOCK__T], dtype=tl.float32)",
         "for _I in tl.static_range(1, _BLOCK__T // 16):",
         "_lq = tl.where((_offs__T // 16 == _I)[:, None], _q, 0.0)",
@@ -165,7 +170,7 @@ def test_blocks_shaped_like_another_follow_its_shape_at_run_time():
     k.let("_z", k.zeros_like(Kc), "i", "K")
     k.let("_Vx", k.rows_at(V, above), "i", "V")
     k.let("_s", k.subchunk_sum(Kc * 2.0, Kc), "i", "K")
-    assert [x.strip() for x in k.lines()] == [
+    assert _text(k.lines()) == [
         "_z = tl.zeros(_k.shape, dtype=tl.float32)",
         "_Vx = tl.gather(_v, tl.broadcast_to(tl.maximum(_offs__T - 1, 0)[:, None], _v.shape), 0)",
         "_s = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(_k * 2.0, [_BLOCK__T // 16, 16, _k.shape[1]]), "
@@ -186,7 +191,7 @@ def test_the_staged_intra_matrix_is_stored_by_the_intra_kernel_and_loaded_by_the
         code = ChunkCode(plan, stage, staged)
         code.forward_body()
         code.staged = True
-        lines[stage, staged] = [x.strip() for x in unit.chunk_readout(code, st, "_r", "_q", "_k", "_v", prev=False)]
+        lines[stage, staged] = _text(unit.chunk_readout(code, st, "_r", "_q", "_k", "_v", prev=False))
     address = "_pA = p_intra + (_rows[:, None] * H + i_h) * _BLOCK__T + _offs__T[None, :]"
     assert address in lines["intra", False] and address in lines["output", True]
     assert "tl.store(_pA, _A.to(p_intra.dtype.element_ty), mask=_mask__T[:, None])" in lines["intra", False]

@@ -242,7 +242,7 @@ def test_the_emitter_builds_ir_and_its_lines_are_the_printed_ir():
     em(m.output.expr)
     assert em.stmts and all(isinstance(s, K.Let) for s in em.stmts)
     assert not any(isinstance(x, K.Raw) for s in em.stmts for x in K.walk(s.value))
-    assert em.lines == [line for s in em.stmts for line in printer.stmt(s, "  ", comments=False)]
+    assert em.lines == [line for s in em.stmts for line in printer.stmt(s, "  ")]     # with shape comments
     # mlstm's output max(|q . n|, 1): the adjoint's pick between the two is a comparison, i1
     from mixc.codegen.adjoint import Adjoint
     m = mixc.load("mlstm").plan().kernel_ir
