@@ -398,32 +398,34 @@ class ChunkCode:
         round differently, and exp(b_C - b_last) must be exactly 1.
 
         A scalar decay's b is also kept as a compensated sum (compensated, below)."""
-        n, I = st.name, I2
-        last = "_offs__T == _n_valid - 1" if g_is_vector(st) else "(_offs__T == _n_valid - 1)[:, None]"
-        bl = f"_bl_{n}" if g_is_vector(st) else f"_bl_{n}[None, :]"
-        zl = f"_zl_{n}" if g_is_vector(st) else f"_zl_{n}[None, :]"
+        n, k = st.name, self.builder(st)
+        ax = k.decay_axes()
+        g, last = k.block(g, "i", *ax), k.offs.eq(k.n_valid - 1)
+        r = k.let(f"_r_{n}", g.eq(-k.INF), "i", *ax)
+        z = f"_z_{n}"
         if self.compensated(st):
-            return [f"{I}_r_{n} = {g} == float('-inf')",
-                    f"{I}_g_{n} = tl.where(_r_{n}, 0.0, {g})",
-                    f"{I}_gh_{n} = (_g_{n} + 16384.0) - 16384.0    # g on a grid of 2**-10: hi's sums are exact",
-                    f"{I}_bh_{n} = tl.cumsum(_gh_{n}, axis=0)",
-                    f"{I}_bc_{n} = tl.cumsum(_g_{n} - _gh_{n}, axis=0)",
-                    f"{I}_b_{n} = _bh_{n} + _bc_{n}",
-                    f"{I}_z_{n} = tl.cumsum(tl.where(_r_{n}, 1.0, 0.0), axis=0)",
-                    f"{I}_bl_{n} = tl.sum(tl.where({last}, _bh_{n}, 0.0), axis=0)",
-                    f"{I}_blc_{n} = tl.sum(tl.where({last}, _bc_{n}, 0.0), axis=0)",
-                    f"{I}_zl_{n} = tl.sum(tl.where({last}, _z_{n}, 0.0), axis=0)",
-                    f"{I}_b0_{n} = tl.where(_z_{n} > 0, float('-inf'), _b_{n})",
-                    f"{I}_bl0_{n} = tl.where(_zl_{n} > 0, float('-inf'), _bl_{n} + _blc_{n})",
-                    f"{I}_kw_{n} = tl.where(_z_{n} < {zl}, float('-inf'), (_bl_{n} - _bh_{n}) + (_blc_{n} - _bc_{n}))"]
-        return [f"{I}_r_{n} = {g} == float('-inf')",
-                f"{I}_b_{n} = tl.cumsum(tl.where(_r_{n}, 0.0, {g}), axis=0)",
-                f"{I}_z_{n} = tl.cumsum(tl.where(_r_{n}, 1.0, 0.0), axis=0)",
-                f"{I}_bl_{n} = tl.sum(tl.where({last}, _b_{n}, 0.0), axis=0)",
-                f"{I}_zl_{n} = tl.sum(tl.where({last}, _z_{n}, 0.0), axis=0)",
-                f"{I}_b0_{n} = tl.where(_z_{n} > 0, float('-inf'), _b_{n})",
-                f"{I}_bl0_{n} = tl.where(_zl_{n} > 0, float('-inf'), _bl_{n})",
-                f"{I}_kw_{n} = tl.where(_z_{n} < {zl}, float('-inf'), {bl} - _b_{n})"]
+            g0 = k.let(f"_g_{n}", k.where(r, 0.0, g), "i", *ax)
+            # g on a grid of 2**-10: hi's sums are exact
+            gh = k.let(f"_gh_{n}", (g0 + 16384.0) - 16384.0, "i", *ax)
+            bh = k.let(f"_bh_{n}", k.cumsum(gh, "i"), "i", *ax)
+            bc = k.let(f"_bc_{n}", k.cumsum(g0 - gh, "i"), "i", *ax)
+            b = k.let(f"_b_{n}", bh + bc, "i", *ax)
+            z = k.let(z, k.cumsum(k.where(r, 1.0, 0.0), "i"), "i", *ax)
+            bl = k.let(f"_bl_{n}", k.sum(k.where(last, bh, 0.0), "i"), *ax)
+            blc = k.let(f"_blc_{n}", k.sum(k.where(last, bc, 0.0), "i"), *ax)
+            zl = k.let(f"_zl_{n}", k.sum(k.where(last, z, 0.0), "i"), *ax)
+            k.let(f"_b0_{n}", k.where(z > 0, -k.INF, b), "i", *ax)
+            k.let(f"_bl0_{n}", k.where(zl > 0, -k.INF, bl + blc), *ax)
+            k.let(f"_kw_{n}", k.where(z < zl, -k.INF, (bl - bh) + (blc - bc)), "i", *ax)
+            return k.lines()
+        b = k.let(f"_b_{n}", k.cumsum(k.where(r, 0.0, g), "i"), "i", *ax)
+        z = k.let(z, k.cumsum(k.where(r, 1.0, 0.0), "i"), "i", *ax)
+        bl = k.let(f"_bl_{n}", k.sum(k.where(last, b, 0.0), "i"), *ax)
+        zl = k.let(f"_zl_{n}", k.sum(k.where(last, z, 0.0), "i"), *ax)
+        k.let(f"_b0_{n}", k.where(z > 0, -k.INF, b), "i", *ax)
+        k.let(f"_bl0_{n}", k.where(zl > 0, -k.INF, bl), *ax)
+        k.let(f"_kw_{n}", k.where(z < zl, -k.INF, bl - b), "i", *ax)
+        return k.lines()
 
     def compensated(self, st: P.StatePlan) -> bool:
         """Whether b is kept as hi + lo (_bh_<S> + _bc_<S>) for its pair differences (a scalar
@@ -438,14 +440,6 @@ class ChunkCode:
         rounded adds (Triton sets no reassociation flag on fadd; the PTX keeps both): were it
         folded to g, lo would be 0 and hi the plain sum, as precise as before, no worse."""
         return classes.unit(st.transition).compensated_sum and not self.stabilized(st)
-
-    def pair_ok(self, st: P.StatePlan, zq: str) -> str:
-        """The [C, C] (or [C, C, dim]) mask of the pairs (query row i, key j) with no reset
-        between them: z at the query row's read (zq) equals z at the key."""
-        z = f"_z_{st.name}"
-        if g_is_vector(st):
-            return f"({zq}[:, None] == {z}[None, :])"
-        return f"({zq}[:, None, :] == {z}[None, :, :])"
 
     def _offsets(self, decl: tuple[str, ...], canonical: bool = False) -> str:
         """Offsets of a per-token block [C, *canonical dims] laid out in `decl` order."""
@@ -481,11 +475,12 @@ class ChunkCode:
                 f"{I2}_bp0 = tl.where(_zp > 0, float('-inf'), _bp)"], "_bp"
 
     def shifted(self, st: P.StatePlan, x: str, name: str) -> str:
-        """name = x one row down (x_{i-1}; 0 in row 0)."""
-        shift = "(_offs__T[:, None] - 1 == _offs__T[None, :])"
-        if g_is_vector(st):
-            return f"{I2}{name} = tl.sum(tl.where({shift}, {x}[None, :], 0.0), axis=1)"
-        return f"{I2}{name} = tl.sum(tl.where({shift}[:, :, None], {x}[None, :, :], 0.0), axis=1)"
+        """The line name = x one row down (x_{i-1}; 0 in row 0), x [C] or [C, the decay's axes]."""
+        k = self.builder(st)
+        ax = k.decay_axes()
+        k.let(name, k.sum(k.where((k.row_i - 1).eq(k.key_j), k.at_keys(k.block(x, "i", *ax)), 0.0), "j"), "i", *ax)
+        (line,) = k.lines()
+        return line
 
     def query_z(self, st: P.StatePlan, prev: bool) -> str:
         return "_zp" if prev else f"_z_{st.name}"

@@ -84,6 +84,10 @@ class ChunkStage:
         """The pairs (i, j) a readout reads: j < i where it reads S_{t-1} (prev), else j <= i."""
         return self.row_i > self.key_j if prev else self.row_i >= self.key_j
 
+    def cumsum(self, x, over: str) -> Block:
+        """tl.cumsum along the axis of that letter."""
+        return Block(K.Scan("tl.cumsum", b.lift(x), self.axes[over]))
+
     def sum(self, x, over: str | None = None) -> Block:
         """tl.sum over the axis of that letter (None: every axis)."""
         return b.sum(x, None if over is None else self.axes[over])

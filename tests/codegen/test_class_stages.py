@@ -211,3 +211,16 @@ def test_no_class_is_left_without_its_stages():
         for hook in ("chunk_readout", "chunk_advance", "chunk_readout_backward", "chunk_advance_backward"):
             assert getattr(type(unit), hook) is not getattr(base, hook), (unit.name, hook)
     assert not list(Path(classes.__file__).parent.glob("*.j2"))
+
+
+def test_the_cumulative_decay_is_built_as_ir_with_its_scan():
+    """ChunkCode's cumulative log decay (b, its resets z, the weights b0, bl0, kw) is built with
+    the stage builder: tl.cumsum is a Scan over the rows, verified like a reduction."""
+    code, st = _code("gla")
+    text = _text(code.cumulative_decay(st, "_gk"))
+    assert text[0] == "_r_S = _gk == float('-inf')"
+    assert "_bh_S = tl.cumsum(_gh_S, axis=0)" in text and text[-1].startswith("_kw_S = tl.where(_z_S < _zl_S[None, :]")
+    with pytest.raises(KirError, match=r"scans over V, not a dim of \[_T, K\]"):
+        verify_block([K.Let("_c", K.Scan("tl.cumsum", K.Name("_g", (I, "K")), "V"), (I, "K"))], {"_g": ((I, "K"), "f32")})
+    assert code.shifted(st, "_b_S", "_bx").split("  # ")[0].strip() == \
+        "_bx = tl.sum(tl.where((_offs__T[:, None] - 1 == _offs__T[None, :])[:, :, None], _b_S[None, :, :], 0.0), axis=1)"

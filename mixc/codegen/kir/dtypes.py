@@ -4,7 +4,7 @@ the builders declare it)."""
 from __future__ import annotations
 
 from .nodes import (Arange, BinOp, Broadcast, BroadcastTo, Cast, Call, COMPARISONS, Const, Dot, Expr, Gather,
-                    Helper, Name, Neg, Num, Permute, Reduce, SubchunkSum, TL, Template, Trans, Zeros, ZerosLike)
+                    Helper, Name, Neg, Num, Permute, Reduce, Scan, SubchunkSum, TL, Template, Trans, Zeros, ZerosLike)
 
 _ORDER = ("i1", "i32", "i64", "f32")            # Triton's promotion, narrowest first
 _CASTS = {"tl.float32": "f32", "tl.int64": "i64", "tl.int32": "i32", "tl.int1": "i1"}
@@ -39,7 +39,7 @@ def dtype_of(e: Expr, names) -> str | None:
         return "f32"
     if isinstance(e, Dot):
         return "f32"
-    if isinstance(e, (Neg, Broadcast, Permute, Reduce, Trans, BroadcastTo, Gather, SubchunkSum)):
+    if isinstance(e, (Neg, Broadcast, Permute, Reduce, Scan, Trans, BroadcastTo, Gather, SubchunkSum)):
         return dtype_of(e.x, names)
     if isinstance(e, ZerosLike):
         return "f32" if e.f32 else dtype_of(e.like, names)

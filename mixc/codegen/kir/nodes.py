@@ -216,6 +216,24 @@ class Reduce(Expr):
 
 
 @dataclass(frozen=True)
+class Scan(Expr):
+    """tl.cumsum of x along one named dim: the running sums, x's dims."""
+    fn: str
+    x: Expr
+    over: str
+
+    def __post_init__(self):
+        assert self.fn in ("tl.cumsum",), self.fn
+
+    @property
+    def dims(self) -> Dims:
+        return self.x.dims
+
+    def children(self):
+        return (self.x,)
+
+
+@dataclass(frozen=True)
 class Dot(Expr):
     """The matrix product a @ b at the kernel's DOT precision, _mixc_dot(a, b, DOT) (the
     chunked kernels' helper over tl.dot): a [m, c] and b [c, n] give [m, n]; c is contracted."""

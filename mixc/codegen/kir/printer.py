@@ -81,6 +81,8 @@ def expr(e: n.Expr) -> str:
         if e.over is None:
             return f"{e.fn}({expr(e.x)})"
         return f"{e.fn}({expr(e.x)}, axis={e.x.dims.index(e.over)})"
+    if isinstance(e, n.Scan):
+        return f"{e.fn}({expr(e.x)}, axis={e.x.dims.index(e.over)})"
     if isinstance(e, n.Dot):
         return f"_mixc_dot({expr(e.a)}, {expr(e.b)}, DOT)"
     if isinstance(e, n.Trans):

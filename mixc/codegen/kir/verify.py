@@ -66,6 +66,8 @@ def _check_expr(e: n.Expr, scope: _Scope, where: str) -> None:
         elif isinstance(x, n.Permute) and (len(x.frm) != len(x.x.dims) or sorted(x.frm) != sorted(x.to)):
             raise KirError(f"{where}: renames [{', '.join(x.x.dims)}] to [{', '.join(x.frm)}] "
                            f"and permutes them to [{', '.join(x.to)}]")
+        elif isinstance(x, n.Scan) and x.over not in x.x.dims:
+            raise KirError(f"{where}: scans over {x.over}, not a dim of [{', '.join(x.x.dims)}]")
         elif isinstance(x, n.Reduce) and x.over is not None and x.over not in x.x.dims:
             raise KirError(f"{where}: reduces over {x.over}, not a dim of [{', '.join(x.x.dims)}]")
         elif isinstance(x, n.Dot):
