@@ -77,11 +77,9 @@ def expr(e: n.Expr) -> str:
         if e.frm == e.to:
             return expr(e.x)
         return f"tl.permute({expr(e.x)}, {tuple(e.frm.index(d) for d in e.to)})"
-    if isinstance(e, n.Reduce):
+    if isinstance(e, (n.Reduce, n.Scan)):        # a reduction (over None: every dim), or a running sum
         if e.over is None:
             return f"{e.fn}({expr(e.x)})"
-        return f"{e.fn}({expr(e.x)}, axis={e.x.dims.index(e.over)})"
-    if isinstance(e, n.Scan):
         return f"{e.fn}({expr(e.x)}, axis={e.x.dims.index(e.over)})"
     if isinstance(e, n.Dot):
         return f"_mixc_dot({expr(e.a)}, {expr(e.b)}, DOT)"
