@@ -150,7 +150,8 @@ def scale_outside_values(plan) -> str | None:
         for t in r.terms_ir:
             extra = [d for d in (t.scale.shape if t.scale is not None else ()) if d not in values]
             if extra:
-                return (f"readout {r.name} scales its read of state {r.state} by a value over "
+                # named by the output (r.name is the plan's own _r<n>)
+                return (f"the output scales its read of state {r.state} by a value over "
                         f"{', '.join(extra)}, which {r.state} does not hold as a value dim")
     return None
 
